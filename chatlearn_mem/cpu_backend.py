@@ -1,0 +1,221 @@
+"""Run megatron-core's CUDA-only code paths on a CPU-only PyTorch build.
+
+megatron-core allocates with ``device=torch.cuda.current_device()``, moves tensors with
+``.cuda()``, checks ``tensor.type() == 'torch.cuda.BFloat16Tensor'``, creates CUDA streams and
+events, pins memory and seeds the CUDA generator. On a machine without a GPU none of that works.
+:func:`install` makes it work by
+
+* pushing a :class:`torch.overrides.TorchFunctionMode` that rewrites every CUDA device argument
+  (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``, a bare device index) to ``"cpu"``, turns
+  ``Tensor.cuda()`` into a no-op move, drops ``pin_memory=True`` and makes ``Tensor.type()`` report
+  the CUDA type names megatron's optimizers test for;
+* replacing the ``torch.cuda`` entry points megatron calls (``current_device``, ``synchronize``,
+  ``Stream``, ``Event``, RNG state, memory queries) with CPU stand-ins;
+* pointing megatron's CUDA RNG tracker (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``) at the
+  CPU default generator, so ``tracker.fork()`` really switches the stream CPU kernels draw from and
+  no closures pile up in torch's lazy CUDA call queue (a CPU build queues every
+  ``torch.cuda.manual_seed`` forever).
+
+gloo (torch >= 2.6) has every collective the distributed optimizer uses (all-reduce,
+reduce-scatter, all-gather into a tensor, bf16 included), so nothing is patched there.
+
+Limits: there are no streams (a stream is a no-op and every "async" op completes at once), no
+MoE all-to-all token dispatcher, no sequence parallel with the local layer spec, no fused kernels
+(apex, Transformer Engine, flash attention) and no CUDA graphs. Call :func:`install` once per
+process before building the model; it does nothing when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["install", "is_installed"]
+
+_lock = threading.Lock()
+_installed = False
+_mode: "_CudaToCpuMode | None" = None
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.int8: "torch.cuda.CharTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _map_device(device: Any) -> Any:
+    """Map a CUDA device spec (or a bare index, which torch reads as a CUDA index) to CPU."""
+    if _is_cuda_device(device) or (isinstance(device, int) and not isinstance(device, bool)):
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of every torch call to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0].clone()
+        if func is torch.Tensor.is_pinned:
+            return False
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros,
+                    torch.Tensor.new_full, torch.Tensor.new_ones, torch.Tensor.new_tensor):
+            args = tuple(torch.device("cpu") if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream``: every operation completes when issued."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _NullEvent:
+    """Stand-in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, i.e. this function again.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.get_rng_state = _get_rng_state
+    cuda.set_rng_state = _set_rng_state
+    cuda.manual_seed = _manual_seed
+    cuda.manual_seed_all = _manual_seed
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.random.get_rng_state = _get_rng_state
+    cuda.random.set_rng_state = _set_rng_state
+    cuda.random.manual_seed = _manual_seed
+    if not hasattr(cuda, "nvtx") or not hasattr(cuda.nvtx, "range_push"):
+        return
+    cuda.nvtx.range_push = lambda msg: 0
+    cuda.nvtx.range_pop = lambda: 0
+
+
+def _patch_megatron() -> None:
+    try:
+        from megatron.core.tensor_parallel import random as mcore_random
+    except ImportError:  # megatron-core is optional for the library's CPU-only users
+        return
+    mcore_random._get_cuda_rng_state = _get_rng_state
+    mcore_random._set_cuda_rng_state = _set_rng_state
+
+
+def install() -> bool:
+    """Make megatron-core's CUDA code paths run on CPU in this process.
+
+    Idempotent and thread-safe. Does nothing when CUDA is available.
+
+    Returns:
+        ``True`` when the CPU backend is active after the call, ``False`` when CUDA is available
+        and nothing was changed.
+    """
+    global _installed, _mode
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if _installed:
+            return True
+        _patch_torch_cuda()
+        _patch_megatron()
+        _mode = _CudaToCpuMode()
+        _mode.__enter__()  # stays pushed for the life of the process
+        _installed = True
+    return True
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` has activated the CPU backend in this process."""
+    return _installed

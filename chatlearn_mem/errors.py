@@ -1,0 +1,15 @@
+"""Exceptions raised by chatlearn-mem."""
+
+__all__ = ["ChatlearnMemError", "OffloadedError", "UnsupportedLayoutError"]
+
+
+class ChatlearnMemError(RuntimeError):
+    """Base class of the errors this library raises on purpose."""
+
+
+class OffloadedError(ChatlearnMemError):
+    """State needed by an operation is offloaded; the message names what to onload."""
+
+
+class UnsupportedLayoutError(ChatlearnMemError):
+    """The model, optimizer or megatron-core version is not one the manager can handle."""

@@ -1,0 +1,105 @@
+"""Offload and onload of a model without an optimizer (reference, reward, rollout policy)."""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Optional
+
+import torch
+
+from chatlearn_mem.audit import AuditReport
+from chatlearn_mem.config import MemoryConfig
+from chatlearn_mem.manager import MemoryManagerBase, serialized
+from chatlearn_mem.residency import Residency, measure
+from chatlearn_mem.storage import TransferStats, storage_key
+
+__all__ = ["InferenceMemoryManager"]
+
+
+class InferenceMemoryManager(MemoryManagerBase):
+    """Puts an ``nn.Module`` with no optimizer to sleep and wakes it up, bit-exactly.
+
+    Every parameter (any dtype, frozen or not) and buffer on the device is copied into a
+    bucketed host store and its storage released in place; onload grows the same storages back
+    and copies the bytes in, so tied weights and any other views survive.
+
+    How the manager knows the weights are unchanged: after an onload it records PyTorch's
+    version counter of every parameter and buffer (``tensor._version``). Every in-place write
+    through a tensor or a view of it (``param.copy_()`` under ``no_grad``,
+    ``load_state_dict()``, an optimizer step) increments it. If no counter moved since the
+    onload, the host copy is still exact and the next offload only releases device memory.
+    A write through ``param.data`` gets a fresh counter and is invisible: call
+    :meth:`mark_weights_dirty` after one, or set ``MemoryConfig(skip_unchanged_weights=False)``.
+
+    Args:
+        module: The model; its parameters and buffers on the device are managed.
+        config: Host store settings; defaults to ``MemoryConfig()``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: ``module`` has no parameters or buffers.
+    """
+
+    def __init__(self, module: torch.nn.Module, config: Optional[MemoryConfig] = None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        tensors = list(module.parameters()) + list(module.buffers())
+        if not tensors:
+            raise ValueError("the module has no parameters or buffers; nothing to manage")
+        super().__init__({"weights": True}, tensors[0].device, config)
+        self._module = module
+        self._tracked = {name: t for name, t in self._named_tensors()}
+        self._storage_of = {name: storage_key(t) for name, t in self._tracked.items()}
+        self._hook_handles.append(module.register_forward_pre_hook(self._before_forward))
+
+    def _named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        yield from self._module.named_parameters(remove_duplicate=False)
+        yield from self._module.named_buffers(remove_duplicate=False)
+
+    def _part_tensors(self, part: str) -> Iterable[torch.Tensor]:
+        if part != "weights":
+            raise ValueError(f"unknown part {part!r}; an inference model has only 'weights'")
+        return (t for _, t in self._named_tensors())
+
+    def _part_token(self, part: str) -> Optional[Hashable]:
+        return (self._dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
+
+    def _before_forward(self, module, args) -> None:
+        self._check_weights_resident("forward pass")
+
+    @serialized
+    def offload_weights(self) -> Optional[TransferStats]:
+        """Copy the weights to the host store (unless the copy there is current) and free them."""
+        stats = self._offload_part("weights")
+        self._empty_cache()
+        return stats
+
+    @serialized
+    def onload_weights(self) -> Optional[TransferStats]:
+        """Reallocate the weights on the device and copy them back from the host store."""
+        return self._onload_part("weights")
+
+    @serialized
+    def residency(self) -> Residency:
+        """Device bytes of the parameters and buffers (each storage once) and host store bytes."""
+        return measure({"weights": self._part_tensors("weights")}, self.device, self._host_bytes())
+
+    @serialized
+    def audit(self) -> AuditReport:
+        """Check that every parameter and buffer is the tensor the manager tracks, still uses the
+        storage it tracks, and is resident (or released) as the manager's state says."""
+        report = AuditReport()
+        current = dict(self._named_tensors())
+        for name, t in self._tracked.items():
+            report.checked += 1
+            now = current.get(name)
+            if now is None:
+                report.add(f"{name} is no longer in the module")
+            elif now is not t:
+                report.add(f"{name} was replaced by a new tensor; the manager offloads the old one")
+            elif storage_key(t) != self._storage_of[name]:
+                report.add(f"{name} .data was rebound to a new storage; the manager restores the old one")
+        for name in current.keys() - self._tracked.keys():
+            report.checked += 1
+            report.add(f"{name} was added after the manager was created and is not managed")
+        self._check_storage_state(report, "weights")
+        return report

@@ -1,0 +1,140 @@
+"""What the trainer and inference managers share: parts, their state machine, locking, guards."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from typing import Callable, Hashable, Iterable, Optional
+
+import torch
+
+from chatlearn_mem.config import MemoryConfig
+from chatlearn_mem.errors import OffloadedError
+from chatlearn_mem.storage import StorageGroup, TransferStats, unique_storages
+
+__all__ = ["MemoryManagerBase", "serialized"]
+
+
+def serialized(method: Callable) -> Callable:
+    """Run a public manager method under the manager's lock: concurrent calls queue, never interleave."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class MemoryManagerBase:
+    """Parts (named :class:`StorageGroup` s), their offload/onload with no-op warnings, and guards.
+
+    Subclasses say which tensors make up each part (:meth:`_part_tensors`) and which token
+    describes a part's current contents (:meth:`_part_token`).
+    """
+
+    def __init__(self, parts: dict[str, bool], device: torch.device, config: Optional[MemoryConfig]):
+        if config is not None and not isinstance(config, MemoryConfig):
+            raise TypeError(f"config must be a chatlearn_mem.MemoryConfig, got {type(config).__name__}")
+        self.config = config or MemoryConfig()
+        self.device = device
+        self._lock = threading.RLock()
+        self._groups = {name: StorageGroup(name, keep, self.config) for name, keep in parts.items()}
+        self._dirty_epoch = 0
+        self._hook_handles: list = []
+
+    # -- to be provided by subclasses -------------------------------------------------------
+    def _part_tensors(self, part: str) -> Iterable[torch.Tensor]:
+        raise NotImplementedError
+
+    def _part_token(self, part: str) -> Optional[Hashable]:
+        return None
+
+    # -- shared mechanics --------------------------------------------------------------------
+    def is_offloaded(self, part: str) -> bool:
+        """Whether ``part`` is currently offloaded (released from the device)."""
+        if part not in self._groups:
+            raise ValueError(f"unknown part {part!r}; parts are {sorted(self._groups)}")
+        return self._groups[part].offloaded
+
+    def _storages(self, part: str) -> list[torch.UntypedStorage]:
+        return unique_storages(self._part_tensors(part), self.device)
+
+    def _offload_part(self, part: str, storages: Optional[list] = None) -> Optional[TransferStats]:
+        group = self._groups[part]
+        if group.offloaded:
+            warnings.warn(f"{part} are already offloaded; nothing to do", stacklevel=3)
+            return None
+        storages = self._storages(part) if storages is None else storages
+        token = self._part_token(part) if self.config.skip_unchanged_weights else None
+        return group.offload(storages, token)
+
+    def _onload_part(self, part: str) -> Optional[TransferStats]:
+        group = self._groups[part]
+        if not group.offloaded:
+            warnings.warn(f"{part} are already on the device; nothing to do", stacklevel=3)
+            return None
+        stats = group.onload()
+        group.set_host_token(self._part_token(part))
+        return stats
+
+    def _empty_cache(self) -> None:
+        if self.config.empty_cache and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_weights_resident(self, what: str) -> None:
+        if self._groups["weights"].offloaded:
+            raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() "
+                                 "(or onload()) first")
+
+    def mark_weights_dirty(self) -> None:
+        """Declare that the weights changed in a way the manager cannot see.
+
+        Writes through ``param.data`` bypass PyTorch's version counter, which is how the manager
+        tells unchanged weights (see ``MemoryConfig.skip_unchanged_weights``); call this after
+        such a write so the next offload copies the weights again.
+        """
+        with self._lock:
+            self._dirty_epoch += 1
+
+    def close(self) -> None:
+        """Remove the hooks the manager registered. The manager must not be used afterwards."""
+        with self._lock:
+            for h in self._hook_handles:
+                h.remove()
+            self._hook_handles.clear()
+
+    def _host_bytes(self) -> dict[str, int]:
+        return {name: g.host_bytes for name, g in self._groups.items()}
+
+    def _check_storage_state(self, report, part: str) -> None:
+        """Offloaded parts hold no device bytes; resident parts hold every byte their tensors need."""
+        group = self._groups[part]
+        if group.offloaded:
+            for s, n in group.released:
+                report.checked += 1
+                if s.nbytes() != 0:
+                    report.add(f"{part}: a released storage of {n} bytes holds {s.nbytes()} bytes on "
+                               "the device although the part is offloaded")
+            released = {s._cdata for s, _ in group.released}
+            for s in self._storages(part):
+                report.checked += 1
+                if s.nbytes() and s._cdata not in released:
+                    report.add(f"{part}: a storage of {s.nbytes()} bytes is on the device although the "
+                               "part is offloaded (created after the offload?)")
+            return
+        for t in self._part_tensors(part):
+            if t is None or t.device != self.device:
+                continue
+            report.checked += 1
+            need = (t.storage_offset() + _extent(t)) * t.element_size()
+            if t.untyped_storage().nbytes() < need:
+                report.add(f"{part}: a tensor of shape {tuple(t.shape)} needs {need} bytes but its "
+                           f"storage holds {t.untyped_storage().nbytes()} (released and not restored)")
+
+
+def _extent(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))

@@ -1,0 +1,232 @@
+"""Everything chatlearn-mem knows about megatron-core's private structures, in one place.
+
+One function per question ("which buffers hold the params?", "which tensors are the fp32 main
+weights?"). The managers and the audit ask these functions and never spell a megatron attribute
+themselves, so supporting a new megatron-core release means changing this file only.
+
+Supported: megatron-core 0.13 to 0.16 (tested: 0.13.1, 0.14.0, 0.15.3, 0.16.1). Facts relied on,
+true for all of them:
+
+* ``DistributedDataParallel.buffers`` and ``.expert_parallel_buffers`` hold one
+  ``_ParamAndGradBuffer`` per (param dtype, grad dtype). ``grad_data`` is always allocated;
+  ``param_data`` only with the distributed optimizer. ``param_index_map[param]`` is
+  ``(start, end, bucket_id)`` in elements; ``param.data`` (when ``param_data`` exists) and
+  ``param.main_grad`` are views at ``start``.
+* Buckets hold ``param_data`` / ``grad_data`` views at ``bucket.offset``. Bucket groups (0.16)
+  cache shard views in ``cached_param_buffer_shard_list`` / ``cached_grad_buffer_shard_list``.
+* DDP registers one hook per trainable parameter on ``param.expand_as(param).grad_fn
+  .next_functions[0][0]`` and keeps the nodes in ``grad_accs``.
+* ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of ``DistributedOptimizer``,
+  ``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``; each wraps a torch optimizer in
+  ``.optimizer`` whose state is created lazily on the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from chatlearn_mem.errors import UnsupportedLayoutError
+
+__all__ = [
+    "SUPPORTED_VERSIONS", "BufferLayout", "ShardView", "check_supported_version", "ddp_chunks",
+    "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
+    "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
+    "expected_param_groups", "shard_views", "grad_holders", "megatron_core_version",
+]
+
+SUPPORTED_VERSIONS = ((0, 13), (0, 16))
+"""Inclusive (major, minor) range of megatron-core releases the manager supports."""
+_INSTALL_HINT = "pip install 'megatron-core>=0.13,<0.17'"
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core version string."""
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError as e:
+        raise UnsupportedLayoutError(f"megatron-core is not installed; install it with: {_INSTALL_HINT}") from e
+    return __version__
+
+
+def check_supported_version(version: Optional[str] = None) -> str:
+    """Raise :class:`UnsupportedLayoutError` unless megatron-core is in the supported range."""
+    version = version or megatron_core_version()
+    try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        major_minor = None
+    lo, hi = SUPPORTED_VERSIONS
+    if major_minor is None or not lo <= major_minor <= hi:
+        raise UnsupportedLayoutError(
+            f"megatron-core {version} is not supported: chatlearn-mem supports megatron-core "
+            f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (tested 0.13.1, 0.14.0, 0.15.3, 0.16.1). "
+            f"Install one with: {_INSTALL_HINT}")
+    return version
+
+
+def ddp_chunks(model: Any) -> list[torch.nn.Module]:
+    """The megatron DDP-wrapped model chunks of ``model`` (one chunk or a list of them)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("model must be a megatron DistributedDataParallel chunk or a non-empty list of them")
+    for i, c in enumerate(chunks):
+        if not (hasattr(c, "buffers") and hasattr(c, "grad_accs") and hasattr(c, "module")):
+            raise TypeError(
+                f"model chunk {i} is a {type(c).__name__}, not megatron.core.distributed."
+                "DistributedDataParallel; wrap it with DistributedDataParallel(config, ddp_config, module) "
+                "or use InferenceMemoryManager for a model without an optimizer")
+    return chunks
+
+
+@dataclass
+class BufferLayout:
+    """One ``_ParamAndGradBuffer`` of one chunk, as the audit and managers need it."""
+
+    label: str
+    param_data: Optional[torch.Tensor]
+    grad_data: torch.Tensor
+    param_offsets: dict  # param -> (start, end) in elements
+    buffer: Any
+
+
+def ddp_buffers(chunk: torch.nn.Module, chunk_index: int = 0) -> list[BufferLayout]:
+    """Every param-and-grad buffer of a DDP chunk, dense and expert-parallel."""
+    out = []
+    for kind in ("buffers", "expert_parallel_buffers"):
+        for i, buf in enumerate(getattr(chunk, kind, None) or []):
+            offsets = {p: (int(v[0]), int(v[1])) for p, v in buf.param_index_map.items()}
+            label = f"chunk{chunk_index}.{kind}[{i}]({_dtype_name(buf.param_dtype)}/{_dtype_name(buf.grad_dtype)})"
+            out.append(BufferLayout(label, buf.param_data, buf.grad_data, offsets, buf))
+    return out
+
+
+def bucket_views(buf: BufferLayout) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """``(label, view, base, element offset in base)`` of each bucket's param and grad views."""
+    out = []
+    for b in buf.buffer.buckets:
+        if b.param_data is not None and buf.param_data is not None:
+            out.append((f"{buf.label}.bucket{b.bucket_id}.param_data", b.param_data, buf.param_data, b.offset))
+        out.append((f"{buf.label}.bucket{b.bucket_id}.grad_data", b.grad_data, buf.grad_data, b.offset))
+    return out
+
+
+def bucket_groups(chunks: Iterable[torch.nn.Module], optimizer: Any = None) -> list[Any]:
+    """Bucket groups of the DDP chunks and the distributed optimizers' own copies of them."""
+    groups = []
+    for c in chunks:
+        groups += list(getattr(c, "bucket_groups", None) or [])
+        groups += list(getattr(c, "expert_parallel_bucket_groups", None) or [])
+    for leaf in leaf_optimizers(optimizer) if optimizer is not None else []:
+        for gs in (getattr(leaf, "per_model_bucket_groups", None) or {}).values():
+            groups += list(gs)
+    return groups
+
+
+def cached_shard_views(group: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(label, cached shard, bucket tensor it must view)`` for the cached shard lists (0.16)."""
+    out = []
+    for attr, kind in (("cached_param_buffer_shard_list", "param_data"),
+                       ("cached_grad_buffer_shard_list", "grad_data")):
+        for bucket, shards in zip(group.buckets, getattr(group, attr, None) or []):
+            for r, shard in enumerate(shards or []):
+                if shard is not None:
+                    out.append((f"bucket{bucket.bucket_id}.{attr}[{r}]", shard, getattr(bucket, kind)))
+    return out
+
+
+def pending_communication(group: Any) -> list[str]:
+    """Names of the asynchronous collectives a bucket group still has in flight."""
+    return [h for h in ("grad_reduce_handle", "param_gather_handle") if getattr(group, h, None) is not None]
+
+
+def module_buffers(chunk: torch.nn.Module) -> list[torch.Tensor]:
+    """Module buffers of a DDP chunk (DDP's own ``buffers`` attribute shadows ``Module.buffers``)."""
+    return list(torch.nn.Module.buffers(chunk.module))
+
+
+def grad_accumulators(chunk: torch.nn.Module) -> list[Any]:
+    """The grad-accumulator nodes DDP registered its backward hooks on."""
+    return list(chunk.grad_accs)
+
+
+def grad_accumulator(param: torch.Tensor) -> Any:
+    """The live grad-accumulator node of a leaf parameter (the node DDP hooks)."""
+    return param.expand_as(param).grad_fn.next_functions[0][0]
+
+
+def leaf_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron optimizers inside ``optimizer``, with ChainedOptimizers flattened."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return [leaf for o in optimizer.chained_optimizers for leaf in leaf_optimizers(o)]
+    if not hasattr(optimizer, "optimizer") or not isinstance(optimizer.optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__}, not a megatron-core optimizer; build it with "
+            "megatron.core.optimizer.get_megatron_optimizer(config, model_chunks)")
+    return [optimizer]
+
+
+def torch_optimizer(leaf: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a megatron optimizer steps (holds ``param_groups`` and ``state``)."""
+    return leaf.optimizer
+
+
+def main_weights(leaf: Any) -> list[torch.Tensor]:
+    """The fp32 main weights a megatron optimizer keeps beside 16-bit model params."""
+    groups = getattr(leaf, "shard_fp32_from_float16_groups", None)  # DistributedOptimizer
+    if groups is None:
+        groups = getattr(leaf, "fp32_from_float16_groups", None)  # Float16OptimizerWithFloat16Params
+    return [t for g in groups or [] for t in g]
+
+
+def expected_param_groups(leaf: Any) -> Optional[list[list[torch.Tensor]]]:
+    """The tensors each torch ``param_group`` must hold, group by group (None: model params)."""
+    if hasattr(leaf, "shard_fp32_from_float16_groups"):
+        return [list(a) + list(b) for a, b in zip(leaf.shard_fp32_groups, leaf.shard_fp32_from_float16_groups)]
+    if hasattr(leaf, "fp32_from_float16_groups"):
+        return [list(a) + list(b) for a, b in zip(leaf.fp32_from_fp32_groups, leaf.fp32_from_float16_groups)]
+    return None
+
+
+@dataclass
+class ShardView:
+    """A distributed-optimizer shard that must view a model param at a fixed range."""
+
+    label: str
+    shard: torch.Tensor
+    param: torch.Tensor
+    start: int  # element offset inside the flattened param
+    numel: int
+
+
+def shard_views(leaf: Any) -> list[ShardView]:
+    """Every shard tensor of a DistributedOptimizer that views a model param (empty otherwise)."""
+    if not hasattr(leaf, "shard_float16_groups"):
+        return []
+    out = []
+    for kind, model_groups, shard_groups in (
+            ("shard_float16_groups", leaf.model_float16_groups, leaf.shard_float16_groups),
+            ("shard_fp32_groups", leaf.model_fp32_groups, leaf.shard_fp32_groups)):
+        for gi, (params, shards) in enumerate(zip(model_groups, shard_groups)):
+            for pi, (param, shard) in enumerate(zip(params, shards)):
+                gbuf_index, dtype, bucket_index = leaf.model_param_gbuf_map[param]
+                rng = leaf.gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][param]["param"]
+                out.append(ShardView(f"{kind}[{gi}][{pi}]", shard, param, int(rng.start), int(rng.size)))
+    return out
+
+
+def grad_holders(leaf: Any) -> list[torch.Tensor]:
+    """Tensors whose ``.grad`` the optimizer fills from ``main_grad`` before each step."""
+    out: list[torch.Tensor] = []
+    for attr in ("shard_fp32_groups", "shard_fp32_from_float16_groups", "shard_float16_groups",
+                 "fp32_from_float16_groups", "fp32_from_fp32_groups", "float16_groups"):
+        out += [t for g in getattr(leaf, attr, None) or [] for t in g]
+    for group in torch_optimizer(leaf).param_groups:
+        out += list(group["params"])
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

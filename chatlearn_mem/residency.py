@@ -1,0 +1,56 @@
+"""Residency reports: how many bytes a manager's model holds on the device and on the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+__all__ = ["Residency", "measure"]
+
+CATEGORIES = ("weights", "grads", "main_weights", "optimizer_states", "other")
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Bytes held by a model and its optimizer.
+
+    Attributes:
+        device_bytes: Device memory held by the tracked tensors, each storage counted once. On a
+            CPU-only machine "device" means the memory the model computes with.
+        host_bytes: Host memory held by the manager's store of offloaded state.
+        by_category: Device bytes per category (weights, grads, main_weights,
+            optimizer_states, other).
+        host_by_category: Host bytes per category.
+    """
+
+    device_bytes: int
+    host_bytes: int
+    by_category: dict = field(default_factory=dict)
+    host_by_category: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k}={v / 2**20:.2f}" for k, v in self.by_category.items())
+        return (f"device {self.device_bytes / 2**20:.2f} MiB ({parts}), "
+                f"host store {self.host_bytes / 2**20:.2f} MiB")
+
+
+def measure(tensors_by_category: Mapping[str, Iterable[torch.Tensor]], device: torch.device,
+            host_by_category: Mapping[str, int]) -> Residency:
+    """Sum storage bytes on ``device`` per category; a storage goes to the first category listing it."""
+    seen: set[int] = set()
+    by_category = {}
+    for category, tensors in tensors_by_category.items():
+        total = 0
+        for t in tensors:
+            if t is None or t.device != device:
+                continue
+            s = t.untyped_storage()
+            if s._cdata in seen:
+                continue
+            seen.add(s._cdata)
+            total += s.nbytes()
+        by_category[category] = total
+    host = dict(host_by_category)
+    return Residency(sum(by_category.values()), sum(host.values()), by_category, host)

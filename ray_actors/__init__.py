@@ -1,0 +1,1 @@
+"""Ray actors built on chatlearn_mem (see the Ray actors issue)."""
