@@ -70,6 +70,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._steps = 0
         self._forward_since_step = False
         self._check_layout()
+        self._param_storages = {p: storage_key(p) for p in self._names}
         for c in self._chunks:
             for m in (c, c.module):
                 self._hook_handles.append(m.register_forward_pre_hook(self._before_forward))
@@ -110,9 +111,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _stale_grads(self) -> Iterable[torch.Tensor]:
         """``.grad`` tensors the optimizers derived from ``main_grad`` (recreated every step)."""
         for leaf in self._leaves:
-            for t in layout.grad_holders(leaf):
-                if t.grad is not None:
-                    yield t.grad
+            yield from layout.derived_grads(leaf)
         for c in self._chunks:
             for p in c.parameters():
                 if p.grad is not None:
@@ -175,6 +174,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         """Copy the weights to the host store (unless the copy there is current) and free them."""
         self._check_no_pending_communication("offload weights")
         stats = self._offload_part("weights")
+        self._param_storages = {p: storage_key(p) for p in self._names}
         self._empty_cache()
         return stats
 
@@ -269,6 +269,8 @@ class TrainerMemoryManager(MemoryManagerBase):
             if p == "grads":
                 self._drop_stale_grads()
             out.append(self._offload_part(p, storages[p]))
+        if "weights" in todo:
+            self._param_storages = {p: storage_key(p) for p in self._names}
         self._empty_cache()
         return out
 
@@ -330,18 +332,22 @@ class TrainerMemoryManager(MemoryManagerBase):
         # The same as megatron's optimizer.zero_grad(set_to_none=True): these are derived from
         # main_grad (or alias it) and are recreated by the next step's prepare_grads().
         for leaf in self._leaves:
-            for t in layout.grad_holders(leaf):
-                t.grad = None
+            layout.clear_derived_grads(leaf)
         for c in self._chunks:
             for p in c.parameters():
                 p.grad = None
 
     def _audit_buffers(self, report: AuditReport) -> None:
+        for p, name in self._names.items():
+            report.checked += 1
+            if storage_key(p) != self._param_storages[p]:
+                report.add(f"param {name} .data was rebound to a new tensor since the manager last "
+                           "offloaded it; the manager would restore the old storage")
         for b in self._buffers:
             for p, (start, end) in b.param_offsets.items():
                 name = self._names.get(p, "<a parameter not in the model>")
                 if b.param_data is not None:
-                    check_view(report, f"param {name} .data", p.data, b.param_data, start, end - start,
+                    check_view(report, f"param {name} .data", p, b.param_data, start, end - start,
                                f"{b.label}.param_data")
                 check_view(report, f"param {name} .main_grad", getattr(p, "main_grad", None),
                            b.grad_data, start, end - start, f"{b.label}.grad_data")
@@ -363,7 +369,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             prefix = f"optimizer[{li}]({type(leaf).__name__})"
             for sv in layout.shard_views(leaf):
                 pname = self._names.get(sv.param, "?")
-                check_view(report, f"{prefix}.{sv.label} (param {pname})", sv.shard, sv.param.data,
+                check_view(report, f"{prefix}.{sv.label} (param {pname})", sv.shard, sv.param,
                            sv.start, sv.numel, f"param {pname}")
             opt = layout.torch_optimizer(leaf)
             expected = layout.expected_param_groups(leaf)

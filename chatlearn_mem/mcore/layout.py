@@ -23,6 +23,7 @@ true for all of them:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -34,7 +35,7 @@ __all__ = [
     "SUPPORTED_VERSIONS", "BufferLayout", "ShardView", "check_supported_version", "ddp_chunks",
     "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
-    "expected_param_groups", "shard_views", "grad_holders", "megatron_core_version",
+    "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 16))
@@ -153,8 +154,14 @@ def grad_accumulators(chunk: torch.nn.Module) -> list[Any]:
 
 
 def grad_accumulator(param: torch.Tensor) -> Any:
-    """The live grad-accumulator node of a leaf parameter (the node DDP hooks)."""
-    return param.expand_as(param).grad_fn.next_functions[0][0]
+    """The live grad-accumulator node of a leaf parameter (the node DDP hooks).
+
+    The same node as DDP's ``param.expand_as(param).grad_fn.next_functions[0][0]``, found without
+    creating a view, which would fail while the parameter's storage is released.
+    """
+    from torch.autograd.graph import get_gradient_edge
+
+    return get_gradient_edge(param).node
 
 
 def leaf_optimizers(optimizer: Any) -> list[Any]:
@@ -217,8 +224,20 @@ def shard_views(leaf: Any) -> list[ShardView]:
     return out
 
 
-def grad_holders(leaf: Any) -> list[torch.Tensor]:
-    """Tensors whose ``.grad`` the optimizer fills from ``main_grad`` before each step."""
+def derived_grads(leaf: Any) -> list[torch.Tensor]:
+    """The ``.grad`` tensors the optimizer derived from ``main_grad`` (set before each step)."""
+    with warnings.catch_warnings():  # fp32 shards are non-leaf views; reading .grad warns
+        warnings.simplefilter("ignore")
+        return [t.grad for t in _grad_holders(leaf) if t.grad is not None]
+
+
+def clear_derived_grads(leaf: Any) -> None:
+    """Drop them, as ``optimizer.zero_grad(set_to_none=True)`` does; the next step recreates them."""
+    for t in _grad_holders(leaf):
+        t.grad = None
+
+
+def _grad_holders(leaf: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for attr in ("shard_fp32_groups", "shard_fp32_from_float16_groups", "shard_float16_groups",
                  "fp32_from_float16_groups", "fp32_from_fp32_groups", "float16_groups"):

@@ -1,0 +1,39 @@
+"""Shared fixtures: one world-size-1 gloo process group per test session."""
+
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # for the _trainer_runs helpers, in workers too
+
+
+@pytest.fixture(scope="session")
+def dist1(tmp_path_factory):
+    """megatron-core initialised for one rank (gloo on CPU)."""
+    from chatlearn_mem import gpt
+
+    init_file = tmp_path_factory.mktemp("dist") / "init"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt.init_distributed(init_method=f"file://{init_file}")
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("CI", "").lower() == "true":
+        skip = pytest.mark.skip(reason="slow test; skipped when CI=true")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError:
+        __version__ = "not installed"
+    import torch
+
+    return f"megatron-core {__version__}, torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
