@@ -19,6 +19,9 @@ events, pins memory and seeds the CUDA generator. On a machine without a GPU non
 gloo (torch >= 2.6) has every collective the distributed optimizer uses (all-reduce,
 reduce-scatter, all-gather into a tensor, bf16 included), so nothing is patched there.
 
+The mode is active on the thread that called :func:`install` and on every thread started after
+it; threads already running at that moment do not see it.
+
 Limits: there are no streams (a stream is a no-op and every "async" op completes at once), no
 MoE all-to-all token dispatcher, no sequence parallel with the local layer spec, no fused kernels
 (apex, Transformer Engine, flash attention) and no CUDA graphs. Call :func:`install` once per
@@ -87,8 +90,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
             if name is not None:
                 return name
-        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros,
-                    torch.Tensor.new_full, torch.Tensor.new_ones, torch.Tensor.new_tensor):
+        if func is torch.Tensor.to:  # t.to(0) means cuda:0 (a dtype is never an int)
+            args = args[:1] + tuple(_map_device(a) for a in args[1:])
+        elif func in (torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_full,
+                      torch.Tensor.new_ones, torch.Tensor.new_tensor):
             args = tuple(torch.device("cpu") if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)
 
@@ -193,6 +198,18 @@ def _patch_megatron() -> None:
     mcore_random._set_cuda_rng_state = _set_rng_state
 
 
+def _enter_mode_in_new_threads() -> None:
+    # Torch function modes are per thread; a manager may be called from a thread pool (a Ray
+    # actor with concurrency > 1), so every thread started from now on runs under the mode too.
+    original_run = threading.Thread.run
+
+    def run(self):
+        with _CudaToCpuMode():
+            original_run(self)
+
+    threading.Thread.run = run
+
+
 def install() -> bool:
     """Make megatron-core's CUDA code paths run on CPU in this process.
 
@@ -211,7 +228,8 @@ def install() -> bool:
         _patch_torch_cuda()
         _patch_megatron()
         _mode = _CudaToCpuMode()
-        _mode.__enter__()  # stays pushed for the life of the process
+        _mode.__enter__()  # stays pushed for the life of the process, on this thread
+        _enter_mode_in_new_threads()
         _installed = True
     return True
 

@@ -67,18 +67,6 @@ class InferenceMemoryManager(MemoryManagerBase):
         self._check_weights_resident("forward pass")
 
     @serialized
-    def offload_weights(self) -> Optional[TransferStats]:
-        """Copy the weights to the host store (unless the copy there is current) and free them."""
-        stats = self._offload_part("weights")
-        self._empty_cache()
-        return stats
-
-    @serialized
-    def onload_weights(self) -> Optional[TransferStats]:
-        """Reallocate the weights on the device and copy them back from the host store."""
-        return self._onload_part("weights")
-
-    @serialized
     def residency(self) -> Residency:
         """Device bytes of the parameters and buffers (each storage once) and host store bytes."""
         return measure({"weights": self._part_tensors("weights")}, self.device, self._host_bytes())

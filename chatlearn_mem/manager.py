@@ -79,6 +79,25 @@ class MemoryManagerBase:
         group.set_host_token(self._part_token(part))
         return stats
 
+    def _before_offload(self, part: str) -> None:
+        """Refuse an offload that is unsafe now (subclasses); called before anything changes."""
+
+    def _offload_one(self, part: str) -> Optional[TransferStats]:
+        self._before_offload(part)
+        stats = self._offload_part(part)
+        self._empty_cache()
+        return stats
+
+    @serialized
+    def offload_weights(self) -> Optional[TransferStats]:
+        """Copy the weights to the host store (unless the copy there is current) and free them."""
+        return self._offload_one("weights")
+
+    @serialized
+    def onload_weights(self) -> Optional[TransferStats]:
+        """Reallocate the weights on the device and copy them back from the host store."""
+        return self._onload_part("weights")
+
     def _empty_cache(self) -> None:
         if self.config.empty_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -160,6 +160,10 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._steps += 1
         self._forward_since_step = False
 
+    def _before_offload(self, part: str) -> None:
+        if part == "weights":
+            self._check_no_pending_communication("offload weights")
+
     def _check_no_pending_communication(self, what: str) -> None:
         for g in layout.bucket_groups(self._chunks, self._optimizer):
             pending = layout.pending_communication(g)
@@ -168,21 +172,13 @@ class TrainerMemoryManager(MemoryManagerBase):
                     f"cannot {what}: a bucket group still has {', '.join(pending)} in flight; call "
                     "model.finish_grad_sync() (and let the param all-gather finish) first")
 
-    # -- public API ----------------------------------------------------------------------------
-    @serialized
-    def offload_weights(self) -> Optional[TransferStats]:
-        """Copy the weights to the host store (unless the copy there is current) and free them."""
-        self._check_no_pending_communication("offload weights")
-        stats = self._offload_part("weights")
-        self._param_storages = {p: storage_key(p) for p in self._names}
-        self._empty_cache()
+    def _offload_part(self, part: str, storages: Optional[list] = None) -> Optional[TransferStats]:
+        stats = super()._offload_part(part, storages)
+        if part == "weights" and stats is not None:  # the storages the audit expects from now on
+            self._param_storages = {p: storage_key(p) for p in self._names}
         return stats
 
-    @serialized
-    def onload_weights(self) -> Optional[TransferStats]:
-        """Reallocate the weights on the device and copy them back from the host store."""
-        return self._onload_part("weights")
-
+    # -- public API ----------------------------------------------------------------------------
     @serialized
     def free_grad_buffers(self, force: bool = False) -> Optional[TransferStats]:
         """Release the grad buffers without copying them.
@@ -213,9 +209,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     @serialized
     def offload_main_weights(self) -> Optional[TransferStats]:
         """Copy the optimizers' fp32 main weights to the host store and free them."""
-        stats = self._offload_part("main_weights")
-        self._empty_cache()
-        return stats
+        return self._offload_one("main_weights")
 
     @serialized
     def onload_main_weights(self) -> Optional[TransferStats]:
@@ -225,9 +219,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     @serialized
     def offload_optimizer_states(self) -> Optional[TransferStats]:
         """Copy the optimizer state tensors into flat host buckets and free them."""
-        stats = self._offload_part("optimizer_states")
-        self._empty_cache()
-        return stats
+        return self._offload_one("optimizer_states")
 
     @serialized
     def onload_optimizer_states(self) -> Optional[TransferStats]:
@@ -269,8 +261,6 @@ class TrainerMemoryManager(MemoryManagerBase):
             if p == "grads":
                 self._drop_stale_grads()
             out.append(self._offload_part(p, storages[p]))
-        if "weights" in todo:
-            self._param_storages = {p: storage_key(p) for p in self._names}
         self._empty_cache()
         return out
 

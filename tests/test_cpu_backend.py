@@ -1,0 +1,161 @@
+"""Tests of the CPU backend: CUDA device arguments, torch.cuda stand-ins and RNG on a CPU build.
+
+``install()`` is process-global and permanent; every test here installs it (idempotently).
+"""
+
+import threading
+
+import pytest
+import torch
+
+from chatlearn_mem import cpu_backend
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is for CPU-only builds")
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    assert cpu_backend.install() is True
+    assert cpu_backend.is_installed()
+
+
+def test_install_is_idempotent():
+    assert cpu_backend.install() is True
+    assert cpu_backend.install() is True
+    assert torch.empty(1, device="cuda").device.type == "cpu"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(3, device="cuda"),
+    lambda: torch.zeros(2, device=torch.cuda.current_device()),
+    lambda: torch.ones(2, device="cuda:0"),
+    lambda: torch.empty(2, device=torch.device("cuda", 0)),
+    lambda: torch.ones(2).cuda(),
+    lambda: torch.ones(2).cuda(torch.cuda.current_device()),
+    lambda: torch.ones(2).to("cuda"),
+    lambda: torch.ones(2).to(device=torch.cuda.current_device()),
+    lambda: torch.ones(2).new_zeros(3, device="cuda"),
+], ids=["empty-str", "zeros-index", "ones-cuda0", "empty-device", "cuda()", "cuda(index)",
+        "to-str", "to-index-kw", "new_zeros"])
+def test_cuda_device_arguments_give_cpu_tensors(make):
+    t = make()
+    assert t.device.type == "cpu"
+
+
+def test_to_positional_device_index():
+    # regression: a positional index (cuda:N) used to reach torch and fail on a CPU build
+    assert torch.ones(2).to(torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_values_survive_cuda_moves():
+    t = torch.arange(5, dtype=torch.float32)
+    assert torch.equal(t.cuda(), t)
+    assert torch.equal(t.to("cuda", torch.float16), t.half())
+
+
+def test_pin_memory_is_dropped():
+    t = torch.empty(2, pin_memory=True)
+    assert t.device.type == "cpu" and not t.is_pinned()
+    src = torch.arange(4.0)
+    pinned = src.pin_memory()
+    assert torch.equal(pinned, src)
+    assert pinned.data_ptr() != src.data_ptr()
+
+
+@pytest.mark.parametrize("dtype, name", [
+    (torch.bfloat16, "torch.cuda.BFloat16Tensor"),
+    (torch.float32, "torch.cuda.FloatTensor"),
+    (torch.float16, "torch.cuda.HalfTensor"),
+    (torch.int64, "torch.cuda.LongTensor"),
+])
+def test_type_reports_cuda_names(dtype, name):
+    assert torch.ones(2, dtype=dtype).type() == name
+
+
+def test_type_with_dtype_still_converts():
+    t = torch.tensor([1.5, -2.25])
+    out = t.type(torch.float64)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, torch.tensor([1.5, -2.25], dtype=torch.float64))
+
+
+def test_streams_and_events_are_no_ops():
+    s = torch.cuda.Stream()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    s.wait_event(e)
+    s.wait_stream(torch.cuda.current_stream())
+    assert s.record_event() is not None
+    e.synchronize()
+    assert e.query() and s.query()
+    assert e.elapsed_time(torch.cuda.Event()) == 0.0
+    t = torch.ones(3)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        t = t * 2
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.full((3,), 2.0))
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.memory_allocated() == 0
+
+
+def test_cuda_seed_seeds_the_cpu_generator():
+    torch.manual_seed(5)
+    expected = torch.get_rng_state()
+    torch.manual_seed(11)
+    torch.cuda.manual_seed(5)
+    assert torch.equal(torch.cuda.get_rng_state(), expected)
+    state = torch.cuda.get_rng_state()
+    a = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4), a)
+
+
+def test_seeding_does_not_grow_lazy_call_queue():
+    before = len(torch.cuda._queued_calls)
+    for i in range(1000):
+        torch.cuda.manual_seed(i)
+        torch.cuda.manual_seed_all(i)
+        torch.manual_seed(i)
+    assert len(torch.cuda._queued_calls) == before
+
+
+def test_megatron_tracker_fork_uses_seeded_stream():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    torch.manual_seed(7)
+    expected_fork = torch.rand(3)
+    torch.manual_seed(123)
+    torch.rand(2)
+    expected_after = torch.rand(3)
+
+    torch.manual_seed(123)
+    tracker = CudaRNGStatesTracker()
+    tracker.add("a", 7)
+    torch.rand(2)
+    with tracker.fork("a"):
+        drawn = torch.rand(3)
+    after = torch.rand(3)
+    assert torch.equal(drawn, expected_fork)
+    assert torch.equal(after, expected_after)
+    # A second fork continues the tracked stream where the first left off.
+    torch.manual_seed(7)
+    torch.rand(3)
+    expected_next = torch.rand(3)
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_cuda_device_arguments_work_in_other_threads():
+    # regression: the mode used to be active on the installing thread only
+    result = {}
+
+    def worker():
+        try:
+            result["device"] = torch.empty(3, device="cuda").device.type
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(timeout=10)
+    assert result == {"device": "cpu"}

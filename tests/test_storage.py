@@ -1,0 +1,284 @@
+"""Tests of StorageGroup on CPU tensors: in-place release/restore, host-copy tokens, failures."""
+
+import pytest
+import torch
+
+import chatlearn_mem.host_store as host_store_mod
+import chatlearn_mem.storage as storage_mod
+from chatlearn_mem import MemoryConfig, TransferStats
+from chatlearn_mem.storage import StorageGroup, storage_key, unique_storages
+
+CPU = torch.device("cpu")
+# 1 KiB buckets: every storage below is split across several buckets or shares one.
+SMALL = MemoryConfig(bucket_size_mb=1024 / 2**20)
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (NaN payloads and -0.0 compare exactly)."""
+    return t.contiguous().view(_INT_OF[t.element_size()]).clone()
+
+
+def make_tensors():
+    """A float32 base with views of it, plus bf16, int64 and a larger float32 tensor."""
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(64, generator=gen)
+    base[0] = -0.0
+    base[1] = float("inf")
+    base[2] = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)  # NaN with payload
+    views = [base[3:19], base.view(8, 8), base[10:42].view(4, 8), base.view(torch.int32)[::2],
+             base[::3], base.view(8, 8).t()]
+    bf16 = torch.randn(33, generator=gen).to(torch.bfloat16)
+    i64 = torch.randint(-2**40, 2**40, (17,), dtype=torch.int64, generator=gen)
+    big = torch.randn(1000, generator=gen)
+    return [base, *views, bf16, i64, big]
+
+
+class Quiet(list):
+    """A list whose repr does not read the elements: printing a released storage crashes torch."""
+
+    def __repr__(self):
+        return f"<{len(self)} items>"
+
+
+@pytest.fixture
+def tensors():
+    return Quiet(make_tensors())
+
+
+@pytest.fixture
+def storages(tensors):
+    return Quiet(unique_storages(tensors, CPU))
+
+
+def snapshot(tensors):
+    return [(storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), bits(t))
+            for t in tensors]
+
+
+def assert_restored(tensors, snap):
+    for t, (key, offset, shape, stride, b) in zip(tensors, snap):
+        assert storage_key(t) == key
+        assert t.storage_offset() == offset
+        assert (tuple(t.shape), tuple(t.stride())) == (shape, stride)
+        assert t.data_ptr() == t.untyped_storage().data_ptr() + offset * t.element_size()
+        assert torch.equal(bits(t), b)
+
+
+def test_unique_storages_dedups_in_first_seen_order(tensors):
+    base, bf16, i64, big = tensors[0], tensors[-3], tensors[-2], tensors[-1]
+    meta = torch.empty(4, device="meta")
+    found = unique_storages([None, *tensors, meta, base], CPU)
+    assert [storage_key(s) for s in found] == [storage_key(t) for t in (base, bf16, i64, big)]
+    assert [s.nbytes() for s in found] == [256, 66, 136, 4000]
+
+
+def test_offload_releases_and_onload_restores_every_view(tensors, storages):
+    snap = snapshot(tensors)
+    group = StorageGroup("weights", True, SMALL)
+    total = sum(s.nbytes() for s in storages)
+
+    out = group.offload(storages)
+    assert group.offloaded
+    assert all(s.nbytes() == 0 for s in storages)
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    assert [n for _, n in group.released] == [256, 66, 136, 4000]
+    assert (out.group, out.direction, out.nbytes, out.copied_bytes) == ("weights", "offload", total, total)
+    assert group.host_bytes >= total
+
+    back = group.onload()
+    assert not group.offloaded
+    assert group.released == []
+    assert (back.direction, back.nbytes, back.copied_bytes) == ("onload", total, total)
+    assert [s.nbytes() for s in storages] == [256, 66, 136, 4000]
+    assert_restored(tensors, snap)
+    # The views still alias the base: a write through one is seen through the others.
+    tensors[0][10] = 123.5
+    assert tensors[2][1, 2].item() == 123.5 and tensors[3][0, 0].item() == 123.5
+
+
+def test_keep_contents_false_restores_zeros(tensors, storages):
+    group = StorageGroup("grads", False, SMALL)
+    total = sum(s.nbytes() for s in storages)
+    out = group.offload(storages)
+    assert all(s.nbytes() == 0 for s in storages)
+    assert (out.nbytes, out.copied_bytes) == (total, 0)
+    assert group.store is None and group.host_bytes == 0
+    back = group.onload()
+    assert (back.nbytes, back.copied_bytes) == (total, 0)
+    for t in tensors:
+        assert torch.equal(bits(t), torch.zeros_like(bits(t)))
+
+
+def test_equal_token_skips_copy_but_still_releases(tensors, storages):
+    snap = snapshot(tensors)
+    group = StorageGroup("weights", True, SMALL)
+    total = sum(s.nbytes() for s in storages)
+    assert group.offload(storages, token="T").copied_bytes == total
+    group.onload()
+    group.set_host_token("T")
+
+    out = group.offload(storages, token="T")
+    assert (out.nbytes, out.copied_bytes) == (total, 0)
+    assert out.gb_per_s == 0.0
+    assert all(s.nbytes() == 0 for s in storages)
+    group.onload()
+    assert_restored(tensors, snap)
+
+    group.set_host_token("T")
+    assert group.offload(storages, token="U").copied_bytes == total
+    group.onload()
+    assert_restored(tensors, snap)
+
+
+def test_none_token_always_copies(storages):
+    group = StorageGroup("weights", True, SMALL)
+    total = sum(s.nbytes() for s in storages)
+    for _ in range(2):
+        assert group.offload(storages, token=None).copied_bytes == total
+        group.onload()
+        group.set_host_token(None)
+
+
+def test_version_token_catches_in_place_write(tensors, storages):
+    def token():
+        return tuple(t._version for t in tensors)
+
+    group = StorageGroup("weights", True, SMALL)
+    group.offload(storages, token())
+    group.onload()
+    group.set_host_token(token())
+
+    tensors[1].add_(1.0)  # a write through a view bumps the version shared with the base
+    tensors[-2][3] = 42
+    expected = snapshot(tensors)
+    out = group.offload(storages, token())
+    assert out.copied_bytes == sum(n for _, n in group.released) == 4458
+    group.onload()
+    assert_restored(tensors, expected)
+    assert tensors[-2][3].item() == 42
+
+
+def test_host_store_reused_across_cycles(tensors, storages):
+    snap = snapshot(tensors)
+    group = StorageGroup("weights", True, SMALL)
+    group.offload(storages)
+    store, host = group.store, group.host_bytes
+    assert len(store.buckets) > 1
+    group.onload()
+    for _ in range(5):
+        group.offload(storages)
+        assert group.store is store
+        assert group.host_bytes == host
+        group.onload()
+        assert_restored(tensors, snap)
+
+
+def test_size_change_replans_store(tensors, storages):
+    group = StorageGroup("weights", True, SMALL)
+    group.offload(storages)
+    group.onload()
+    old = group.store
+    head = bits(tensors[-1])
+    storages[-1].resize_(8000)
+    group.offload(storages)
+    assert group.store is not old
+    assert group.store.sizes == (256, 66, 136, 8000)
+    group.onload()
+    assert storages[-1].nbytes() == 8000
+    assert torch.equal(bits(tensors[-1]), head)
+
+
+def test_onload_failure_rolls_back(monkeypatch, tensors, storages):
+    snap = snapshot(tensors)
+    group = StorageGroup("weights", True, SMALL)
+    group.offload(storages)
+    released = group.released
+    real = storage_mod._grow_storage
+    calls = []
+
+    def failing(storage, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 3:
+            raise RuntimeError("simulated device OOM")
+        real(storage, nbytes)
+
+    monkeypatch.setattr(storage_mod, "_grow_storage", failing)
+    with pytest.raises(RuntimeError, match="simulated device OOM"):
+        group.onload()
+    assert len(calls) == 3
+    assert all(s.nbytes() == 0 for s in storages)
+    assert group.offloaded
+    assert [(storage_key(s), n) for s, n in group.released] == [(storage_key(s), n) for s, n in released]
+
+    monkeypatch.setattr(storage_mod, "_grow_storage", real)
+    group.onload()
+    assert not group.offloaded
+    assert_restored(tensors, snap)
+
+
+@pytest.mark.parametrize("exc", [MemoryError, RuntimeError])
+def test_offload_failure_releases_nothing(monkeypatch, tensors, storages, exc):
+    snap = snapshot(tensors)
+    sizes = [s.nbytes() for s in storages]
+    group = StorageGroup("weights", True, SMALL)
+    real = host_store_mod._allocate_host_bucket
+    calls = []
+
+    def failing(nbytes, pin):
+        calls.append(nbytes)
+        if len(calls) == 2:
+            raise exc("simulated host allocation failure")
+        return real(nbytes, pin)
+
+    monkeypatch.setattr(host_store_mod, "_allocate_host_bucket", failing)
+    with pytest.raises(exc, match="simulated host allocation failure"):
+        group.offload(storages, token="T")
+    assert [s.nbytes() for s in storages] == sizes
+    assert not group.offloaded
+    assert group.store is None and group.host_bytes == 0
+    assert_restored(tensors, snap)
+
+    monkeypatch.setattr(host_store_mod, "_allocate_host_bucket", real)
+    out = group.offload(storages, token="T")
+    assert out.copied_bytes == sum(sizes)
+    assert all(s.nbytes() == 0 for s in storages)
+    group.onload()
+    assert_restored(tensors, snap)
+
+
+def test_pin_memory_true_without_cuda_warns_and_works(tensors, storages):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only fallback")
+    snap = snapshot(tensors)
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=1024 / 2**20, pin_memory=True))
+    with pytest.warns(UserWarning, match="pin_memory=True is ignored"):
+        group.offload(storages)
+    assert group.store.pinned is False
+    group.onload()
+    assert_restored(tensors, snap)
+
+
+def test_empty_group():
+    group = StorageGroup("other", True, SMALL)
+    out = group.offload([])
+    assert (out.nbytes, out.copied_bytes) == (0, 0)
+    assert group.offloaded
+    assert group.onload().nbytes == 0
+    assert not group.offloaded
+
+
+def test_transfer_stats_fields(storages):
+    group = StorageGroup("weights", True, SMALL)
+    out = group.offload(storages)
+    back = group.onload()
+    for stats in (out, back):
+        assert isinstance(stats, TransferStats)
+        assert stats.seconds >= 0
+        assert stats.gb_per_s >= 0
+    assert TransferStats("w", "offload", 10, 2 * 10**9, 2.0).gb_per_s == pytest.approx(1.0)
+    assert TransferStats("w", "offload", 10, 0, 2.0).gb_per_s == 0.0
+    assert TransferStats("w", "onload", 10, 10, 0.0).gb_per_s == 0.0
+    with pytest.raises(AttributeError):
+        out.copied_bytes = 0
