@@ -10,7 +10,6 @@ from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.manager import MemoryManagerBase, serialized
 from chatlearn_mem.residency import Residency, measure
-from chatlearn_mem.storage import TransferStats, storage_key
 
 __all__ = ["InferenceMemoryManager"]
 
@@ -48,12 +47,15 @@ class InferenceMemoryManager(MemoryManagerBase):
         super().__init__({"weights": True}, tensors[0].device, config)
         self._module = module
         self._tracked = {name: t for name, t in self._named_tensors()}
-        self._storage_of = {name: storage_key(t) for name, t in self._tracked.items()}
+        self._remember_weight_storages()
         self._hook_handles.append(module.register_forward_pre_hook(self._before_forward))
 
     def _named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         yield from self._module.named_parameters(remove_duplicate=False)
         yield from self._module.named_buffers(remove_duplicate=False)
+
+    def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self._named_tensors()
 
     def _part_tensors(self, part: str) -> Iterable[torch.Tensor]:
         if part != "weights":
@@ -77,15 +79,16 @@ class InferenceMemoryManager(MemoryManagerBase):
         storage it tracks, and is resident (or released) as the manager's state says."""
         report = AuditReport()
         current = dict(self._named_tensors())
+        replaced = set()
         for name, t in self._tracked.items():
             report.checked += 1
             now = current.get(name)
             if now is None:
                 report.add(f"{name} is no longer in the module")
             elif now is not t:
+                replaced.add(name)
                 report.add(f"{name} was replaced by a new tensor; the manager offloads the old one")
-            elif storage_key(t) != self._storage_of[name]:
-                report.add(f"{name} .data was rebound to a new storage; the manager restores the old one")
+        self._check_rebinds(report, skip=frozenset(replaced))
         for name in current.keys() - self._tracked.keys():
             report.checked += 1
             report.add(f"{name} was added after the manager was created and is not managed")

@@ -11,7 +11,7 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.errors import OffloadedError
-from chatlearn_mem.storage import StorageGroup, TransferStats, unique_storages
+from chatlearn_mem.storage import StorageGroup, TransferStats, storage_key, unique_storages
 
 __all__ = ["MemoryManagerBase", "serialized"]
 
@@ -51,6 +51,10 @@ class MemoryManagerBase:
     def _part_token(self, part: str) -> Optional[Hashable]:
         return None
 
+    def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of the weights whose storage the audit follows."""
+        raise NotImplementedError
+
     # -- shared mechanics --------------------------------------------------------------------
     def is_offloaded(self, part: str) -> bool:
         """Whether ``part`` is currently offloaded (released from the device)."""
@@ -68,7 +72,28 @@ class MemoryManagerBase:
             return None
         storages = self._storages(part) if storages is None else storages
         token = self._part_token(part) if self.config.skip_unchanged_weights else None
-        return group.offload(storages, token)
+        stats = group.offload(storages, token)
+        if part == "weights":
+            self._remember_weight_storages()
+        return stats
+
+    def _remember_weight_storages(self) -> None:
+        """Record the storage of each weight: the ones the manager releases and restores."""
+        self._weight_storages = {name: storage_key(t) for name, t in self._named_weights()}
+
+    def _check_rebinds(self, report, skip: frozenset = frozenset()) -> None:
+        """Report weights whose ``.data`` now lives in a storage the manager does not restore.
+
+        Args:
+            skip: Names already reported for a worse reason (the tensor itself was replaced).
+        """
+        for name, t in self._named_weights():
+            if name in skip:
+                continue
+            report.checked += 1
+            if name in self._weight_storages and storage_key(t) != self._weight_storages[name]:
+                report.add(f"{name} .data was rebound to a new tensor since the manager last "
+                           "offloaded it; the manager would restore the old storage")
 
     def _onload_part(self, part: str) -> Optional[TransferStats]:
         group = self._groups[part]

@@ -70,7 +70,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._steps = 0
         self._forward_since_step = False
         self._check_layout()
-        self._param_storages = {p: storage_key(p) for p in self._names}
+        self._remember_weight_storages()
         for c in self._chunks:
             for m in (c, c.module):
                 self._hook_handles.append(m.register_forward_pre_hook(self._before_forward))
@@ -107,6 +107,9 @@ class TrainerMemoryManager(MemoryManagerBase):
                     yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.numel())
         else:
             raise ValueError(f"unknown part {part!r}; parts are {list(PARTS)}")
+
+    def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((f"param {name}", p) for p, name in self._names.items())
 
     def _stale_grads(self) -> Iterable[torch.Tensor]:
         """``.grad`` tensors the optimizers derived from ``main_grad`` (recreated every step)."""
@@ -171,12 +174,6 @@ class TrainerMemoryManager(MemoryManagerBase):
                 raise ChatlearnMemError(
                     f"cannot {what}: a bucket group still has {', '.join(pending)} in flight; call "
                     "model.finish_grad_sync() (and let the param all-gather finish) first")
-
-    def _offload_part(self, part: str, storages: Optional[list] = None) -> Optional[TransferStats]:
-        stats = super()._offload_part(part, storages)
-        if part == "weights" and stats is not None:  # the storages the audit expects from now on
-            self._param_storages = {p: storage_key(p) for p in self._names}
-        return stats
 
     # -- public API ----------------------------------------------------------------------------
     @serialized
@@ -328,11 +325,7 @@ class TrainerMemoryManager(MemoryManagerBase):
                 p.grad = None
 
     def _audit_buffers(self, report: AuditReport) -> None:
-        for p, name in self._names.items():
-            report.checked += 1
-            if storage_key(p) != self._param_storages[p]:
-                report.add(f"param {name} .data was rebound to a new tensor since the manager last "
-                           "offloaded it; the manager would restore the old storage")
+        self._check_rebinds(report)
         for b in self._buffers:
             for p, (start, end) in b.param_offsets.items():
                 name = self._names.get(p, "<a parameter not in the model>")
