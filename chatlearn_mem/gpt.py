@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chatlearn_mem import cpu_backend
 
-__all__ = ["GPTTrainerConfig", "GPTTrainer", "build_gpt_trainer", "init_distributed", "synthetic_batch"]
+__all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTValueModel", "build_gpt_model", "build_gpt_trainer", "init_distributed", "synthetic_batch"]
 
 _INSTALL_HINT = "pip install 'megatron-core>=0.13,<0.17'"
 
@@ -122,41 +122,89 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
     model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_trainer(config: GPTTrainerConfig) -> GPTTrainer:
+class GPTValueModel(torch.nn.Module):
+    """A GPT trunk with a scalar value head (a PPO critic): tokens (B, T) -> values (B, T).
+
+    The trunk is a megatron-core ``GPTModel`` built without its output layer
+    (``post_process=False``), so it returns hidden states; the head is a LayerNorm and a
+    ``hidden -> 1`` linear layer, replicated on every tensor-parallel rank.
+    """
+
+    def __init__(self, trunk: torch.nn.Module, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.trunk = trunk
+        self.config = trunk.config  # megatron's DDP reads the wrapped module's config
+        self.norm = torch.nn.LayerNorm(hidden_size, dtype=dtype)
+        self.head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None):
+        hidden = self.trunk(input_ids, position_ids, attention_mask)  # (T, B, H)
+        return self.head(self.norm(hidden)).squeeze(-1).transpose(0, 1).float()  # (B, T)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.trunk.set_input_tensor(input_tensor)
+
+
+def _transformer_config(config: GPTTrainerConfig):
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    bf16 = config.precision == "bf16"
+    return TransformerConfig(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, use_cpu_initialization=True,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
+
+
+def build_gpt_model(config: GPTTrainerConfig, value_head: bool = False) -> torch.nn.Module:
+    """Build the bare model of a trainer: a ``GPTModel`` (local layer spec), on the device, in
+    ``config.precision``. With ``value_head`` it is a :class:`GPTValueModel` instead.
+
+    Requires :func:`init_distributed` first. The weights depend only on ``config.seed`` and the
+    model-parallel rank, so models built with the same config start identical; an inference copy
+    of a trainer's model (no DDP, no optimizer) is built by this same function.
+    """
+    _megatron()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    tcfg = _transformer_config(config)
+    torch.manual_seed(config.seed)
+    model_parallel_cuda_manual_seed(config.seed)
+    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
+                     position_embedding_type="learned_absolute", post_process=not value_head)
+    if value_head:
+        model = GPTValueModel(model, config.hidden_size, tcfg.params_dtype)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    if config.precision == "bf16":
+        model = model.bfloat16()
+    return model
+
+
+def build_gpt_trainer(config: GPTTrainerConfig, value_head: bool = False) -> GPTTrainer:
     """Build a GPTModel (local layer spec), wrap it in DDP and create its megatron optimizer.
 
     Requires :func:`init_distributed` first. The weights depend only on ``config.seed`` and the
     model-parallel rank, so two trainers built with the same config start identical.
+
+    Args:
+        value_head: Build a critic (:class:`GPTValueModel`) instead of a language model.
     """
     _megatron()
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
-    bf16 = config.precision == "bf16"
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    torch.manual_seed(config.seed)
-    model_parallel_cuda_manual_seed(config.seed)
-    tcfg = TransformerConfig(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, use_cpu_initialization=True,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp)
-    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
-                     position_embedding_type="learned_absolute")
-    if torch.cuda.is_available():
-        model = model.cuda()
-    if bf16:
-        model = model.bfloat16()
+    model = build_gpt_model(config, value_head)
+    tcfg = model.config
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=config.use_distributed_optimizer,
                                                grad_reduce_in_fp32=config.grad_reduce_in_fp32)
     model = DistributedDataParallel(tcfg, ddp_config, model)
-    opt_config = OptimizerConfig(optimizer="adam", lr=config.lr, bf16=bf16, params_dtype=tcfg.params_dtype,
+    opt_config = OptimizerConfig(optimizer="adam", lr=config.lr, bf16=tcfg.bf16, params_dtype=tcfg.params_dtype,
                                  use_distributed_optimizer=config.use_distributed_optimizer,
                                  clip_grad=config.clip_grad)
     optimizer = get_megatron_optimizer(opt_config, [model])

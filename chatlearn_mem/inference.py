@@ -57,6 +57,9 @@ class InferenceMemoryManager(MemoryManagerBase):
     def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self._named_tensors()
 
+    def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((n, t) for n, t in self._module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor))
+
     def _part_tensors(self, part: str) -> Iterable[torch.Tensor]:
         if part != "weights":
             raise ValueError(f"unknown part {part!r}; an inference model has only 'weights'")

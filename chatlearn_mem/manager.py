@@ -11,7 +11,7 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.errors import OffloadedError
-from chatlearn_mem.storage import StorageGroup, TransferStats, storage_key, unique_storages
+from chatlearn_mem.storage import StorageGroup, TransferStats, extent, storage_key, unique_storages
 
 __all__ = ["MemoryManagerBase", "serialized"]
 
@@ -53,6 +53,10 @@ class MemoryManagerBase:
 
     def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of the weights whose storage the audit follows."""
+        raise NotImplementedError
+
+    def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of what :meth:`weights_state_dict` exports, in state-dict naming."""
         raise NotImplementedError
 
     # -- shared mechanics --------------------------------------------------------------------
@@ -123,6 +127,23 @@ class MemoryManagerBase:
         """Reallocate the weights on the device and copy them back from the host store."""
         return self._onload_part("weights")
 
+    @serialized
+    def weights_state_dict(self) -> dict[str, torch.Tensor]:
+        """A host copy of every weight, named as in the model's ``state_dict()``.
+
+        While the weights are offloaded they are read from the host store, so a sleeping model
+        can send its weights (for example to a rollout engine) without being woken up. While
+        resident they are copied from the device.
+        """
+        group = self._groups["weights"]
+        out = {}
+        for name, t in self._state_dict_tensors():
+            if group.offloaded:
+                out[name] = group.read_host(t)
+            else:
+                out[name] = t.detach().to("cpu", copy=True)
+        return out
+
     def _empty_cache(self) -> None:
         if self.config.empty_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -172,13 +193,8 @@ class MemoryManagerBase:
             if t is None or t.device != self.device:
                 continue
             report.checked += 1
-            need = (t.storage_offset() + _extent(t)) * t.element_size()
+            need = (t.storage_offset() + extent(t)) * t.element_size()
             if t.untyped_storage().nbytes() < need:
                 report.add(f"{part}: a tensor of shape {tuple(t.shape)} needs {need} bytes but its "
                            f"storage holds {t.untyped_storage().nbytes()} (released and not restored)")
 
-
-def _extent(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))

@@ -21,7 +21,7 @@ import torch
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.host_store import HostStore
 
-__all__ = ["StorageGroup", "TransferStats", "storage_key", "unique_storages"]
+__all__ = ["StorageGroup", "TransferStats", "extent", "storage_key", "unique_storages"]
 
 logger = logging.getLogger("chatlearn_mem")
 
@@ -46,6 +46,13 @@ def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> li
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def extent(t: torch.Tensor) -> int:
+    """Elements of its storage a tensor reaches past its storage offset (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 def _grow_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -113,6 +120,32 @@ class StorageGroup:
         """Record that the host copy equals the device contents described by ``token``."""
         if self.keep_contents and self.store is not None:
             self._host_token = token
+
+    def read_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A new host tensor equal to ``t`` as it was when its storage was offloaded.
+
+        ``t`` is any view of a storage this group released; its bytes are read from the host
+        store, so nothing is allocated on the device.
+
+        Raises:
+            ValueError: The group is not offloaded, does not keep contents, or ``t`` is not a view
+                of one of its storages.
+        """
+        if not (self.offloaded and self.keep_contents and self.store is not None):
+            raise ValueError(f"{self.name} hold no host copy to read (offloaded={self.offloaded})")
+        try:
+            index = self._host_keys.index(storage_key(t))
+        except ValueError:
+            raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a view of a storage of "
+                             f"{self.name}") from None
+        size = t.element_size()
+        start, nbytes = t.storage_offset() * size, extent(t) * size
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        for host, off in self.store.views(index):
+            lo, hi = max(start, off), min(start + nbytes, off + host.numel())
+            if lo < hi:
+                out[lo - start:hi - start].copy_(host[lo - off:hi - off])
+        return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
 
     def prepare(self, storages: list[torch.UntypedStorage]) -> None:
         """Allocate (or reuse) the host store for these storages. Changes nothing on failure."""

@@ -111,6 +111,13 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return ((f"param {name}", p) for p, name in self._names.items())
 
+    def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        many = len(self._chunks) > 1
+        for i, c in enumerate(self._chunks):
+            for name, t in c.module.state_dict(keep_vars=True).items():
+                if isinstance(t, torch.Tensor):
+                    yield (f"chunk{i}.{name}" if many else name), t
+
     def _stale_grads(self) -> Iterable[torch.Tensor]:
         """``.grad`` tensors the optimizers derived from ``main_grad`` (recreated every step)."""
         for leaf in self._leaves:

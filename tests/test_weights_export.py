@@ -1,0 +1,54 @@
+"""weights_state_dict(): a sleeping model hands out its weights from the host store, bit-exactly."""
+
+import pytest
+import torch
+
+from _trainer_runs import train
+from chatlearn_mem import InferenceMemoryManager, MemoryConfig, gpt
+from chatlearn_mem.storage import StorageGroup
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("distopt", [True, False], ids=["distopt", "float16opt"])
+def test_trainer_exports_from_host_store_without_onloading(dist1, distopt):
+    cfg = gpt.GPTTrainerConfig(use_distributed_optimizer=distopt)
+    _, _, mm, trainer = train(cfg, steps=2)
+    resident = mm.weights_state_dict()
+    expected = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+    assert _equal(resident, expected)
+    mm.offload()
+    from_host = mm.weights_state_dict()
+    assert mm.residency().device_bytes == 0  # nothing was brought back to read them
+    assert mm.is_offloaded("weights")
+    assert _equal(from_host, expected)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in from_host.values())
+    mm.onload()
+
+
+def test_inference_export_after_update_reads_the_new_copy():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    mm = InferenceMemoryManager(model, MemoryConfig(bucket_size_mb=96 / 2**20))  # spans split buckets
+    mm.offload_weights()
+    mm.onload_weights()
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    mm.offload_weights()
+    assert _equal(mm.weights_state_dict(), expected)
+
+
+def test_read_host_refuses_foreign_tensors_and_resident_groups():
+    group = StorageGroup("weights", keep_contents=True, config=MemoryConfig())
+    t = torch.arange(10.0)
+    view = t[2:8:2]  # views are made while resident (a released storage refuses new ones)
+    with pytest.raises(ValueError, match="hold no host copy"):
+        group.read_host(t)
+    group.offload([t.untyped_storage()], token=None)
+    with pytest.raises(ValueError, match="not a view of a storage of weights"):
+        group.read_host(torch.zeros(3))
+    assert torch.equal(group.read_host(view), torch.tensor([2.0, 4.0, 6.0]))
+    group.onload()
