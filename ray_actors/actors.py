@@ -1,0 +1,298 @@
+"""The two kinds of actor of a colocated PPO run. Plain classes: ``ray_actors.cluster`` turns them
+into Ray actors; tests may also use them in-process.
+
+- :class:`TrainerActor`: one rank of a megatron-core trainer (policy or critic) under a
+  :class:`chatlearn_mem.TrainerMemoryManager`.
+- :class:`InferenceActor`: a GPT with no optimizer (rollout or reference) under an
+  :class:`chatlearn_mem.InferenceMemoryManager`.
+
+Every method returns plain Python or CPU tensors, so results cross process boundaries cheaply.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+
+import torch
+
+from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, TrainerMemoryManager
+from chatlearn_mem.gpt import GPTTrainerConfig
+from ray_actors import modeling
+
+__all__ = ["InferenceActor", "TrainerActor"]
+
+PARTS = ("weights", "grads", "main_weights", "optimizer_states")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _stats(stats) -> list[dict]:
+    return [{"part": s.group, "direction": s.direction, "bytes": s.nbytes,
+             "copied_bytes": s.copied_bytes, "seconds": s.seconds} for s in stats if s is not None]
+
+
+class _ManagedActor:
+    """What both actor kinds share: process-group setup, residency, audit, weight digests."""
+
+    manager: Any
+    name: str
+
+    def __init__(self, name: str, memory: Mapping[str, Any]):
+        warnings.filterwarnings("ignore", module="megatron")
+        warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+        warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")  # torch.distributed renames
+        self.name = name
+        self.memory = MemoryConfig(**memory)
+        self.manager = None
+
+    def master_address(self) -> str:
+        """A ``tcp://ip:port`` init method on this actor's node (call on rank 0)."""
+        try:
+            import ray
+
+            ip = ray.util.get_node_ip_address()
+        except Exception:  # not inside Ray
+            ip = "127.0.0.1"
+        return f"tcp://{ip}:{_free_port()}"
+
+    def _init_distributed(self, rank: int, world_size: int, tp: int, init_method: str, seed: int) -> None:
+        from chatlearn_mem import gpt
+
+        gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed)
+
+    def residency(self) -> dict:
+        """Device and host bytes of the model, per part; on CUDA also what the allocator holds."""
+        r = self.manager.residency()
+        out = {"device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
+               "by_part": dict(r.by_category), "host_by_part": dict(r.host_by_category)}
+        if torch.cuda.is_available():
+            out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+            out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
+        return out
+
+    def audit(self) -> list[str]:
+        """The manager's audit problems (empty when clean)."""
+        return list(self.manager.audit().problems)
+
+    def ping(self) -> str:
+        return self.name
+
+
+class TrainerActor(_ManagedActor):
+    """One rank of a policy or critic trainer.
+
+    Args:
+        name: For messages and logs ("policy_0").
+        role: ``policy`` (a language model; outputs are next-token log-probs) or ``critic`` (a
+            value head; outputs are values).
+        model: A :class:`chatlearn_mem.gpt.GPTTrainerConfig` as a dict.
+        memory: A :class:`chatlearn_mem.MemoryConfig` as a dict.
+    """
+
+    def __init__(self, name: str, role: Literal["policy", "critic"], model: Mapping[str, Any],
+                 memory: Mapping[str, Any]):
+        super().__init__(name, memory)
+        if role not in ("policy", "critic"):
+            raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
+        self.role = role
+        self.config = GPTTrainerConfig(**model)
+        self.trainer = None
+
+    def setup(self, rank: int, world_size: int, tensor_model_parallel_size: int, init_method: str) -> dict:
+        """Join the trainer's process group, build the model, optimizer and memory manager.
+
+        Returns:
+            ``{"rank", "dp_rank", "dp_size", "tp_rank"}``.
+        """
+        from megatron.core import parallel_state
+
+        from chatlearn_mem import gpt
+
+        self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
+        self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.role == "critic")
+        self.manager = TrainerMemoryManager(self.trainer.model, self.trainer.optimizer, self.memory)
+        return {"rank": rank, "dp_rank": parallel_state.get_data_parallel_rank(),
+                "dp_size": parallel_state.get_data_parallel_world_size(),
+                "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+
+    def _outputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        model = self.trainer.model
+        if self.role == "policy":
+            return modeling.sequence_logprobs(model, tokens)  # (B, T-1)
+        return modeling.sequence_values(model, tokens)  # (B, T)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Forward only: log-probs (policy, (B, T-1)) or values (critic, (B, T)) of ``tokens``."""
+        return self._outputs(_to_device(tokens)).cpu()
+
+    def train(self, batch: Mapping[str, torch.Tensor], loss_fn: Callable, epochs: int,
+              minibatch_size: int, seed: int) -> dict[str, float]:
+        """Optimizer steps on this rank's share of a batch.
+
+        Args:
+            batch: Tensors with the batch as first dimension; must include ``tokens``.
+            loss_fn: ``loss_fn(outputs, minibatch) -> (loss, {metric: float})`` where outputs are
+                what :meth:`forward` returns, with gradients.
+            epochs: Passes over the batch.
+            minibatch_size: Rows per optimizer step.
+            seed: Shuffles the rows, identically on every rank.
+
+        Returns:
+            Mean of each metric over the steps, plus ``grad_norm`` and ``skipped_steps``.
+        """
+        model, optimizer = self.trainer.model, self.trainer.optimizer
+        batch = {k: _to_device(v) for k, v in batch.items()}
+        n = batch["tokens"].shape[0]
+        g = torch.Generator().manual_seed(seed)
+        sums: dict[str, float] = {}
+        steps = skipped = 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=g)
+            for start in range(0, n, minibatch_size):
+                idx = order[start:start + minibatch_size].to(batch["tokens"].device)
+                mb = {k: v[idx] for k, v in batch.items()}
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                loss, metrics = loss_fn(self._outputs(mb["tokens"]), mb)
+                loss.backward()
+                model.finish_grad_sync()
+                ok, grad_norm, _ = optimizer.step()
+                skipped += not ok
+                metrics = dict(metrics, loss=loss.item(), grad_norm=float(grad_norm or 0.0))
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                steps += 1
+        return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
+
+    def offload(self, parts: Sequence[str] = PARTS) -> list[dict]:
+        """Offload the named parts (already offloaded ones are skipped)."""
+        chosen = {p: p in parts for p in PARTS}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _stats(self.manager.offload(**chosen))
+
+    def onload(self, parts: Sequence[str] = PARTS) -> list[dict]:
+        """Onload the named parts (already resident ones are skipped)."""
+        chosen = {p: p in parts for p in PARTS}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _stats(self.manager.onload(**chosen))
+
+    def weights_for_sync(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """This rank's weights (from the host store when offloaded) and, per name, the dimension
+        tensor parallelism split it along (-1: replicated)."""
+        state = self.manager.weights_state_dict()
+        params = dict(self.trainer.model.module.named_parameters())
+        dims = {name: (getattr(params[name], "partition_dim", -1)
+                       if getattr(params.get(name), "tensor_model_parallel", False) else -1)
+                for name in state}
+        return state, dims
+
+    def weights_digest(self) -> str:
+        """SHA-256 of this rank's weights (see :func:`ray_actors.modeling.weights_digest`)."""
+        return modeling.weights_digest(self.manager.weights_state_dict())
+
+
+class InferenceActor(_ManagedActor):
+    """A GPT with no optimizer: the rollout engine or the frozen reference.
+
+    Args:
+        name: For messages and logs ("rollout").
+        model: The :class:`chatlearn_mem.gpt.GPTTrainerConfig` of the policy it copies.
+        memory: A :class:`chatlearn_mem.MemoryConfig` as a dict.
+    """
+
+    def __init__(self, name: str, model: Mapping[str, Any], memory: Mapping[str, Any]):
+        super().__init__(name, memory)
+        self.config = GPTTrainerConfig(**model)
+        self.model = None
+
+    def setup(self, init_method: str) -> dict:
+        """Create a one-rank process group and build the model (same init as the policy's)."""
+        from chatlearn_mem import gpt
+
+        self._init_distributed(0, 1, 1, init_method, self.config.seed)
+        self.model = gpt.build_gpt_model(self.config)
+        self.model.eval()
+        self.manager = InferenceMemoryManager(self.model, self.memory)
+        return {"rank": 0}
+
+    def generate(self, prompts: torch.Tensor, response_length: int, temperature: float,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample responses and score them.
+
+        Returns:
+            ``(tokens (B, P+R), logprobs (B, P+R-1))``: the sequences and the log-probability of
+            each next token under this model.
+        """
+        g = torch.Generator().manual_seed(seed)
+        tokens = modeling.generate(self.model, _to_device(prompts), response_length, temperature, g)
+        return tokens.cpu(), self.logprobs(tokens)
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T-1) log-probability of each next token of ``tokens`` (B, T)."""
+        return modeling.sequence_logprobs(self.model, _to_device(tokens)).cpu()
+
+    def offload(self, parts: Sequence[str] = ("weights",)) -> list[dict]:
+        """Offload the weights (the only part); a no-op when already offloaded."""
+        if "weights" not in parts or self.manager.is_offloaded("weights"):
+            return []
+        return _stats([self.manager.offload_weights()])
+
+    def onload(self, parts: Sequence[str] = ("weights",)) -> list[dict]:
+        """Onload the weights; a no-op when already resident."""
+        if "weights" not in parts or not self.manager.is_offloaded("weights"):
+            return []
+        return _stats([self.manager.onload_weights()])
+
+    @torch.no_grad()
+    def load_weights(self, partition_dims: Mapping[str, int], *shards: Mapping[str, torch.Tensor]) -> list[str]:
+        """Copy a policy's weights in (the weights must be onloaded).
+
+        Args:
+            partition_dims: As returned by :meth:`TrainerActor.weights_for_sync`.
+            shards: The policy's state dict from each tensor-parallel rank, in rank order (top-level
+                arguments, so Ray resolves object refs to them without a trip through the driver).
+
+        Returns:
+            The digests of the weights now held, split as the shards were
+            (see :meth:`weights_digest`).
+
+        Raises:
+            ValueError: Names or shapes do not match this model; nothing is copied then.
+            OffloadedError: The weights are offloaded.
+        """
+        if self.manager.is_offloaded("weights"):
+            raise OffloadedError(f"{self.name}: load_weights() needs the weights on the device; "
+                                 "call onload() first")
+        state = modeling.merge_tensor_parallel(shards, partition_dims or {})
+        own = {n: t for n, t in self.model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+        missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+        wrong = [f"{n}: {tuple(state[n].shape)} vs {tuple(own[n].shape)}" for n in own.keys() & state.keys()
+                 if state[n].shape != own[n].shape]
+        if missing or unexpected or wrong:
+            raise ValueError(f"{self.name}: weights do not match the model (missing {sorted(missing)}, "
+                             f"unexpected {sorted(unexpected)}, shape mismatches {wrong})")
+        for n, t in own.items():
+            t.copy_(state[n])
+        return self.weights_digest(len(shards), partition_dims)
+
+    def weights_digest(self, tensor_parallel_size: int = 1,
+                       partition_dims: Optional[Mapping[str, int]] = None) -> list[str]:
+        """SHA-256 of the weights (see :func:`ray_actors.modeling.weights_digest`), one per
+        tensor-parallel shard when split as a trainer with ``tensor_parallel_size`` ranks holds them."""
+        state = self.manager.weights_state_dict()
+        return [modeling.weights_digest(s) for s in
+                modeling.split_tensor_parallel(state, partition_dims or {}, tensor_parallel_size)]
+
+
+def _to_device(t: torch.Tensor) -> torch.Tensor:
+    return t.cuda() if torch.cuda.is_available() else t

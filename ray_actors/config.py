@@ -1,0 +1,266 @@
+"""Configuration of a colocated PPO run: one pydantic model per component, YAML plus overrides.
+
+A run is described by :class:`RunConfig`. :func:`load_config` reads a YAML file, applies
+``key=value`` overrides (dotted keys, YAML-typed values: ``ppo.iterations=5``,
+``memory.enabled=false``) and validates everything at once; :class:`ConfigError` lists every
+problem, so a bad run fails before Ray or any model starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from chatlearn_mem import MemoryConfig
+from chatlearn_mem.gpt import GPTTrainerConfig
+
+__all__ = ["ConfigError", "MemoryPolicy", "PPOConfig", "ParallelConfig", "RayConfig", "RunConfig",
+           "TaskConfig", "load_config", "parse_overrides"]
+
+
+class ConfigError(ValueError):
+    """A run configuration is missing or invalid; the message lists every problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RayConfig(_Strict):
+    """Where the actors run."""
+
+    address: Optional[str] = None
+    """Address of an existing Ray cluster (``"auto"``, ``"ray://host:10001"``, ...). None starts
+    a local cluster for the run and stops it afterwards."""
+    num_cpus: Optional[int] = Field(None, ge=1)
+    """CPUs of the local cluster (default: all of this machine). Ignored with ``address``."""
+    cpus_per_rank: float = Field(1.0, gt=0)
+    """CPUs in each placement-group bundle (one bundle per trainer rank); the actors colocated
+    on a bundle share them."""
+    use_gpu: Literal["auto", True, False] = "auto"
+    """Put one GPU in each bundle. ``auto``: when this machine (or the cluster) has GPUs."""
+    phase_timeout_s: float = Field(600.0, gt=0)
+    """Longest a phase may take before the run stops with an error naming the actors it waits for."""
+
+
+class ParallelConfig(_Strict):
+    """Ranks of each trainer (policy and critic use the same layout)."""
+
+    world_size: int = Field(1, ge=1)
+    """Trainer ranks: one policy actor and one critic actor per rank."""
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks; must divide world_size. The rest is data parallel."""
+
+    @model_validator(mode="after")
+    def _tp_divides_world(self) -> "ParallelConfig":
+        if self.world_size % self.tensor_model_parallel_size:
+            raise ValueError(f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) must "
+                             f"divide world_size ({self.world_size})")
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_model_parallel_size
+
+
+class TaskConfig(_Strict):
+    """The rule-based toy task: reward = fraction of response tokens in ``[target_low, target_high)``.
+
+    A randomly initialised policy samples tokens nearly uniformly, so it starts near
+    ``(target_high - target_low) / vocab_size``; PPO pushes it towards 1.
+    """
+
+    name: Literal["token_range"] = "token_range"
+    """Which task (only one is built in; add yours in ``ray_actors.ppo.TASKS``)."""
+    target_low: int = Field(0, ge=0)
+    """Lowest rewarded token id."""
+    target_high: int = Field(16, ge=1)
+    """One past the highest rewarded token id."""
+
+    @model_validator(mode="after")
+    def _range(self) -> "TaskConfig":
+        if self.target_high <= self.target_low:
+            raise ValueError(f"target_high ({self.target_high}) must be > target_low ({self.target_low})")
+        return self
+
+
+class PPOConfig(_Strict):
+    """PPO hyper-parameters and batch shape."""
+
+    iterations: int = Field(20, ge=1)
+    """Rollout + train iterations."""
+    prompts_per_iteration: int = Field(32, ge=1)
+    """Prompts sampled per iteration (one response each); divided among data-parallel ranks."""
+    prompt_length: int = Field(4, ge=1)
+    """Tokens per prompt (random ids)."""
+    response_length: int = Field(8, ge=1)
+    """Tokens generated per prompt (fixed length, no early stop)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    ppo_epochs: int = Field(2, ge=1)
+    """Passes over each iteration's batch."""
+    minibatch_size: int = Field(8, ge=1)
+    """Sequences per optimizer step on each data-parallel rank."""
+    clip_ratio: float = Field(0.2, gt=0)
+    """PPO clip range of the probability ratio."""
+    value_clip: float = Field(0.2, gt=0)
+    """Clip range of the value prediction around the rollout's value."""
+    kl_coef: float = Field(0.05, ge=0)
+    """Per-token KL penalty towards the reference model, subtracted from the reward."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """Discount."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    seed: int = 0
+    """Seed of prompts and sampling."""
+
+
+class MemoryPolicy(_Strict):
+    """What the memory manager does between phases."""
+
+    enabled: bool = True
+    """Offload every model when its phase ends. False keeps every model resident (the baseline)."""
+    compare_iterations: int = Field(1, ge=0)
+    """After the run, this many more iterations with the manager switched off, measured the same
+    way, so the log holds both figures. Ignored when ``enabled`` is false."""
+    audit: bool = True
+    """Run the manager's audit after every onload and stop the run if it finds a problem."""
+    verify_sync: bool = True
+    """Check, by a SHA-256 of every tensor, that the rollout model equals the policy after each
+    weight sync (costs a pass over the weights on both sides)."""
+    manager: MemoryConfig = Field(default_factory=MemoryConfig)
+    """Host store settings of every manager."""
+
+
+def _default_policy() -> GPTTrainerConfig:
+    return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                            seq_length=16, lr=1e-3)
+
+
+def _default_critic() -> GPTTrainerConfig:
+    return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
+                            seq_length=16, lr=3e-3, seed=4321)
+
+
+class RunConfig(_Strict):
+    """A whole colocated PPO run."""
+
+    policy: GPTTrainerConfig = Field(default_factory=_default_policy)
+    """The policy trainer; the rollout and reference models are inference copies of it."""
+    critic: GPTTrainerConfig = Field(default_factory=_default_critic)
+    """The critic trainer (a GPT trunk with a scalar value head)."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    output_dir: Path = Path("runs/ppo")
+    """Where the JSON log and the memory timeline PNG go."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        problems = []
+        p, c, ppo = self.policy, self.critic, self.ppo
+        total = ppo.prompt_length + ppo.response_length
+        for name, m in (("policy", p), ("critic", c)):
+            if total > m.seq_length:
+                problems.append(f"ppo.prompt_length + ppo.response_length ({total}) exceeds "
+                                f"{name}.seq_length ({m.seq_length})")
+            tp = self.parallel.tensor_model_parallel_size
+            if m.num_attention_heads % tp or m.vocab_size % tp:
+                problems.append(f"parallel.tensor_model_parallel_size ({tp}) must divide "
+                                f"{name}.num_attention_heads ({m.num_attention_heads}) and "
+                                f"{name}.vocab_size ({m.vocab_size})")
+        if c.vocab_size != p.vocab_size:
+            problems.append(f"critic.vocab_size ({c.vocab_size}) must equal policy.vocab_size ({p.vocab_size})")
+        if self.task.target_high > p.vocab_size:
+            problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size "
+                            f"({p.vocab_size})")
+        dp = self.parallel.data_parallel_size
+        if ppo.prompts_per_iteration % dp:
+            problems.append(f"ppo.prompts_per_iteration ({ppo.prompts_per_iteration}) must be "
+                            f"divisible by the data-parallel size ({dp})")
+        elif (ppo.prompts_per_iteration // dp) % ppo.minibatch_size:
+            problems.append(f"ppo.minibatch_size ({ppo.minibatch_size}) must divide the prompts per "
+                            f"data-parallel rank ({ppo.prompts_per_iteration // dp})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict:
+    """Turn ``["a.b=1", "c=x"]`` into ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML).
+
+    Raises:
+        ConfigError: An item has no ``=`` or an empty key.
+    """
+    out: dict = {}
+    bad = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or any(not k for k in key.split(".")):
+            bad.append(f"{item!r} is not key=value (example: ppo.iterations=5)")
+            continue
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                bad.append(f"{item!r}: {k} was already given a value")
+                break
+        else:
+            node[leaf] = value
+    if bad:
+        raise ConfigError("invalid override(s):\n  " + "\n  ".join(bad))
+    return out
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _format(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") else ""
+        if e["type"] == "extra_forbidden":
+            msg, got = "unknown key", ""
+        lines.append(f"  {where}: {msg}{got}")
+    return f"invalid config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n" + "\n".join(lines)
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None means all defaults), apply overrides and validate.
+
+    Raises:
+        ConfigError: The file is missing or not a YAML mapping, an override is malformed, or the
+            result is invalid; the message lists every problem with its dotted key.
+    """
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (shipped configs: "
+                              f"{', '.join(sorted(str(f) for f in Path('configs').glob('*.yaml'))) or 'none here'})")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got "
+                              f"{type(data).__name__}")
+    data = _merge(data, parse_overrides(overrides))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None

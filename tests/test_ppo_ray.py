@@ -1,0 +1,78 @@
+"""The colocated PPO loop end to end through a real local Ray cluster (CPU, gloo, megatron-core)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ray_actors import ActorFailedError, load_config, run_ppo
+
+pytestmark = pytest.mark.ray
+ray = pytest.importorskip("ray")
+CONFIG = Path(__file__).parent.parent / "configs" / "ppo_cpu_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray cluster for the module (the runs join it instead of starting their own)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_path):
+    cfg = load_config(CONFIG, ["ppo.iterations=3", "memory.compare_iterations=1", f"output_dir={tmp_path}"])
+    lines = []
+    log = run_ppo(cfg, progress=lines.append)
+
+    assert [m["iteration"] for m in log["iterations"]] == [0, 1, 2, 3]
+    assert [m["manager_on"] for m in log["iterations"]] == [True, True, True, False]
+    assert sum(line.startswith("iter ") for line in lines) == 4
+    on, off = log["summary"]["memory_manager_on"], log["summary"]["memory_manager_off"]
+    assert on["ratio"] <= 1.1, on
+    assert off["ratio"] > 1.8, off  # four models resident at once
+    assert on["largest_phase_bytes"] == off["largest_phase_bytes"] > 0
+
+    # With the manager on, every actor outside the phase holds no device memory at all.
+    phases = [p for p in log["memory_timeline"] if p["manager_on"]]
+    assert len(phases) == 3 * 5
+    for p in phases:
+        idle = {a: b for a, b in p["device_bytes"].items() if a not in p["active"]}
+        assert idle and all(b == 0 for b in idle.values()), p
+        assert p["colocated_bytes"] == p["need_bytes"], p
+
+    # Audits ran after every onload (5 phases x 3 iterations, one actor each) and were clean.
+    assert log["audits"] == {"runs": 15, "checks_clean": 15}
+    # The rollout model equalled the policy after every sync (SHA-256 of every tensor).
+    assert [c["iteration"] for c in log["sync_checks"]] == [0, 1, 2, 3]
+    assert all(c["equal"] and c["policy"] == c["rollout"] for c in log["sync_checks"])
+    assert len({c["policy"][0] for c in log["sync_checks"]}) == 4  # the policy really changed
+
+    written = json.loads((tmp_path / "log.json").read_text())
+    assert written["summary"] == log["summary"]
+    assert (tmp_path / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_dead_actor_stops_the_run_naming_actor_and_phase(local_ray, tmp_path):
+    cfg = load_config(CONFIG, ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}",
+                               "ray.phase_timeout_s=120"])
+
+    def kill_critic(run, iteration):
+        if iteration == 0:
+            critic = run.colo.critic[0]
+            ray.kill(critic, no_restart=True)
+
+    with pytest.raises(ActorFailedError) as e:
+        run_ppo(cfg, progress=lambda line: None, on_iteration=kill_critic)
+    assert e.value.actor == "critic_0"
+    assert e.value.phase == "generate"  # the first phase of iteration 1 asks every actor for residency
+    assert "critic_0" in str(e.value) and "died" in str(e.value)
+
+
+@pytest.mark.slow
+def test_reward_rises_over_the_default_run(local_ray, tmp_path):
+    cfg = load_config(CONFIG, ["memory.compare_iterations=0", f"output_dir={tmp_path}"])
+    log = run_ppo(cfg, progress=lambda line: None)
+    rewards = [m["reward"] for m in log["iterations"]]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.2, rewards

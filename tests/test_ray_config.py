@@ -1,0 +1,109 @@
+"""Run configs: shipped YAMLs validate, bad input fails before anything starts, with every problem."""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ray_actors.cli import app
+from ray_actors.cluster import ResourceError, check_resources
+from ray_actors.config import ConfigError, RunConfig, load_config, parse_overrides
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert {p.name for p in CONFIGS} >= {"ppo_cpu_tiny.yaml", "ppo_gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_overrides_are_typed_and_nested():
+    assert parse_overrides(["ppo.iterations=5", "memory.enabled=false", "ray.address=auto", "a.b.c=0.5"]) == {
+        "ppo": {"iterations": 5}, "memory": {"enabled": False}, "ray": {"address": "auto"}, "a": {"b": {"c": 0.5}}}
+    cfg = load_config(CONFIGS[0], ["ppo.iterations=5", "memory.enabled=false", "memory.manager.bucket_size_mb=8"])
+    assert (cfg.ppo.iterations, cfg.memory.enabled, cfg.memory.manager.bucket_size_mb) == (5, False, 8)
+
+
+def test_every_problem_is_listed_with_its_key():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["ppo.iterations=0", "ppo.kl_coef=-1", "policy.hidden_sizee=8", "ray.cpus_per_rank=x"])
+    msg = str(e.value)
+    assert "4 problems" in msg
+    assert "ppo.iterations: Input should be greater than or equal to 1 (got 0)" in msg
+    assert "ppo.kl_coef" in msg and "(got -1)" in msg
+    assert "policy.hidden_sizee: unknown key" in msg
+    assert "ray.cpus_per_rank" in msg
+
+
+def test_cross_field_problems_name_the_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["ppo.response_length=20", "critic.vocab_size=32", "parallel.world_size=3",
+                           "parallel.tensor_model_parallel_size=2"])
+    assert "tensor_model_parallel_size (2) must divide world_size (3)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["ppo.response_length=20", "critic.vocab_size=32"])
+    msg = str(e.value)
+    assert "ppo.prompt_length + ppo.response_length (24) exceeds policy.seq_length (16)" in msg
+    assert "critic.vocab_size (32) must equal policy.vocab_size (64)" in msg
+
+
+@pytest.mark.parametrize("bad, match", [
+    (["ppo.iterations"], "is not key=value"),
+    (["=3"], "is not key=value"),
+    (["ppo..x=1"], "is not key=value"),
+    (["ppo=1", "ppo.iterations=2"], "ppo was already given a value"),
+])
+def test_malformed_overrides(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_overrides(bad)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("ppo: {iterations: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+def test_more_ranks_than_resources_is_refused():
+    cfg = load_config(None, ["parallel.world_size=4", "ppo.prompts_per_iteration=32"])
+    with pytest.raises(ResourceError, match=r"4 rank\(s\) x ray.cpus_per_rank=1 need 4 CPUs but this machine has 2"):
+        check_resources(cfg, cpus=2, gpus=0, where="this machine")
+    gpu = load_config(None, ["parallel.world_size=2", "ray.use_gpu=true"])
+    with pytest.raises(ResourceError, match="need 2 GPUs but the cluster has 1"):
+        check_resources(gpu, cpus=64, gpus=1, where="the cluster")
+    assert check_resources(gpu, cpus=64, gpus=2, where="the cluster") is True
+    assert check_resources(cfg, cpus=8, gpus=0, where="x") is False
+
+
+def test_cli_rejects_bad_config_before_starting_ray(tmp_path):
+    import ray
+
+    result = CliRunner().invoke(app, ["ppo", "--config", str(CONFIGS[0]), "ppo.iterations=-2", "bogus=1"])
+    assert result.exit_code == 2
+    assert "invalid config (2 problems)" in result.output and "bogus: unknown key" in result.output
+    result = CliRunner().invoke(app, ["ppo", "--config", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    assert not ray.is_initialized()
+
+
+def test_cli_refuses_more_ranks_than_cpus_before_starting_ray():
+    import os
+
+    import ray
+
+    n = (os.cpu_count() or 1) + 1
+    result = CliRunner().invoke(app, ["ppo", f"parallel.world_size={n}", f"ppo.prompts_per_iteration={8 * n}",
+                                      "ray.num_cpus=null"])
+    assert result.exit_code == 1
+    assert f"need {n} CPUs but this machine has {n - 1}" in result.output
+    assert not ray.is_initialized()
