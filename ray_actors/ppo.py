@@ -170,7 +170,7 @@ class PPORun:
         n = next(iter(batch.values())).shape[0] // self.dp
         return {k: v[dp_rank * n:(dp_rank + 1) * n] for k, v in batch.items()}
 
-    def _first_tp_outputs(self, name: str, group: list, results: dict) -> torch.Tensor:
+    def _first_tp_outputs(self, group: list, results: dict) -> torch.Tensor:
         """Concatenate the outputs of tensor-parallel rank 0 of every data-parallel rank."""
         return torch.cat([results[ranks[0]] for ranks in self._by_dp_rank(group)], dim=0)
 
@@ -199,7 +199,7 @@ class PPORun:
         c = self.colo
         results = c.call("values", {a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"])
                                     for a in c.critic})
-        return self._first_tp_outputs("values", c.critic, results)
+        return self._first_tp_outputs(c.critic, results)
 
     def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, iteration: int) -> dict:
         c, ppo = self.colo, self.cfg.ppo

@@ -76,3 +76,13 @@ def test_reward_rises_over_the_default_run(local_ray, tmp_path):
     rewards = [m["reward"] for m in log["iterations"]]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.2, rewards
+
+
+@pytest.mark.slow
+def test_tensor_parallel_policy_syncs_merged_shards(local_ray, tmp_path):
+    cfg = load_config(CONFIG, ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2", "ppo.iterations=2",
+                               "memory.compare_iterations=0", "ray.cpus_per_rank=1", f"output_dir={tmp_path}"])
+    log = run_ppo(cfg, progress=lambda line: None)
+    assert len(log["iterations"]) == 2
+    assert all(c["equal"] and len(c["rollout"]) == 2 for c in log["sync_checks"])
+    assert log["summary"]["memory_manager_on"]["ratio"] <= 1.1
