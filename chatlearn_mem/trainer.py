@@ -146,6 +146,7 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     # -- guards --------------------------------------------------------------------------------
     def _before_forward(self, module, args) -> None:
+        self._check_no_concurrent_call("forward pass")
         self._check_weights_resident("forward pass")
         if torch.is_grad_enabled():
             if self._groups["grads"].offloaded:
@@ -156,6 +157,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             self._forward_since_step = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        self._check_no_concurrent_call("optimizer step")
         missing = [p for p in ("main_weights", "optimizer_states", "weights", "grads")
                    if self._groups[p].offloaded]
         if missing:
