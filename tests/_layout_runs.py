@@ -274,6 +274,42 @@ def run_layout(spec: dict) -> dict:
                 **describe(trainer, mm))
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(spec: dict) -> dict:
+    """``spec['steps']`` train steps with a full offload/onload after each, against the same run
+    without offload; records device, host and process memory along the way."""
+    import gc
+
+    setup_parallel(spec)
+    base_losses, base_state, _, _ = train(spec)
+    samples = []
+
+    def cycle(mm, trainer, step):
+        mm.offload()
+        off = mm.residency()
+        reach_off, _ = reachable_bytes(trainer)
+        mm.onload()
+        report = mm.audit()
+        if step % 10 == 0 or step == spec["steps"] - 1:
+            gc.collect()
+            on = mm.residency()
+            samples.append(dict(step=step, device_off=off.device_bytes, host_off=off.host_bytes,
+                                reach_off=reach_off, device_on=on.device_bytes, host_on=on.host_bytes,
+                                reach_on=reachable_bytes(trainer)[0], rss=_rss_bytes(),
+                                audit_ok=report.ok))
+        elif not report.ok:
+            samples.append(dict(step=step, audit_ok=False, problems=report.problems))
+
+    setup_parallel(spec)
+    losses, state, mm, trainer = train(spec, between=cycle)
+    return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state),
+                samples=samples, steps=len(losses))
+
+
 def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str, fn_name: str) -> None:
     """Run ``fn_name(spec)`` for every layout in ``specs_json``; write ``<name>.rank<N>.json``.
 
