@@ -1,6 +1,7 @@
 """Calls from several threads (a Ray actor with max_concurrency > 1): serialised, never
 interleaved; training started while another thread offloads is refused with a clear error."""
 
+import contextlib
 import inspect
 import threading
 import time
@@ -117,10 +118,9 @@ def test_concurrent_offload_onload_audit_residency_never_interleave(trained):
     trainer.train_step(gpt.synthetic_batch(CFG, 9))
 
 
-@pytest.fixture
-def offload_in_progress(trained, monkeypatch):
-    """Another thread is inside mm.offload(), blocked in its first storage release."""
-    mm, trainer = trained
+@contextlib.contextmanager
+def _blocked_in_offload(call, monkeypatch):
+    """Run ``call`` (an offload) in another thread, held inside its first storage release."""
     entered, release = threading.Event(), threading.Event()
     real = storage.StorageGroup.offload
 
@@ -130,13 +130,23 @@ def offload_in_progress(trained, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(storage.StorageGroup, "offload", slow)
-    t = threading.Thread(target=mm.offload)
+    t = threading.Thread(target=call)
     t.start()
     assert entered.wait(30)
-    yield mm, trainer
-    release.set()
-    t.join(30)
-    monkeypatch.undo()
+    try:
+        yield
+    finally:
+        release.set()
+        t.join(30)
+        monkeypatch.undo()
+
+
+@pytest.fixture
+def offload_in_progress(trained, monkeypatch):
+    """Another thread is inside mm.offload(), blocked in its first storage release."""
+    mm, trainer = trained
+    with _blocked_in_offload(mm.offload, monkeypatch):
+        yield mm, trainer
     mm.onload()
     assert mm.audit().ok
 
@@ -182,23 +192,8 @@ def test_forward_during_audit_or_residency_in_another_thread_is_allowed(trained,
 def test_inference_forward_while_another_thread_offloads_is_refused(dist1, monkeypatch):
     module = torch.nn.Linear(8, 8)
     mm = InferenceMemoryManager(module)
-    entered, release = threading.Event(), threading.Event()
-    real = storage.StorageGroup.offload
-
-    def slow(self, *args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(storage.StorageGroup, "offload", slow)
-    t = threading.Thread(target=mm.offload_weights)
-    t.start()
-    assert entered.wait(30)
-    try:
+    with _blocked_in_offload(mm.offload_weights, monkeypatch):
         with pytest.raises(ChatlearnMemError, match=r"InferenceMemoryManager\.offload_weights\(\)"):
             module(torch.ones(1, 8))
-    finally:
-        release.set()
-        t.join(30)
     mm.onload_weights()
     assert mm.audit().ok
