@@ -202,6 +202,7 @@ def _build_chunks_and_optimizer(config: GPTTrainerConfig):
     if config.num_moe_experts is not None:
         extra.update(num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
                      moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                     moe_router_pre_softmax=config.moe_router_topk == 1,  # megatron requires it for top-1
                      add_bias_linear=False,  # megatron's experts add a bias in place into an autograd view
                      expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
     tcfg = TransformerConfig(
