@@ -324,8 +324,11 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str,
     import torch.distributed as dist
 
     gpt.cpu_backend.install()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    # a short timeout: when one rank fails a layout the others give up instead of hanging
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     fn = globals()[fn_name]
     failed = None
     for spec in json.loads(specs_json):
