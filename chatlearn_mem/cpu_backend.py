@@ -8,9 +8,15 @@ events, pins memory and seeds the CUDA generator. On a machine without a GPU non
 * pushing a :class:`torch.overrides.TorchFunctionMode` that rewrites every CUDA device argument
   (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``, a bare device index) to ``"cpu"``, turns
   ``Tensor.cuda()`` into a no-op move, drops ``pin_memory=True`` and makes ``Tensor.type()`` report
-  the CUDA type names megatron's optimizers test for;
+  the CUDA type names megatron's optimizers test for; backward passes (``Tensor.backward``,
+  ``torch.autograd.backward`` / ``grad``) run with the mode pushed again (torch's autograd engine
+  entry point is wrapped), because a mode is off while its own handler runs and megatron's
+  autograd functions allocate on the CUDA device in their backward;
 * replacing the ``torch.cuda`` entry points megatron calls (``current_device``, ``synchronize``,
   ``Stream``, ``Event``, RNG state, memory queries) with CPU stand-ins;
+* defining ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None`` when Transformer
+  Engine is missing (megatron reads the name unconditionally in the MoE router's gating GEMM, so
+  without it every MoE forward raises ``NameError``), so the router uses ``torch.mm``;
 * pointing megatron's CUDA RNG tracker (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``) at the
   CPU default generator, so ``tracker.fork()`` really switches the stream CPU kernels draw from and
   no closures pile up in torch's lazy CUDA call queue (a CPU build queues every
@@ -23,7 +29,8 @@ The mode is active on the thread that called :func:`install` and on every thread
 it; threads already running at that moment do not see it.
 
 Limits: there are no streams (a stream is a no-op and every "async" op completes at once), no
-MoE all-to-all token dispatcher, no sequence parallel with the local layer spec, no fused kernels
+MoE all-to-all or flex token dispatcher (MoE works with the all-gather dispatcher and the local
+``SequentialMLP`` experts; grouped GEMM needs TE or CUDA kernels), no sequence parallel with the local layer spec, no fused kernels
 (apex, Transformer Engine, flash attention) and no CUDA graphs. Call :func:`install` once per
 process before building the model; it does nothing when CUDA is available.
 """
@@ -196,6 +203,39 @@ def _patch_megatron() -> None:
         return
     mcore_random._get_cuda_rng_state = _get_rng_state
     mcore_random._set_cuda_rng_state = _set_rng_state
+    # megatron-core 0.13-0.16 bind te_general_gemm only when Transformer Engine imports, but the
+    # MoE router's gating GEMM tests ``te_general_gemm is not None`` unconditionally: without TE
+    # every MoE forward dies with a NameError. None makes it take its plain torch.mm path.
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _mode_is_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, _CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def _run_backward_under_the_mode() -> None:
+    # ``loss.backward()`` reaches the autograd engine through the mode's own handler, and a mode
+    # is switched off while its handler runs: every Python backward (megatron's gather/scatter
+    # mappings allocate with device=torch.cuda.current_device() there) would run without it.
+    # The engine entry point both torch.autograd.backward and .grad call pushes it again.
+    from torch.autograd import graph
+
+    original = getattr(graph, "_engine_run_backward", None)
+    if original is None:  # torch releases without this entry point: nothing to wrap
+        return
+
+    def run_backward(*args, **kwargs):
+        if _mode_is_active():
+            return original(*args, **kwargs)
+        with _CudaToCpuMode():
+            return original(*args, **kwargs)
+
+    graph._engine_run_backward = run_backward
+    torch.autograd._engine_run_backward = run_backward
 
 
 def _enter_mode_in_new_threads() -> None:
@@ -230,6 +270,7 @@ def install() -> bool:
         _mode = _CudaToCpuMode()
         _mode.__enter__()  # stays pushed for the life of the process, on this thread
         _enter_mode_in_new_threads()
+        _run_backward_under_the_mode()
         _installed = True
     return True
 

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chatlearn_mem import cpu_backend
 
-__all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTValueModel", "build_gpt_model", "build_gpt_trainer", "init_distributed", "synthetic_batch"]
+__all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTPipelineTrainer", "GPTValueModel", "build_gpt_model",
+           "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "synthetic_batch"]
 
 _INSTALL_HINT = "pip install 'megatron-core>=0.13,<0.17'"
 
@@ -48,12 +49,32 @@ class GPTTrainerConfig(BaseModel):
     """Gradient clipping norm (0 disables)."""
     seed: int = 1234
     """Seed for weight initialisation."""
+    num_moe_experts: Optional[int] = Field(None, ge=2)
+    """Mixture-of-experts MLP with this many experts in every layer (None: dense MLP). Uses the
+    all-gather token dispatcher; the experts' params live in DDP's ``expert_parallel_buffers``
+    and get their own (distributed) optimizer inside a ChainedOptimizer."""
+    moe_router_topk: int = Field(2, ge=1)
+    """Experts each token is routed to (MoE only)."""
+    overlap_grad_reduce: bool = False
+    """Overlap DDP's grad reduction with backward (bucket-by-bucket async collectives)."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's param all-gather with the next forward (needs
+    ``use_distributed_optimizer``); parameters are gathered lazily by DDP's forward pre-hooks."""
+    ddp_bucket_size: Optional[int] = Field(None, ge=1)
+    """Elements per DDP bucket (None: megatron's default, one bucket for these tiny models)."""
+    frozen_params: tuple[str, ...] = ()
+    """Parameters whose name contains one of these substrings get ``requires_grad=False`` before
+    DDP wraps the model (they stay outside the DDP buffers and the optimizer)."""
+    num_microbatches: int = Field(1, ge=1)
+    """Micro batches per step in :class:`GPTPipelineTrainer` (the batch is split evenly)."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTTrainerConfig":
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must divide "
                              f"hidden_size ({self.hidden_size})")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=True")
         return self
 
 
@@ -92,7 +113,8 @@ def _megatron():
 
 def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1, init_method: Optional[str] = None,
-                     seed: int = 1234) -> None:
+                     seed: int = 1234, virtual_pipeline_model_parallel_size: Optional[int] = None,
+                     expert_model_parallel_size: int = 1) -> None:
     """Join (or create) the default process group and megatron's model-parallel groups.
 
     Uses gloo on CPU (installing the CPU backend) and NCCL with CUDA. Safe to call again in the
@@ -101,6 +123,9 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
     Args:
         init_method: torch.distributed init method; default ``env://`` with MASTER_ADDR/PORT
             defaulting to 127.0.0.1:29500.
+        virtual_pipeline_model_parallel_size: Model chunks per pipeline rank (interleaved
+            schedule); None for one chunk.
+        expert_model_parallel_size: Ranks the MoE experts are split across.
     """
     _megatron()
     cpu_backend.install()
@@ -118,7 +143,10 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size, pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -145,70 +173,192 @@ class GPTValueModel(torch.nn.Module):
         self.trunk.set_input_tensor(input_tensor)
 
 
-def _transformer_config(config: GPTTrainerConfig):
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
-
-    bf16 = config.precision == "bf16"
-    return TransformerConfig(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, use_cpu_initialization=True,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
-
-
 def build_gpt_model(config: GPTTrainerConfig, value_head: bool = False) -> torch.nn.Module:
-    """Build the bare model of a trainer: a ``GPTModel`` (local layer spec), on the device, in
-    ``config.precision``. With ``value_head`` it is a :class:`GPTValueModel` instead.
+    """Build the bare model of a trainer without pipeline stages: a ``GPTModel`` (local layer
+    spec), on the device, in ``config.precision``, frozen params applied. With ``value_head`` it
+    is a :class:`GPTValueModel` instead.
 
     Requires :func:`init_distributed` first. The weights depend only on ``config.seed`` and the
     model-parallel rank, so models built with the same config start identical; an inference copy
     of a trainer's model (no DDP, no optimizer) is built by this same function.
     """
     _megatron()
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     tcfg = _transformer_config(config)
     torch.manual_seed(config.seed)
     model_parallel_cuda_manual_seed(config.seed)
-    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
-                     position_embedding_type="learned_absolute", post_process=not value_head)
-    if value_head:
-        model = GPTValueModel(model, config.hidden_size, tcfg.params_dtype)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    if config.precision == "bf16":
-        model = model.bfloat16()
-    return model
+    return _gpt_chunk(config, tcfg, None, value_head)
 
 
 def build_gpt_trainer(config: GPTTrainerConfig, value_head: bool = False) -> GPTTrainer:
     """Build a GPTModel (local layer spec), wrap it in DDP and create its megatron optimizer.
 
     Requires :func:`init_distributed` first. The weights depend only on ``config.seed`` and the
-    model-parallel rank, so two trainers built with the same config start identical.
+    model-parallel rank, so two trainers built with the same config start identical. For pipeline
+    parallel (or virtual pipeline) layouts use :func:`build_gpt_pipeline_trainer`.
 
     Args:
         value_head: Build a critic (:class:`GPTValueModel`) instead of a language model.
     """
     _megatron()
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("pipeline parallel size > 1: use build_gpt_pipeline_trainer (a list of model "
+                         "chunks stepped by megatron's pipeline schedule)")
+    chunks, optimizer = _build_chunks_and_optimizer(config, value_head)
+    return GPTTrainer(chunks[0], optimizer, config)
+
+
+def build_gpt_pipeline_trainer(config: GPTTrainerConfig) -> "GPTPipelineTrainer":
+    """Build this rank's model chunks and their optimizer, trained by megatron's pipeline schedule.
+
+    One chunk per virtual pipeline stage (``virtual_pipeline_model_parallel_size`` given to
+    :func:`init_distributed`; one chunk without it). ``config.num_layers`` must be divisible by
+    pipeline size x chunks. Works for pipeline size 1 too (megatron's no-pipelining schedule).
+    """
+    _megatron()
+    chunks, optimizer = _build_chunks_and_optimizer(config)
+    return GPTPipelineTrainer(chunks, optimizer, config)
+
+
+def _transformer_config(config: GPTTrainerConfig):
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    bf16 = config.precision == "bf16"
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    extra: dict = {}
+    if pp > 1:
+        extra.update(pipeline_model_parallel_size=pp, pipeline_dtype=torch.bfloat16 if bf16 else torch.float32)
+    if vpp is not None:
+        extra.update(virtual_pipeline_model_parallel_size=vpp)
+    if config.num_moe_experts is not None:
+        extra.update(num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
+                     moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                     moe_router_pre_softmax=config.moe_router_topk == 1,  # megatron requires it for top-1
+                     add_bias_linear=False,  # megatron's experts add a bias in place into an autograd view
+                     expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+    return TransformerConfig(
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads, use_cpu_initialization=True,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(), **extra)
+
+
+def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_head: bool) -> torch.nn.Module:
+    """One model chunk (pipeline stage ``vp_stage``), on the device, in its dtype, frozen params set."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if value_head and not last:
+        raise ValueError("a value head needs the last pipeline stage; pipeline-parallel critics are not supported")
+    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
+                     vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
+                     position_embedding_type="learned_absolute",
+                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=last and not value_head,
+                     **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+    if value_head:
+        model = GPTValueModel(model, config.hidden_size, tcfg.params_dtype)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    if config.precision == "bf16":
+        model = model.bfloat16()
+    for name, p in model.named_parameters():
+        if any(f in name for f in config.frozen_params):
+            p.requires_grad_(False)
+    return model
+
+
+def _build_chunks_and_optimizer(config: GPTTrainerConfig, value_head: bool = False):
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    model = build_gpt_model(config, value_head)
-    tcfg = model.config
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    torch.manual_seed(config.seed)
+    model_parallel_cuda_manual_seed(config.seed)
+    tcfg = _transformer_config(config)
+    models = [_gpt_chunk(config, tcfg, stage if vpp is not None else None, value_head) for stage in range(vpp or 1)]
+    ddp_extra = {"bucket_size": config.ddp_bucket_size} if config.ddp_bucket_size is not None else {}
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=config.use_distributed_optimizer,
-                                               grad_reduce_in_fp32=config.grad_reduce_in_fp32)
-    model = DistributedDataParallel(tcfg, ddp_config, model)
+                                               grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+                                               overlap_grad_reduce=config.overlap_grad_reduce,
+                                               overlap_param_gather=config.overlap_param_gather, **ddp_extra)
+    chunks = [DistributedDataParallel(tcfg, ddp_config, m, disable_bucketing=i > 0) for i, m in enumerate(models)]
     opt_config = OptimizerConfig(optimizer="adam", lr=config.lr, bf16=tcfg.bf16, params_dtype=tcfg.params_dtype,
                                  use_distributed_optimizer=config.use_distributed_optimizer,
                                  clip_grad=config.clip_grad)
-    optimizer = get_megatron_optimizer(opt_config, [model])
-    return GPTTrainer(model, optimizer, config)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    return chunks, optimizer
+
+
+@dataclass
+class GPTPipelineTrainer:
+    """This rank's DDP-wrapped model chunks (one per virtual pipeline stage) and their optimizer,
+    stepped by megatron-core's pipeline schedule (``get_forward_backward_func``)."""
+
+    model: list
+    optimizer: Any
+    config: GPTTrainerConfig
+
+    def __post_init__(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        tcfg = self.model[0].module.config  # shared by every chunk
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        no_sync = [c.no_sync for c in self.model]
+        tcfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if self.config.overlap_grad_reduce:
+            sync = [c.start_grad_sync for c in self.model]
+            tcfg.grad_sync_func = sync[0] if len(sync) == 1 else sync
+
+    def train_step(self, tokens: torch.Tensor) -> float:
+        """One optimizer step on ``tokens`` (B, T), split into ``config.num_microbatches`` micro
+        batches; returns the mean loss (computed on the last pipeline stage, sent to every stage)."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for c in self.model:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        micro = tokens.chunk(self.config.num_microbatches)
+        if len({m.shape[0] for m in micro}) != 1 or len(micro) != self.config.num_microbatches:
+            raise ValueError(f"batch of {tokens.shape[0]} does not split into "
+                             f"{self.config.num_microbatches} equal micro batches")
+        data = [iter(micro) for _ in self.model]
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            positions = torch.arange(batch.shape[1], device=batch.device).unsqueeze(0).expand_as(batch)
+            out = model(batch[:, :-1], positions[:, :-1], None, labels=batch[:, 1:])
+
+            def loss_func(per_token):
+                loss = per_token.float().mean()
+                return loss, {"loss": loss.detach()}
+
+            return out, loss_func
+
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro), seq_length=tokens.shape[1] - 1,
+            micro_batch_size=micro[0].shape[0], forward_only=False)
+        self.optimizer.step()
+        loss = torch.zeros(1, dtype=torch.float32, device=tokens.device)
+        if losses:
+            loss += torch.stack([d["loss"] for d in losses]).mean()
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                        group=parallel_state.get_pipeline_model_parallel_group())
+        return loss.item()
 
 
 def synthetic_batch(config: GPTTrainerConfig, step: int, batch_size: int = 4, rank: int = 0) -> torch.Tensor:

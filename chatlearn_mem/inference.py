@@ -69,6 +69,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         return (self._dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
 
     def _before_forward(self, module, args) -> None:
+        self._check_no_concurrent_call("forward pass")
         self._check_weights_resident("forward pass")
 
     @serialized

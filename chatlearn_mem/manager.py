@@ -10,19 +10,34 @@ from typing import Callable, Hashable, Iterable, Optional
 import torch
 
 from chatlearn_mem.config import MemoryConfig
-from chatlearn_mem.errors import OffloadedError
+from chatlearn_mem.errors import ChatlearnMemError, OffloadedError
 from chatlearn_mem.storage import StorageGroup, TransferStats, extent, storage_key, unique_storages
 
 __all__ = ["MemoryManagerBase", "serialized"]
 
 
+_READ_ONLY_CALLS = frozenset({"audit", "residency"})
+
+
 def serialized(method: Callable) -> Callable:
-    """Run a public manager method under the manager's lock: concurrent calls queue, never interleave."""
+    """Run a public manager method under the manager's lock: concurrent calls queue, never interleave.
+
+    The outermost call also records itself in ``_active_call`` so that the forward and step guards
+    (which run in the training thread, outside the lock) can refuse to run while another thread
+    is releasing or restoring memory.
+    """
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
-            return method(self, *args, **kwargs)
+            outer = self._active_call is None
+            if outer:
+                self._active_call = (method.__name__, threading.get_ident())
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                if outer:
+                    self._active_call = None
 
     return wrapper
 
@@ -40,6 +55,7 @@ class MemoryManagerBase:
         self.config = config or MemoryConfig()
         self.device = device
         self._lock = threading.RLock()
+        self._active_call: Optional[tuple[str, int]] = None  # (method, thread id) of the call in progress
         self._groups = {name: StorageGroup(name, keep, self.config) for name, keep in parts.items()}
         self._dirty_epoch = 0
         self._hook_handles: list = []
@@ -147,6 +163,17 @@ class MemoryManagerBase:
     def _empty_cache(self) -> None:
         if self.config.empty_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _check_no_concurrent_call(self, what: str) -> None:
+        """Refuse ``what`` (a forward pass, an optimizer step) while another thread is inside an
+        offload or onload: the memory it would compute with is being released or restored."""
+        active = self._active_call
+        if active is not None and active[1] != threading.get_ident() and active[0] not in _READ_ONLY_CALLS:
+            raise ChatlearnMemError(
+                f"{what} while another thread is inside {type(self).__name__}.{active[0]}(); the "
+                "memory it would use is being released or restored. Run training and the manager's "
+                "calls from one thread at a time (e.g. a Ray actor with max_concurrency=1 or one "
+                "concurrency group)")
 
     def _check_weights_resident(self, what: str) -> None:
         if self._groups["weights"].offloaded:

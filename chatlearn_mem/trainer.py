@@ -34,7 +34,9 @@ class TrainerMemoryManager(MemoryManagerBase):
         weights: every DDP param buffer, parameters outside the buffers (frozen ones) and module
             buffers on the device. Copied to the host.
         grads: the DDP grad buffers (and a param buffer sharing their storage). Dropped, never
-            copied; rebuilt zeroed.
+            copied; rebuilt zeroed. Dropping them also drops the ``.grad`` tensors derived from
+            them and the activation the pipeline schedule left on each chunk (its last micro
+            batch's input from the previous stage, reset before every forward).
         main_weights: the optimizers' fp32 main weights. Copied to the host.
         optimizer_states: the torch optimizers' state tensors (Adam ``exp_avg`` ...). Copied.
 
@@ -119,13 +121,15 @@ class TrainerMemoryManager(MemoryManagerBase):
                     yield (f"chunk{i}.{name}" if many else name), t
 
     def _stale_grads(self) -> Iterable[torch.Tensor]:
-        """``.grad`` tensors the optimizers derived from ``main_grad`` (recreated every step)."""
+        """``.grad`` tensors the optimizers derived from ``main_grad`` (recreated every step) and
+        the activations the pipeline schedule left on the chunks (reset before every forward)."""
         for leaf in self._leaves:
             yield from layout.derived_grads(leaf)
         for c in self._chunks:
             for p in c.parameters():
                 if p.grad is not None:
                     yield p.grad
+            yield from layout.pipeline_input_tensors(c)
 
     def _part_token(self, part: str) -> Optional[Hashable]:
         if part == "grads":
@@ -149,6 +153,7 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     # -- guards --------------------------------------------------------------------------------
     def _before_forward(self, module, args) -> None:
+        self._check_no_concurrent_call("forward pass")
         self._check_weights_resident("forward pass")
         if torch.is_grad_enabled():
             if self._groups["grads"].offloaded:
@@ -159,6 +164,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             self._forward_since_step = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        self._check_no_concurrent_call("optimizer step")
         missing = [p for p in ("main_weights", "optimizer_states", "weights", "grads")
                    if self._groups[p].offloaded]
         if missing:
@@ -324,12 +330,15 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     def _drop_stale_grads(self) -> None:
         # The same as megatron's optimizer.zero_grad(set_to_none=True): these are derived from
-        # main_grad (or alias it) and are recreated by the next step's prepare_grads().
+        # main_grad (or alias it) and are recreated by the next step's prepare_grads(). The
+        # pipeline schedule's last received activation (and its grad) is set afresh before
+        # every forward, so holding it only pins device memory.
         for leaf in self._leaves:
             layout.clear_derived_grads(leaf)
         for c in self._chunks:
             for p in c.parameters():
                 p.grad = None
+            layout.clear_pipeline_input_tensors(c)
 
     def _audit_buffers(self, report: AuditReport) -> None:
         self._check_rebinds(report)

@@ -159,3 +159,47 @@ def test_cuda_device_arguments_work_in_other_threads():
     t.start()
     t.join(timeout=10)
     assert result == {"device": "cpu"}
+
+
+def test_moe_router_gate_runs_without_transformer_engine():
+    # megatron-core 0.13 and 0.16 import te_general_gemm only when Transformer Engine is
+    # installed, yet the router's gating function reads it unconditionally (NameError).
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe import moe_utils
+
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    try:
+        out = moe_utils.router_gating_linear(x, w, None, torch.float32)  # 0.16: (inp, weight, bias, dtype)
+    except TypeError:
+        out = moe_utils.router_gating_linear(x, w, torch.float32)  # 0.13: (inp, weight, dtype)
+    assert torch.allclose(out, x @ w.t())
+    out.sum().backward()
+    assert torch.allclose(w.grad, x.detach().sum(0).expand(4, 8))
+
+
+class _AllocatesInBackward(torch.autograd.Function):
+    """Like megatron's gather/scatter mappings: the backward allocates on the current CUDA device."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=torch.cuda.current_device())
+        return out.copy_(grad * 2)
+
+
+@pytest.mark.parametrize("run", [
+    lambda y, x: y.sum().backward(),
+    lambda y, x: torch.autograd.backward([y.sum()]),
+    lambda y, x: setattr(x, "grad", torch.autograd.grad(y.sum(), x)[0]),
+], ids=["Tensor.backward", "autograd.backward", "autograd.grad"])
+def test_backward_passes_run_under_the_mode(run):
+    # A torch function mode is switched off while its own handler runs, so a backward pass
+    # started through the mode ran every Python backward without it (MoE's all-gather
+    # dispatcher allocates with device=torch.cuda.current_device() in its backward).
+    x = torch.ones(3, requires_grad=True)
+    run(_AllocatesInBackward.apply(x), x)
+    assert torch.equal(x.grad, torch.full((3,), 2.0))

@@ -36,6 +36,7 @@ __all__ = [
     "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
     "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
+    "pipeline_input_tensors", "clear_pipeline_input_tensors",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 16))
@@ -245,6 +246,31 @@ def _grad_holders(leaf: Any) -> list[torch.Tensor]:
     for group in torch_optimizer(leaf).param_groups:
         out += list(group["params"])
     return out
+
+
+def _input_tensor_holders(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    # TransformerBlock.set_input_tensor (called by the pipeline schedule before every forward)
+    # stores the activation received from the previous stage in ``input_tensor``.
+    return [m for m in chunk.modules() if hasattr(m, "set_input_tensor") and "input_tensor" in vars(m)]
+
+
+def pipeline_input_tensors(chunk: torch.nn.Module) -> list[torch.Tensor]:
+    """Activations megatron's pipeline schedule left on a chunk: the last micro batch's input
+    from the previous stage (``TransformerBlock.input_tensor``) and its ``.grad``."""
+    out = []
+    for m in _input_tensor_holders(chunk):
+        t = m.input_tensor
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+            if t.grad is not None:
+                out.append(t.grad)
+    return out
+
+
+def clear_pipeline_input_tensors(chunk: torch.nn.Module) -> None:
+    """Drop them (the schedule sets a fresh one before every forward)."""
+    for m in _input_tensor_holders(chunk):
+        m.input_tensor = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

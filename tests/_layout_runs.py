@@ -1,0 +1,381 @@
+"""Multi-process trainer layouts (TP, PP, virtual PP, MoE/EP, overlap, frozen, precisions).
+
+One spawned process group runs several layouts one after the other, re-initialising megatron's
+model-parallel state between them, so the process start and megatron import (which dominate on
+CPU) are paid once per group, not once per layout. Each rank writes one JSON result per layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import traceback
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from chatlearn_mem import TrainerMemoryManager, gpt
+from chatlearn_mem.mcore import layout
+
+_T0 = time.perf_counter()  # module import in the spawned process, before megatron's
+
+STEPS = 4
+BATCH = 4
+
+
+def layout_spec(name: str, world: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
+                steps: int = STEPS, inject_bugs: bool = False, **cfg) -> dict:
+    """A layout: process-group sizes, the GPTTrainerConfig fields, and whether to break aliases
+    on purpose after the exactness run (:func:`inject_bugs`)."""
+    return dict(name=name, world=world, tp=tp, pp=pp, vpp=vpp, ep=ep, steps=steps, cfg=cfg,
+                inject_bugs=inject_bugs)
+
+
+def setup_parallel(spec: dict) -> None:
+    """(Re)initialise megatron's model-parallel groups for ``spec`` in this process."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        spec["tp"], spec["pp"], virtual_pipeline_model_parallel_size=spec["vpp"],
+        expert_model_parallel_size=spec["ep"])
+    model_parallel_cuda_manual_seed(1234)
+
+
+def chunks_of(trainer) -> list:
+    return trainer.model if isinstance(trainer.model, list) else [trainer.model]
+
+
+def sync_params(trainer) -> None:
+    """Finish a lazy (overlapped) param all-gather so the model params hold the stepped weights."""
+    if trainer.config.overlap_param_gather:
+        for c in chunks_of(trainer):
+            c.start_param_sync(force_sync=True)
+
+
+def snapshot(trainer) -> list[torch.Tensor]:
+    """Every chunk's weights, the fp32 main weights and the optimizer states, cloned."""
+    sync_params(trainer)
+    out = [p.detach().clone() for c in chunks_of(trainer) for p in c.parameters()]
+    for leaf in layout.leaf_optimizers(trainer.optimizer):
+        out += [t.detach().clone() for t in layout.main_weights(leaf)]
+        for state in layout.torch_optimizer(leaf).state.values():
+            out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def build(spec: dict):
+    cfg = gpt.GPTTrainerConfig(**spec["cfg"])
+    return gpt.build_gpt_pipeline_trainer(cfg)
+
+
+def batch(trainer, step: int) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    return gpt.synthetic_batch(trainer.config, step, batch_size=BATCH,
+                               rank=parallel_state.get_data_parallel_rank())
+
+
+def train(spec: dict, between: Optional[Callable] = None):
+    """Train ``spec['steps']`` steps calling ``between(mm, trainer, step)`` after each."""
+    trainer = build(spec)
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    losses = []
+    for step in range(spec["steps"]):
+        losses.append(trainer.train_step(batch(trainer, step)))
+        if between is not None:
+            between(mm, trainer, step)
+    return losses, snapshot(trainer), mm, trainer
+
+
+def reachable_storages(*roots) -> dict[int, tuple[str, torch.UntypedStorage]]:
+    """Every tensor storage reachable from ``roots`` through attributes, containers and modules.
+
+    An independent view of what a trainer holds (the manager's residency() counts only the
+    tensors it knows about): ``{storage id: (first path found, storage)}``.
+    """
+    import types
+
+    seen_objs: set[int] = set()
+    out: dict[int, tuple[str, torch.UntypedStorage]] = {}
+    stack = [(f"root{i}", r) for i, r in enumerate(roots)]
+    from chatlearn_mem.manager import MemoryManagerBase
+
+    # The manager is reached through its hooks; what it holds is its host store (host memory).
+    skip = (str, bytes, int, float, bool, type(None), types.FunctionType, types.BuiltinFunctionType,
+            types.ModuleType, type, torch.dtype, torch.device, torch.distributed.ProcessGroup,
+            MemoryManagerBase)
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, skip) or id(obj) in seen_objs:
+            continue
+        seen_objs.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta":
+                s = obj.untyped_storage()
+                out.setdefault(s._cdata, (path, s))
+            for attr in ("main_grad", "grad"):
+                t = getattr(obj, attr, None) if attr != "grad" or obj.is_leaf else None
+                if isinstance(t, torch.Tensor):
+                    stack.append((f"{path}.{attr}", t))
+            continue
+        if isinstance(obj, types.MethodType):
+            stack.append((f"{path}.__self__", obj.__self__))
+            continue
+        if isinstance(obj, dict):
+            for i, (k, v) in enumerate(obj.items()):
+                key = repr(k)[:40] if isinstance(k, (str, int)) else f"<{type(k).__name__} #{i}>"
+                stack.append((f"{path}[{key}]", v))
+                if isinstance(k, torch.Tensor):
+                    stack.append((f"{path}.keys()[{i}]", k))
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+            continue
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in d.items())
+    return out
+
+
+def reachable_bytes(trainer) -> tuple[int, list[str]]:
+    """Bytes of every storage reachable from the trainer's chunks and optimizer, and the paths
+    of the ones larger than 0 bytes (for error messages)."""
+    found = reachable_storages(chunks_of(trainer), trainer.optimizer)
+    live = [(s.nbytes(), p) for p, s in found.values() if s.nbytes()]
+    return sum(n for n, _ in live), [f"{p} ({n} bytes)" for n, p in sorted(live, reverse=True)]
+
+
+def describe(trainer, mm) -> dict:
+    """Facts about the layout, so the tests can check it really is what it claims."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    leaves = layout.leaf_optimizers(trainer.optimizer)
+    chunks = chunks_of(trainer)
+    return dict(
+        n_chunks=len(chunks),
+        n_expert_buffers=sum(len(getattr(c, "expert_parallel_buffers", None) or []) for c in chunks),
+        n_buffers=sum(len(c.buffers) for c in chunks),
+        leaf_types=[type(leaf).__name__ for leaf in leaves],
+        chained=isinstance(trainer.optimizer, ChainedOptimizer),
+        n_frozen=sum(not p.requires_grad for c in chunks for p in c.parameters()),
+        n_bucket_groups=len(layout.bucket_groups(chunks)),
+        n_cached_shards=sum(len(layout.cached_shard_views(g)) for g in layout.bucket_groups(chunks)),
+        audit_checks=mm.audit().checked,
+    )
+
+
+def _audit_text(mm) -> str:
+    return "\n".join(mm.audit().problems)
+
+
+def inject_bugs(mm, trainer) -> dict:
+    """Break one alias at a time the way a buggy offloader would, record what audit() says, undo.
+
+    Targets the last chunk and the last optimizer (the expert-parallel ones in a MoE model, the
+    second virtual stage with virtual pipeline). Returns ``{bug: audit problems}`` plus
+    ``{bug + "/undone": audit problems after undoing}`` (empty when clean again).
+    """
+    out = {}
+    chunk = chunks_of(trainer)[-1]
+    bufs = layout.ddp_buffers(chunk, len(chunks_of(trainer)) - 1)
+    target_buf = bufs[-1]  # expert_parallel_buffers come last
+    param = next(p for p in reversed(list(target_buf.param_offsets)) if p.requires_grad)
+    name = next(n for n, p in chunk.named_parameters() if p is param)
+    out["target_param"] = name
+
+    # 1. A bucket-group shard cache left pointing at released memory (0.16 keeps these caches).
+    groups = [g for g in layout.bucket_groups([chunk]) if layout.cached_shard_views(g)]
+    if groups:
+        group = groups[-1]
+        attr = next(a for a in ("cached_param_buffer_shard_list", "cached_grad_buffer_shard_list")
+                    if any(x is not None for x in getattr(group, a)))
+        idx = next(i for i, x in enumerate(getattr(group, attr)) if x is not None)
+        saved = getattr(group, attr)[idx]
+        old = torch.empty(sum(t.numel() for t in saved), dtype=saved[0].dtype)  # the "old" bucket
+        n = saved[0].numel()
+        getattr(group, attr)[idx] = [old[r * n:(r + 1) * n] for r in range(len(saved))]
+        old.untyped_storage().resize_(0)  # ... released
+        out["stale_cached_shard"] = _audit_text(mm)
+        getattr(group, attr)[idx] = saved
+        out["stale_cached_shard/undone"] = _audit_text(mm)
+
+    # 2. A param_groups entry that is no longer the live shard (or main) tensor.
+    leaf = layout.leaf_optimizers(trainer.optimizer)[-1]
+    opt = layout.torch_optimizer(leaf)
+    params = [g["params"] for g in opt.param_groups if g["params"]][-1]
+    live = params[-1]
+    params[-1] = live.detach().clone()
+    out["stale_param_group_entry"] = _audit_text(mm)
+    params[-1] = live
+    out["stale_param_group_entry/undone"] = _audit_text(mm)
+
+    # 3. A missing grad-accumulator hook (what a param recreated behind DDP's back ends up with:
+    #    an accumulator without DDP's hook, so its gradient is never reduced).
+    node = layout.grad_accumulator(param)
+    probe = node.register_hook(lambda *a: None)
+    hooks = probe.hooks_dict_ref()
+    probe.remove()
+    saved_hooks = dict(hooks)
+    hooks.clear()
+    out["missing_hook"] = _audit_text(mm)
+    hooks.update(saved_hooks)
+    out["missing_hook/undone"] = _audit_text(mm)
+
+    # 4. A doubled hook (registered again, e.g. by rewrapping): its grad would be reduced twice.
+    handle = node.register_hook(chunk._make_backward_post_hook(param))
+    chunk.grad_accs.append(node)
+    out["doubled_hook"] = _audit_text(mm)
+    handle.remove()
+    chunk.grad_accs.pop()
+    out["doubled_hook/undone"] = _audit_text(mm)
+    return out
+
+
+def run_layout(spec: dict) -> dict:
+    """Baseline run vs the same run with a full offload/onload after every step, on this rank."""
+    setup_parallel(spec)
+    base_losses, base_state, _, _ = train(spec)
+    ratios, problems = [], []
+
+    reach_ratios, leftovers = [], []
+
+    def cycle(mm, trainer, step):
+        before = mm.residency().device_bytes
+        reach_before, _ = reachable_bytes(trainer)
+        mm.offload()
+        after = mm.residency().device_bytes
+        ratios.append(after / before)
+        reach_after, paths = reachable_bytes(trainer)
+        reach_ratios.append(reach_after / reach_before)
+        if step == 0:
+            leftovers.extend(paths[:10])
+        report = mm.audit()  # clean while offloaded too
+        problems.extend(f"step {step} offloaded: {p}" for p in report.problems)
+        mm.onload()
+        report = mm.audit()
+        problems.extend(f"step {step} onloaded: {p}" for p in report.problems)
+
+    setup_parallel(spec)
+    losses, state, mm, trainer = train(spec, between=cycle)
+    bugs = inject_bugs(mm, trainer) if spec.get("inject_bugs") else {}
+    return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state), bugs=bugs,
+                n_tensors=len(state), losses=losses, ratios=ratios, audit_problems=problems,
+                reach_ratios=reach_ratios, leftovers=leftovers,
+                **describe(trainer, mm))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(spec: dict) -> dict:
+    """``spec['steps']`` train steps with a full offload/onload after each, against the same run
+    without offload; records device, host and process memory along the way."""
+    import gc
+
+    setup_parallel(spec)
+    base_losses, base_state, _, _ = train(spec)
+    samples = []
+
+    def cycle(mm, trainer, step):
+        mm.offload()
+        off = mm.residency()
+        reach_off, _ = reachable_bytes(trainer)
+        mm.onload()
+        report = mm.audit()
+        if step % 10 == 0 or step == spec["steps"] - 1:
+            gc.collect()
+            on = mm.residency()
+            samples.append(dict(step=step, device_off=off.device_bytes, host_off=off.host_bytes,
+                                reach_off=reach_off, device_on=on.device_bytes, host_on=on.host_bytes,
+                                reach_on=reachable_bytes(trainer)[0], rss=_rss_bytes(),
+                                audit_ok=report.ok))
+        elif not report.ok:
+            samples.append(dict(step=step, audit_ok=False, problems=report.problems))
+
+    setup_parallel(spec)
+    losses, state, mm, trainer = train(spec, between=cycle)
+    return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state),
+                samples=samples, steps=len(losses))
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str, fn_name: str) -> None:
+    """Run ``fn_name(spec)`` for every layout in ``specs_json``; write ``<name>.rank<N>.json``.
+
+    After the first failing layout the remaining ones are not run (the ranks may be out of step
+    in their collectives); their results say so.
+    """
+    import faulthandler
+
+    faulthandler.enable()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)  # several processes share few cores
+    import torch.distributed as dist
+
+    gpt.cpu_backend.install()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    # a short timeout: when one rank fails a layout the others give up instead of hanging
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    fn = globals()[fn_name]
+    failed = None
+    for spec in json.loads(specs_json):
+        start = time.perf_counter()
+        result: dict = {"rank": rank, "name": spec["name"], "started_s": start - _T0}
+        if failed is not None:
+            result["error"] = f"not run: layout {failed} failed before it in the same process group"
+        else:
+            try:
+                result.update(fn(spec))
+            except Exception:
+                result["error"] = traceback.format_exc()
+                failed = spec["name"]
+        result["seconds"] = time.perf_counter() - start
+        with open(os.path.join(out_dir, f"{spec['name']}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    if failed is None:
+        try:
+            dist.barrier()  # no rank closes its connections while another still talks to it
+        except RuntimeError:
+            pass  # a peer failed a layout and left; its result file says why
+
+
+def spawn_layouts(specs: list[dict], fn_name: str = "run_layout") -> dict[str, list[dict]]:
+    """Run every layout of ``specs`` (same world size) in one spawned process group."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = specs[0]["world"]
+    assert all(s["world"] == world for s in specs)
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        try:
+            mp.spawn(worker, args=(world, init_file, tmp, json.dumps(specs), fn_name), nprocs=world, join=True)
+        except Exception as e:  # the per-rank files (read below) usually say more
+            crash = f"process group failed: {e}"
+        else:
+            crash = "no result written"
+        out = {}
+        for s in specs:
+            out[s["name"]] = []
+            for r in range(world):
+                path = os.path.join(tmp, f"{s['name']}.rank{r}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        out[s["name"]].append(json.load(f))
+                else:
+                    out[s["name"]].append({"rank": r, "error": crash})
+    return out
