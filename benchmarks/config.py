@@ -37,6 +37,8 @@ class BenchConfig(BaseModel):
     """Batch of the one train step that creates the optimizer states before timing."""
     bucket_size_mb: float = Field(256.0, gt=0)
     """``MemoryConfig.bucket_size_mb`` of the manager."""
+    cpu_huge_pages: bool = True
+    """``MemoryConfig.cpu_huge_pages`` of the manager (CPU only; false reproduces the 4 KiB-page onloads)."""
     pin_memory: Optional[bool] = None
     """Pin host buffers (manager store, ceiling, fresh-allocation alternative); None: when CUDA is available."""
     repeats: int = Field(9, ge=3)

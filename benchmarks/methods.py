@@ -9,6 +9,10 @@ one process on one trainer, interleaved repeat by repeat.
 * ``ceiling``: not a way to offload anything; one copy of the same number of bytes between a
   preallocated device buffer and a preallocated host buffer (pinned on GPU). No allocation, no
   release: the fastest a copy of these bytes can be on this machine.
+* ``release_bound``: not a way to offload either; the same copy, but the device buffer is really
+  released after the offload copy and regrown before the onload copy (with the manager's huge
+  page advice on CPU). What any method that frees the memory must at least pay: on CPU the kernel
+  zeroes every page it hands back, an extra pass the preallocated ceiling never makes.
 * ``per_tensor_new_host`` (alternative): every tensor copied one by one into a newly allocated,
   unpinned host tensor (``t.to("cpu")`` on a GPU; an explicit copy on CPU, where ``.to("cpu")``
   copies nothing), as several RLHF systems move optimizer state; copied back tensor by tensor.
@@ -32,13 +36,15 @@ from typing import Optional
 import torch
 
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.storage import advise_huge_pages
 
 __all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
-           "ReplaceRebuild", "LABELS", "sync", "part_storages"]
+           "ReplaceRebuild", "ReleaseBound", "LABELS", "sync", "part_storages"]
 
 LABELS = {
     "manager": "chatlearn-mem manager (reused host store, in-place release)",
     "ceiling": "ceiling: one copy between preallocated buffers",
+    "release_bound": "bound: one copy plus release/regrow of one device buffer",
     "per_tensor_new_host": "alternative: per-tensor copy into new host tensors",
     "fresh_host_alloc": "alternative: fresh host allocation every offload",
     "replace_rebuild": "alternative: replace .data, then rebuild views",
@@ -205,6 +211,25 @@ class CeilingMethod(Method):
     def host_bytes(self) -> tuple[int, int]:
         n = self.host.numel() if self.host is not None else 0
         return n, n if self.pin else 0
+
+
+class ReleaseBound(CeilingMethod):
+    name = "release_bound"
+
+    def offload(self, part: str) -> int:
+        n = super().offload(part)
+        self.dev.untyped_storage().resize_(0)
+        return n
+
+    def onload(self, part: str) -> int:
+        s = self.dev.untyped_storage()
+        s.resize_(self.nbytes)
+        if self.mm.config.cpu_huge_pages:
+            advise_huge_pages(s)
+        return super().onload(part)
+
+    def device_bytes(self, part: str) -> int:
+        return self.dev.untyped_storage().nbytes() if self.dev is not None else 0
 
 
 class PerTensorNewHost(Method):

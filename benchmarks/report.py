@@ -35,16 +35,17 @@ def markdown(res: dict) -> str:
         "",
         "## Time per part",
         "",
-        "| part | direction | method | median ms | IQR ms | min-max ms | GB/s (IQR) | manager/ceiling | time / manager's | manager is |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| part | direction | method | median ms | IQR ms | min-max ms | GB/s (IQR) | manager/ceiling | manager/release bound | time / manager's | manager is |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["timings"]:
         s = r["seconds"]
         gbs = f"{r['gb_per_s']:.2f} ({r['gb_per_s_iqr'][0]:.2f}-{r['gb_per_s_iqr'][1]:.2f})" if r["gb_per_s"] else "-"
         vc = f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") is not None else ""
+        vb = f"{r['vs_release_bound']:.2f}" if r.get("vs_release_bound") is not None else ""
         tm = f"{r['time_vs_manager']:.2f}x" if r.get("time_vs_manager") is not None else ""
         lines.append(f"| {r['part']} | {r['direction']} | {r['method']} | {_ms(s['median'])} | "
-                     f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {tm} | "
+                     f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {vb} | {tm} | "
                      f"{r.get('manager_is', '')} |")
     lines += ["", "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".", "",
               "## Memory per stage (first timed repeat)", "",

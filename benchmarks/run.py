@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.config import COPY_PARTS, PRESETS, BenchConfig, load_config
 from benchmarks.measure import compare, hardware, hardware_slug, memory_snapshot, stats, timed, versions
-from benchmarks.methods import ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, _logical_tensors, part_storages
+from benchmarks.methods import ALTERNATIVES, LABELS, CeilingMethod, ReleaseBound, ManagerMethod, _logical_tensors, part_storages
 
 __all__ = ["main", "run_benchmark", "PARTS"]
 
@@ -70,7 +70,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
     cuda = torch.cuda.is_available()
     pin = bool(cuda and (cfg.pin_memory is None or cfg.pin_memory))
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(
-        bucket_size_mb=cfg.bucket_size_mb, pin_memory=pin if cuda else None,
+        bucket_size_mb=cfg.bucket_size_mb, pin_memory=pin if cuda else None, cpu_huge_pages=cfg.cpu_huge_pages,
         skip_unchanged_weights=False))  # always copy: the benchmark times copies
     device = mm.device
     hw = hardware(device)
@@ -83,11 +83,13 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
 
     manager = ManagerMethod(mm, trainer, pin)
     ceiling = CeilingMethod(mm, trainer, pin)
+    bound = ReleaseBound(mm, trainer, pin)
     alternatives = [ALTERNATIVES[name](mm, trainer, pin) for name in cfg.methods]
     timings, memory = [], []
     for part in PARTS:
-        methods = [manager, ceiling] + (alternatives if part in COPY_PARTS else [])
+        methods = [manager, ceiling, bound] + (alternatives if part in COPY_PARTS else [])
         ceiling.prepare(nbytes[part])
+        bound.prepare(nbytes[part])
         samples = {(m.name, d): [] for m in methods for d in ("offload", "onload")}
         copied = {}
         for r in range(cfg.warmup + cfg.repeats):
@@ -107,9 +109,11 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
                     samples[(m.name, "onload")].append(t_on)
                     copied[(m.name, "offload")], copied[(m.name, "onload")] = c_off, c_on
         ceiling.release()
+        bound.release()
         for direction in ("offload", "onload"):
             ms = stats(samples[("manager", direction)])
             cs = stats(samples[("ceiling", direction)])
+            bs = stats(samples[("release_bound", direction)])
             for m in methods:
                 s = stats(samples[(m.name, direction)])
                 b = copied[(m.name, direction)]
@@ -121,10 +125,11 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
                 if m.name == "manager":
                     ceiling_copies = part != "grads" or direction == "onload"
                     row["vs_ceiling"] = cs["median"] / s["median"] if ceiling_copies and s["median"] else None
+                    row["vs_release_bound"] = bs["median"] / s["median"] if ceiling_copies and s["median"] else None
                     row["vs_ceiling_note"] = ("ceiling/manager time = manager/ceiling throughput"
                                               if part != "grads" else
                                               "grads: no bytes copied; onload ceiling is a zero-fill")
-                elif m.name != "ceiling":
+                elif m.name not in ("ceiling", "release_bound"):
                     row["time_vs_manager"] = s["median"] / ms["median"] if ms["median"] else None
                     row["manager_is"] = compare(ms, s)
                 timings.append(row)
@@ -141,7 +146,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
         "versions": versions(),
         "hardware": hw,
         "model": {"parameters": n_params, "bytes_per_part": nbytes, "pinned_host": pin},
-        "methods": {k: LABELS[k] for k in ["manager", "ceiling"] + list(cfg.methods)},
+        "methods": {k: LABELS[k] for k in ["manager", "ceiling", "release_bound"] + list(cfg.methods)},
         "timings": timings,
         "memory": memory,
         "cycles": cycles,
@@ -170,7 +175,8 @@ def _cycles(mm, trainer, cfg: BenchConfig, device: torch.device) -> dict:
                      **{f"{k}_after_onload": v for k, v in s_on.items() if k.startswith("cuda")}})
     half = len(rows) // 2
     totals = [r["offload_s"] + r["onload_s"] for r in rows]
-    return {"rows": rows, "cycle_s_first_half": stats(totals[:half]), "cycle_s_second_half": stats(totals[half:])}
+    return {"rows": rows, "cycle_s_all": stats(totals), "cycle_s_first_half": stats(totals[:half]),
+            "cycle_s_second_half": stats(totals[half:])}
 
 
 def check_targets(res: dict) -> list[dict]:
@@ -215,9 +221,12 @@ def check_targets(res: dict) -> list[dict]:
             out.append({"name": f"{key} after full offload < 1% of before", "passed": after < 0.01 * before,
                         "detail": f"{after} of {before} bytes"})
     first, second = res["cycles"]["cycle_s_first_half"], res["cycles"]["cycle_s_second_half"]
-    flat = compare(second, first) != "slower"
-    out.append({"name": "time per cycle flat (second half not slower than first beyond spread)", "passed": flat,
-                "detail": f"median {first['median']:.3f} s then {second['median']:.3f} s"})
+    allc = res["cycles"]["cycle_s_all"]
+    slack = max(allc["q75"] - allc["q25"], 0.05 * allc["median"])
+    flat = second["median"] - first["median"] <= slack
+    out.append({"name": "time per cycle flat (second-half median within max(IQR, 5%) of the first)",
+                "passed": flat, "detail": f"median {first['median']:.3f} s then {second['median']:.3f} s "
+                                          f"(allowed +{slack:.3f} s)"})
     integ = res["integrity"]
     out.append({"name": "integrity: tensors bit-identical after every method, audit ok",
                 "passed": integ["tensors_bit_identical_after_all_methods"] and integ["audit_ok"],
