@@ -9,7 +9,15 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("psutil")
 
 from benchmarks import BenchConfig, PARTS, load_config, main  # noqa: E402
-from benchmarks.config import COPY_PARTS  # noqa: E402
+from benchmarks.config import CONFIG_DIR, COPY_PARTS, PRESETS  # noqa: E402
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    assert path.stem in PRESETS  # every file is reachable as --preset
+    cfg = load_config(path=str(path))
+    assert cfg.repeats >= 3 and cfg.cycles >= 2
+    assert load_config(path.stem).trainer == cfg.trainer
 
 
 def test_presets_load_and_overrides_apply():
