@@ -32,7 +32,7 @@ class BenchConfig(BaseModel):
     """Name recorded in the results (the preset the config started from, or ``custom``)."""
     trainer: GPTTrainerConfig = Field(default_factory=lambda: GPTTrainerConfig(
         num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=32768, seq_length=128))
-    """The megatron-core GPT trainer to build (default: about 110 M parameters, bf16, DistOpt)."""
+    """The megatron-core GPT trainer to build (default: about 135 M parameters, bf16, DistOpt)."""
     batch_size: int = Field(2, ge=1)
     """Batch of the one train step that creates the optimizer states before timing."""
     bucket_size_mb: float = Field(256.0, gt=0)
