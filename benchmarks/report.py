@@ -56,6 +56,8 @@ def markdown(res: dict) -> str:
     head = "| part | method | device MiB before / offloaded / onloaded | host MiB offloaded (pinned) | RSS MiB before / offloaded / onloaded |"
     if cuda:
         head += " CUDA alloc MiB b/o/o | CUDA reserved MiB b/o/o |"
+        lines.insert(-1, "CUDA figures include the benchmark's own ceiling and bound buffers for the part "
+                         "(`benchmark_device_buffers_bytes` in the JSON).")
     lines += [head, "|---|---|---|---|---|" + ("---|---|" if cuda else "")]
     by = {}
     for x in res["memory"]:
@@ -127,13 +129,11 @@ def plot(res: dict, path: Path) -> None:
     key = "cuda_reserved_bytes" if cuda else "device_bytes"
     width = 0.8 / len(stages)
     for i, stage in enumerate(stages):
-        ys = []
-        for p in parts:
-            x = next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager" and x["stage"] == stage)
-            ys.append(x[key] / MiB)
+        ys = [next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager"
+                   and x["stage"] == stage)[key] / MiB for p in parts]
         ax2.bar([j + (i - 1) * width for j in range(len(parts))], ys, width, label=f"device, {stage}")
-    rss = [next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager" and x["stage"] == "after_offload")["rss_bytes"] / MiB
-           for p in parts]
+    mem = {(x["part"], x["method"], x["stage"]): x for x in res["memory"]}
+    rss = [mem[(p, "manager", "after_offload")]["rss_bytes"] / MiB for p in parts]
     ax2.plot(range(len(parts)), rss, "k.--", label="process RSS after offload")
     ax2.set_xticks(range(len(parts)), parts)
     ax2.set_ylabel("MiB")

@@ -87,3 +87,22 @@ def test_benchmark_end_to_end(dist1, tmp_path, capsys):
     assert any("optimizer_states onload: manager >= 0.8 of ceiling" in n for n in names)
     assert any("no slower" in n for n in names) and any(n.startswith("no growth") for n in names)
     assert all(isinstance(t["passed"], bool) and t["detail"] for t in res["targets"])
+
+    # The GPU branches of the targets and the tables, on the same figures relabelled as CUDA ones
+    # (no GPU here: this checks the bookkeeping, not CUDA).
+    from benchmarks.report import markdown
+    from benchmarks.run import check_targets
+
+    gpu = json.loads(json.dumps(res))
+    gpu["hardware"].update(device="cuda:0", gpu_name="fake")
+    for x in gpu["memory"]:
+        x.update(cuda_allocated_bytes=x["device_bytes"], cuda_reserved_bytes=x["device_bytes"])
+    for c in gpu["cycles"]["rows"]:
+        for stage in ("offload", "onload"):
+            n = c[f"device_bytes_after_{stage}"]
+            c.update({f"cuda_allocated_bytes_after_{stage}": n, f"cuda_reserved_bytes_after_{stage}": n})
+    targets = {t["name"]: t for t in check_targets(gpu)}
+    assert targets["cuda_reserved_bytes after full offload < 1% of onloaded"]["passed"]
+    assert "main_weights onload: manager >= 0.9 of ceiling" in targets
+    assert any(n.endswith("faster than replace_rebuild") for n in targets)
+    assert "CUDA reserved MiB" in markdown(gpu)
