@@ -12,7 +12,7 @@ from typing import Callable
 import psutil
 import torch
 
-__all__ = ["stats", "timed", "compare", "memory_snapshot", "versions", "hardware", "hardware_slug"]
+__all__ = ["git_revision", "stats", "timed", "compare", "memory_snapshot", "versions", "hardware", "hardware_slug"]
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -65,6 +65,21 @@ def memory_snapshot(device: torch.device) -> dict:
             except Exception:  # noqa: BLE001 - optional statistic
                 pass
     return snap
+
+
+def git_revision() -> str | None:
+    """``HEAD`` of the checkout the benchmark runs from, with ``+dirty`` for uncommitted changes."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
 
 
 def versions() -> dict:

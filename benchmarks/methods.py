@@ -39,7 +39,7 @@ from chatlearn_mem.mcore import layout
 from chatlearn_mem.storage import advise_huge_pages
 
 __all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
-           "ReplaceRebuild", "ReleaseBound", "LABELS", "sync", "part_storages"]
+           "ReplaceRebuild", "ReleaseBound", "LABELS", "sync", "part_storages", "logical_tensors"]
 
 LABELS = {
     "manager": "chatlearn-mem manager (reused host store, in-place release)",
@@ -70,7 +70,7 @@ def part_storages(mm, part: str) -> list[torch.UntypedStorage]:
     return mm._storages(part)
 
 
-def _logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
+def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
     """The tensors a per-tensor system would move: params and module buffers for weights, else
     the manager's own list (main weights, optimizer state tensors)."""
     keys = {s._cdata for s in part_storages(mm, part)}
@@ -241,7 +241,7 @@ class PerTensorNewHost(Method):
 
     def offload(self, part: str) -> int:
         storages = part_storages(self.mm, part)
-        tensors = _logical_tensors(self.mm, self.trainer, part)
+        tensors = logical_tensors(self.mm, self.trainer, part)
         hosts = []
         for t in tensors:
             src = t.detach()
@@ -323,7 +323,7 @@ class ReplaceRebuild(Method):
 
     def offload(self, part: str) -> int:
         storages = part_storages(self.mm, part)
-        logical = _logical_tensors(self.mm, self.trainer, part)
+        logical = logical_tensors(self.mm, self.trainer, part)
         others = _other_views(self.mm, self.trainer, part, logical)
         geo_logical = [self._geometry(t) for t in logical]
         geo_others = [self._geometry(t) for t in others]

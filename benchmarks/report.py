@@ -20,7 +20,8 @@ def markdown(res: dict) -> str:
     lines = [
         f"# chatlearn-mem memory benchmark, {res['date']}",
         "",
-        f"Produced by `{res['command']}` (started {res['started_utc']}).",
+        f"Produced by `{res['command']}` (started {res['started_utc']}, "
+        f"git {res.get('git_revision') or 'unknown'}).",
         "",
         f"- device: {hw['device']}, {dev}; host memory {hw['memory_total_bytes'] / 2**30:.1f} GiB; "
         f"load average at start {', '.join(f'{x:.2f}' for x in hw['load_average_at_start'] or [])}",

@@ -16,8 +16,10 @@ from typing import Optional
 import torch
 
 from benchmarks.config import COPY_PARTS, PRESETS, BenchConfig, load_config
-from benchmarks.measure import compare, hardware, hardware_slug, memory_snapshot, stats, timed, versions
-from benchmarks.methods import ALTERNATIVES, LABELS, CeilingMethod, ReleaseBound, ManagerMethod, _logical_tensors, part_storages
+from benchmarks.measure import (compare, git_revision, hardware, hardware_slug, memory_snapshot, stats, timed,
+                                versions)
+from benchmarks.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound, logical_tensors,
+                                part_storages)
 
 __all__ = ["main", "run_benchmark", "PARTS"]
 
@@ -32,7 +34,7 @@ def _checksum(mm, trainer) -> list[int]:
     out = []
     with torch.no_grad():
         for part in COPY_PARTS:
-            for t in _logical_tensors(mm, trainer, part):
+            for t in logical_tensors(mm, trainer, part):
                 flat = t.detach().reshape(-1)
                 iview = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
                 out.append(int(flat.view(iview).sum(dtype=torch.int64)))
@@ -150,6 +152,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
     audit = mm.audit()
     result = {
         "command": command,
+        "git_revision": git_revision(),
         "started_utc": started.isoformat(timespec="seconds"),
         "date": started.date().isoformat(),
         "config": cfg.model_dump(mode="json"),
