@@ -11,7 +11,10 @@ when they must survive.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional
@@ -21,7 +24,7 @@ import torch
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.host_store import HostStore
 
-__all__ = ["StorageGroup", "TransferStats", "extent", "storage_key", "unique_storages"]
+__all__ = ["StorageGroup", "TransferStats", "advise_huge_pages", "extent", "storage_key", "unique_storages"]
 
 logger = logging.getLogger("chatlearn_mem")
 
@@ -58,6 +61,45 @@ def extent(t: torch.Tensor) -> int:
 def _grow_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     """Reallocate a released storage. Module-level so tests can inject allocation failures."""
     storage.resize_(nbytes)
+
+
+_HUGE_PAGE = 2 * 2**20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_madvise = None  # resolved libc madvise, False when unavailable
+
+
+def _libc_madvise(address: int, length: int, advice: int) -> int:
+    """``madvise(2)`` through libc; returns its result (0 on success, -1 when unavailable)."""
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    return _madvise(address, length, advice) if _madvise else -1
+
+
+def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
+    """Ask Linux to back the 2 MiB-aligned interior of a CPU storage with transparent huge pages.
+
+    Call it right after growing a released storage, before anything touches it: the first write
+    then faults in 2 MiB pages instead of 4 KiB ones (512x fewer page faults), and releasing the
+    storage again unmaps far fewer pages. Only the aligned range inside the storage is advised,
+    so no neighbouring allocation is affected. Returns whether a range was advised; storages
+    under 4 MiB, non-CPU storages and non-Linux systems are left alone.
+    """
+    n = storage.nbytes()
+    if storage.device.type != "cpu" or not sys.platform.startswith("linux") or n < 2 * _HUGE_PAGE:
+        return False
+    ptr = storage.data_ptr()
+    lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+    hi = (ptr + n) // _HUGE_PAGE * _HUGE_PAGE
+    if hi <= lo:
+        return False
+    return _libc_madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
 def _synchronize(device: torch.device) -> None:
@@ -212,6 +254,8 @@ class StorageGroup:
             for s, n in self._released:
                 _grow_storage(s, n)
                 grown.append(s)
+                if self._config.cpu_huge_pages:
+                    advise_huge_pages(s)
         except BaseException:
             for s in grown:
                 s.resize_(0)

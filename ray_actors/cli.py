@@ -40,7 +40,7 @@ def ppo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML
 def bench(ctx: typer.Context) -> None:
     """Memory benchmark (arguments go to ``python -m benchmarks``; try ``bench --help``)."""
     try:
-        from benchmarks.__main__ import main as bench_main
+        from benchmarks import main as bench_main
     except ImportError as e:
         typer.echo(f"error: the benchmarks package is not importable ({e}); run from a source checkout "
                    "installed with `pip install -e .`", err=True)

@@ -14,6 +14,7 @@ def test_defaults():
     assert cfg.pin_memory is None
     assert cfg.skip_unchanged_weights is True
     assert cfg.empty_cache is True
+    assert cfg.cpu_huge_pages is True
 
 
 def test_unknown_key_rejected_by_name():

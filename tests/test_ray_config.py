@@ -107,3 +107,9 @@ def test_cli_refuses_more_ranks_than_cpus_before_starting_ray():
     assert result.exit_code == 1
     assert f"need {n} CPUs but this machine has {n - 1}" in result.output
     assert not ray.is_initialized()
+
+
+def test_cli_bench_forwards_its_arguments_to_the_benchmark():
+    result = CliRunner().invoke(app, ["bench", "--preset", "tiny", "--print-config", "--set", "repeats=3"])
+    assert result.exit_code == 0, result.output
+    assert '"preset": "tiny"' in result.output and '"repeats": 3' in result.output

@@ -1,5 +1,7 @@
 """Tests of StorageGroup on CPU tensors: in-place release/restore, host-copy tokens, failures."""
 
+import os
+
 import pytest
 import torch
 
@@ -282,3 +284,73 @@ def test_transfer_stats_fields(storages):
     assert TransferStats("w", "onload", 10, 10, 0.0).gb_per_s == 0.0
     with pytest.raises(AttributeError):
         out.copied_bytes = 0
+
+
+# -- transparent huge pages for regrown CPU storages -------------------------------------------
+MiB = 2**20
+
+
+@pytest.fixture
+def madvise_calls(monkeypatch):
+    calls = []
+
+    def fake(address, length, advice):
+        calls.append((address, length, advice))
+        return 0
+
+    monkeypatch.setattr(storage_mod, "_libc_madvise", fake)
+    monkeypatch.setattr(storage_mod.sys, "platform", "linux")
+    return calls
+
+
+def test_onload_advises_huge_pages_over_aligned_interior(madvise_calls):
+    t = torch.arange(3 * MiB, dtype=torch.int32)  # 12 MiB
+    expected = bits(t)
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=4))
+    s = t.untyped_storage()
+    group.offload([s])
+    assert madvise_calls == []  # offload only releases
+    group.onload()
+    assert torch.equal(bits(t), expected)
+    assert len(madvise_calls) == 1
+    address, length, advice = madvise_calls[0]
+    ptr, n = s.data_ptr(), s.nbytes()
+    assert advice == storage_mod._MADV_HUGEPAGE
+    assert address % (2 * MiB) == 0 and length % (2 * MiB) == 0 and length > 0
+    assert ptr <= address and address + length <= ptr + n  # nothing outside the storage
+
+
+def test_huge_pages_also_for_dropped_grads(madvise_calls):
+    t = torch.ones(2 * MiB, dtype=torch.float32)  # 8 MiB
+    group = StorageGroup("grads", False, MemoryConfig())
+    group.offload([t.untyped_storage()])
+    group.onload()
+    assert len(madvise_calls) == 1 and torch.count_nonzero(t) == 0
+
+
+def test_huge_pages_off_by_config_and_for_small_storages(madvise_calls):
+    big = torch.ones(2 * MiB, dtype=torch.float32)
+    small = torch.ones(MiB // 2, dtype=torch.float32)  # 2 MiB: below the 4 MiB threshold
+    off = StorageGroup("weights", True, MemoryConfig(cpu_huge_pages=False))
+    off.offload([big.untyped_storage()])
+    off.onload()
+    on = StorageGroup("weights", True, MemoryConfig())
+    on.offload([small.untyped_storage()])
+    on.onload()
+    assert madvise_calls == []
+    assert torch.equal(big, torch.ones_like(big)) and torch.equal(small, torch.ones_like(small))
+
+
+def test_advise_huge_pages_skips_non_linux(monkeypatch, madvise_calls):
+    monkeypatch.setattr(storage_mod.sys, "platform", "darwin")
+    assert not storage_mod.advise_huge_pages(torch.ones(4 * MiB, dtype=torch.uint8).untyped_storage())
+    assert madvise_calls == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="kernel without transparent huge pages")
+def test_advise_huge_pages_real_madvise_succeeds():
+    t = torch.empty(8 * MiB, dtype=torch.uint8)
+    assert storage_mod.advise_huge_pages(t.untyped_storage())
+    t.fill_(7)
+    assert int(t[-1]) == 7

@@ -1,0 +1,386 @@
+"""The ways of moving a trainer part off the device and back that the benchmark times.
+
+Every method moves exactly the tensors the manager moves (``TrainerMemoryManager._part_tensors``,
+the same storages and bytes) and leaves the trainer exactly as it found it, so all methods run in
+one process on one trainer, interleaved repeat by repeat.
+
+* ``manager``: :class:`chatlearn_mem.TrainerMemoryManager` (host store reused, storages released
+  and regrown in place).
+* ``ceiling``: not a way to offload anything; one copy of the same number of bytes between a
+  preallocated device buffer and a preallocated host buffer (pinned on GPU). No allocation, no
+  release: the fastest a copy of these bytes can be on this machine.
+* ``release_bound``: not a way to offload either; the same copy, but the device buffer is really
+  released after the offload copy and regrown before the onload copy (with the manager's huge
+  page advice on CPU). What any method that frees the memory must at least pay: on CPU the kernel
+  zeroes every page it hands back, an extra pass the preallocated ceiling never makes.
+* ``per_tensor_new_host`` (alternative): every tensor copied one by one into a newly allocated,
+  unpinned host tensor (``t.to("cpu")`` on a GPU; an explicit copy on CPU, where ``.to("cpu")``
+  copies nothing), as several RLHF systems move optimizer state; copied back tensor by tensor.
+  Device memory is released and regrown in place like the manager, so the difference is the
+  per-tensor copies and the fresh host allocations.
+* ``fresh_host_alloc`` (alternative): one host buffer per storage, allocated anew (pinned on GPU)
+  on every offload and dropped after onload, instead of a reused store. Copies whole storages
+  like the manager, so the difference is the allocation (and, on GPU, pinning) every cycle.
+* ``replace_rebuild`` (alternative): ``t.data = <host copy>`` for every tensor (``param.data``
+  replacement), the device storage dropped; onload allocates a new device buffer per storage,
+  copies every tensor back into it and rebuilds every view megatron keeps (params, buffer and
+  bucket views, cached bucket-group shards, distributed-optimizer shards) by reassigning
+  ``.data``. After timing, the benchmark (untimed) moves everything back onto the original
+  storages so the next method finds the trainer unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from chatlearn_mem.mcore import layout
+from chatlearn_mem.storage import advise_huge_pages
+
+__all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
+           "ReplaceRebuild", "ReleaseBound", "LABELS", "sync", "part_storages", "logical_tensors"]
+
+LABELS = {
+    "manager": "chatlearn-mem manager (reused host store, in-place release)",
+    "ceiling": "ceiling: one copy between preallocated buffers",
+    "release_bound": "bound: one copy plus release/regrow of one device buffer",
+    "per_tensor_new_host": "alternative: per-tensor copy into new host tensors",
+    "fresh_host_alloc": "alternative: fresh host allocation every offload",
+    "replace_rebuild": "alternative: replace .data, then rebuild views",
+}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA) so wall time covers the copies."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _view(storage: torch.UntypedStorage, dtype, offset, size, stride) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def part_storages(mm, part: str) -> list[torch.UntypedStorage]:
+    """The device storages the manager moves for ``part`` (the same bytes for every method)."""
+    return mm._storages(part)
+
+
+def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
+    """The tensors a per-tensor system would move: params and module buffers for weights, else
+    the manager's own list (main weights, optimizer state tensors)."""
+    keys = {s._cdata for s in part_storages(mm, part)}
+    if part == "weights":
+        cands = [t for c in layout.ddp_chunks(trainer.model)
+                 for t in list(c.parameters()) + layout.module_buffers(c)]
+    else:
+        cands = list(mm._part_tensors(part))
+    seen, out = set(), []
+    for t in cands:
+        if t is not None and id(t) not in seen and t.untyped_storage()._cdata in keys and t.numel():
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _other_views(mm, trainer, part: str, logical: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every other tensor megatron keeps into the part's storages (rebuilt by replace_rebuild)."""
+    keys = {s._cdata for s in part_storages(mm, part)}
+    cands: list[torch.Tensor] = []
+    chunks = layout.ddp_chunks(trainer.model)
+    for i, c in enumerate(chunks):
+        for b in layout.ddp_buffers(c, i):
+            cands += [b.param_data, b.grad_data] + [v for _, v, _, _ in layout.bucket_views(b)]
+    for g in layout.bucket_groups(chunks, trainer.optimizer):
+        cands += [shard for _, shard, _ in layout.cached_shard_views(g)]
+    for leaf in layout.leaf_optimizers(trainer.optimizer):
+        cands += [sv.shard for sv in layout.shard_views(leaf)]
+    skip = {id(t) for t in logical}
+    out, seen = [], set()
+    for t in cands:
+        if t is None or id(t) in skip or id(t) in seen:
+            continue
+        if t.untyped_storage()._cdata in keys:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+class Method:
+    """One way of offloading and onloading a part. ``offload``/``onload`` return bytes copied."""
+
+    name = "method"
+
+    def __init__(self, mm, trainer, pin: bool):
+        self.mm, self.trainer, self.pin = mm, trainer, pin
+        self.device = mm.device
+
+    def offload(self, part: str) -> int:
+        raise NotImplementedError
+
+    def onload(self, part: str) -> int:
+        raise NotImplementedError
+
+    def restore(self, part: str) -> None:
+        """Untimed: put the trainer back exactly as the manager expects it."""
+
+    def device_bytes(self, part: str) -> int:
+        """Device bytes the part holds now (the part's storages plus any new device buffers)."""
+        return sum(s.nbytes() for s in part_storages(self.mm, part))
+
+    def host_bytes(self) -> tuple[int, int]:
+        """``(host bytes this method holds now, of which pinned)``."""
+        return 0, 0
+
+
+class ManagerMethod(Method):
+    name = "manager"
+
+    def offload(self, part: str) -> int:
+        mm = self.mm
+        if part == "full":
+            return sum(s.copied_bytes for s in mm.offload(force=True))
+        st = mm.free_grad_buffers(force=True) if part == "grads" else getattr(mm, f"offload_{part}")()
+        return st.copied_bytes
+
+    def onload(self, part: str) -> int:
+        mm = self.mm
+        if part == "full":
+            return sum(s.copied_bytes for s in mm.onload())
+        st = mm.build_grad_buffers() if part == "grads" else getattr(mm, f"onload_{part}")()
+        return st.copied_bytes
+
+    def device_bytes(self, part: str) -> int:
+        r = self.mm.residency()
+        return r.device_bytes if part == "full" else r.by_category[part]
+
+    def host_bytes(self) -> tuple[int, int]:
+        n = self.mm.residency().host_bytes
+        return n, n if self.mm.config.resolved_pin_memory() else 0
+
+
+class CeilingMethod(Method):
+    """A copy of ``nbytes`` between preallocated buffers; for grads, a zero-fill (what rebuilding
+    zeroed grads must at least do) and no offload copy at all."""
+
+    name = "ceiling"
+
+    def __init__(self, mm, trainer, pin: bool):
+        super().__init__(mm, trainer, pin)
+        self.dev: Optional[torch.Tensor] = None
+        self.host: Optional[torch.Tensor] = None
+        self.nbytes = 0
+
+    def prepare(self, nbytes: int) -> None:
+        """Allocate and touch both buffers (untimed), replacing the previous ones."""
+        self.dev = self.host = None
+        self.nbytes = nbytes
+        self.dev = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+        self.host.fill_(1)
+        sync(self.device)
+
+    def release(self) -> None:
+        self.dev = self.host = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def offload(self, part: str) -> int:
+        if part == "grads":
+            return 0
+        self.host.copy_(self.dev, non_blocking=self.pin)
+        sync(self.device)
+        return self.nbytes
+
+    def onload(self, part: str) -> int:
+        if part == "grads":
+            self.dev.zero_()
+            sync(self.device)
+            return 0
+        self.dev.copy_(self.host, non_blocking=self.pin)
+        sync(self.device)
+        return self.nbytes
+
+    def device_bytes(self, part: str) -> int:
+        return self.nbytes
+
+    def host_bytes(self) -> tuple[int, int]:
+        n = self.host.numel() if self.host is not None else 0
+        return n, n if self.pin else 0
+
+
+class ReleaseBound(CeilingMethod):
+    name = "release_bound"
+
+    def offload(self, part: str) -> int:
+        n = super().offload(part)
+        self.dev.untyped_storage().resize_(0)
+        return n
+
+    def onload(self, part: str) -> int:
+        s = self.dev.untyped_storage()
+        s.resize_(self.nbytes)
+        if self.mm.config.cpu_huge_pages:
+            advise_huge_pages(s)
+        return super().onload(part)
+
+    def device_bytes(self, part: str) -> int:
+        return self.dev.untyped_storage().nbytes() if self.dev is not None else 0
+
+
+class PerTensorNewHost(Method):
+    name = "per_tensor_new_host"
+
+    def __init__(self, mm, trainer, pin: bool):
+        super().__init__(mm, trainer, pin)
+        self._state: Optional[tuple] = None
+
+    def offload(self, part: str) -> int:
+        storages = part_storages(self.mm, part)
+        tensors = logical_tensors(self.mm, self.trainer, part)
+        hosts = []
+        for t in tensors:
+            src = t.detach()
+            if self.device.type == "cuda":
+                hosts.append(src.to("cpu"))  # what .to("cpu") does: new pageable tensor, sync copy
+            else:
+                h = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+                h.copy_(src)
+                hosts.append(h)
+        sync(self.device)
+        released = [(s, s.nbytes()) for s in storages]
+        for s, _ in released:
+            s.resize_(0)
+        self._state = (tensors, hosts, released)
+        return sum(h.numel() * h.element_size() for h in hosts)
+
+    def onload(self, part: str) -> int:
+        tensors, hosts, released = self._state
+        for s, n in released:
+            s.resize_(n)
+        copied = 0
+        for t, h in zip(tensors, hosts):
+            t.detach().copy_(h)
+            copied += h.numel() * h.element_size()
+        sync(self.device)
+        self._state = None
+        return copied
+
+    def host_bytes(self) -> tuple[int, int]:
+        if self._state is None:
+            return 0, 0
+        return sum(h.numel() * h.element_size() for h in self._state[1]), 0
+
+
+class FreshHostAlloc(Method):
+    name = "fresh_host_alloc"
+
+    def __init__(self, mm, trainer, pin: bool):
+        super().__init__(mm, trainer, pin)
+        self._state: Optional[list] = None
+
+    def offload(self, part: str) -> int:
+        out = []
+        for s in part_storages(self.mm, part):
+            h = torch.empty(s.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            h.copy_(_byte_view(s), non_blocking=self.pin)
+            out.append((s, s.nbytes(), h))
+        sync(self.device)
+        for s, _, _ in out:
+            s.resize_(0)
+        self._state = out
+        return sum(n for _, n, _ in out)
+
+    def onload(self, part: str) -> int:
+        for s, n, _ in self._state:
+            s.resize_(n)
+        for s, _, h in self._state:
+            _byte_view(s).copy_(h, non_blocking=self.pin)
+        sync(self.device)
+        copied = sum(n for _, n, _ in self._state)
+        self._state = None  # the host buffers are dropped: the next offload allocates again
+        return copied
+
+    def host_bytes(self) -> tuple[int, int]:
+        n = sum(h.numel() for _, _, h in self._state or [])
+        return n, n if self.pin else 0
+
+
+class ReplaceRebuild(Method):
+    name = "replace_rebuild"
+
+    def __init__(self, mm, trainer, pin: bool):
+        super().__init__(mm, trainer, pin)
+        self._state: Optional[dict] = None
+
+    @staticmethod
+    def _geometry(t: torch.Tensor) -> tuple:
+        return (t, t.untyped_storage(), t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def offload(self, part: str) -> int:
+        storages = part_storages(self.mm, part)
+        logical = logical_tensors(self.mm, self.trainer, part)
+        others = _other_views(self.mm, self.trainer, part, logical)
+        geo_logical = [self._geometry(t) for t in logical]
+        geo_others = [self._geometry(t) for t in others]
+        hosts = []
+        for t in logical:
+            src = t.detach()
+            if self.device.type == "cuda":
+                h = src.to("cpu")
+            else:
+                h = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+                h.copy_(src)
+            hosts.append(h)
+            t.data = h  # param.data replacement: the tensor now lives on the host
+        sync(self.device)
+        released = [(s, s.nbytes()) for s in storages]
+        for s, _ in released:  # the old device storage is dropped (its last users are rebuilt on onload)
+            s.resize_(0)
+        self._state = dict(geo_logical=geo_logical, geo_others=geo_others, hosts=hosts,
+                           released=released, new={})
+        return sum(h.numel() * h.element_size() for h in hosts)
+
+    def onload(self, part: str) -> int:
+        st = self._state
+        new = {s._cdata: torch.empty(n, dtype=torch.uint8, device=self.device).untyped_storage()
+               for s, n in st["released"]}
+        copied = 0
+        for (t, s, dtype, off, size, stride), h in zip(st["geo_logical"], st["hosts"]):
+            v = _view(new[s._cdata], dtype, off, size, stride)
+            v.copy_(h)
+            t.data = v
+            copied += h.numel() * h.element_size()
+        for t, s, dtype, off, size, stride in st["geo_others"]:  # rebuild every other view
+            t.data = _view(new[s._cdata], dtype, off, size, stride)
+        sync(self.device)
+        st["new"], st["hosts"] = new, []
+        return copied
+
+    def restore(self, part: str) -> None:
+        st = self._state
+        for s, n in st["released"]:
+            s.resize_(n)
+            _byte_view(s).copy_(_byte_view(st["new"][s._cdata]))
+        for t, s, dtype, off, size, stride in st["geo_logical"] + st["geo_others"]:
+            t.data = _view(s, dtype, off, size, stride)
+        sync(self.device)
+        self._state = None
+
+    def device_bytes(self, part: str) -> int:
+        if self._state is None:
+            return super().device_bytes(part)
+        return (sum(s.nbytes() for s, _ in self._state["released"])
+                + sum(s.nbytes() for s in self._state["new"].values()))
+
+    def host_bytes(self) -> tuple[int, int]:
+        if self._state is None:
+            return 0, 0
+        return sum(h.numel() * h.element_size() for h in self._state["hosts"]), 0
+
+
+ALTERNATIVES = {m.name: m for m in (PerTensorNewHost, FreshHostAlloc, ReplaceRebuild)}

@@ -1,0 +1,168 @@
+"""Results as JSON, a markdown table and a PNG plot; the targets printed last."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["write_outputs", "markdown", "plot", "print_targets"]
+
+MiB = 2**20
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def markdown(res: dict) -> str:
+    hw, v, m = res["hardware"], res["versions"], res["model"]
+    dev = hw.get("gpu_name") or f"{hw['cpu_model']} ({hw['cpu_count']} cores, torch threads {hw['torch_num_threads']})"
+    lines = [
+        f"# chatlearn-mem memory benchmark, {res['date']}",
+        "",
+        f"Produced by `{res['command']}` (started {res['started_utc']}, "
+        f"git {res.get('git_revision') or 'unknown'}).",
+        "",
+        f"- device: {hw['device']}, {dev}; host memory {hw['memory_total_bytes'] / 2**30:.1f} GiB; "
+        f"load average at start {', '.join(f'{x:.2f}' for x in hw['load_average_at_start'] or [])}",
+        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"- trainer: {m['parameters'] / 1e6:.1f} M parameters, {res['config']['trainer']['precision']}, "
+        f"distributed optimizer {res['config']['trainer']['use_distributed_optimizer']}; pinned host buffers "
+        f"{m['pinned_host']}; bytes per part: "
+        + ", ".join(f"{k} {n / MiB:.1f} MiB" for k, n in m["bytes_per_part"].items()),
+        f"- {res['config']['repeats']} timed repeats after {res['config']['warmup']} warm-up, methods interleaved; "
+        "median with interquartile range (IQR). `manager is` compares IQRs: `noise` means the "
+        "difference is within the measured spread.",
+        "",
+        "## Time per part",
+        "",
+        "| part | direction | method | median ms | IQR ms | min-max ms | GB/s (IQR) | manager/ceiling | manager/release bound | time / manager's | manager is |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in res["timings"]:
+        s = r["seconds"]
+        gbs = f"{r['gb_per_s']:.2f} ({r['gb_per_s_iqr'][0]:.2f}-{r['gb_per_s_iqr'][1]:.2f})" if r["gb_per_s"] else "-"
+        vc = f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") is not None else ""
+        vb = f"{r['vs_release_bound']:.2f}" if r.get("vs_release_bound") is not None else ""
+        tm = f"{r['time_vs_manager']:.2f}x" if r.get("time_vs_manager") is not None else ""
+        lines.append(f"| {r['part']} | {r['direction']} | {r['method']} | {_ms(s['median'])} | "
+                     f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {vb} | {tm} | "
+                     f"{r.get('manager_is', '')} |")
+    lines += ["", "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".", "",
+              "## Memory per stage (first timed repeat)", "",
+              "Device bytes: CUDA allocated/reserved on GPU; on CPU the manager's `residency()` for the "
+              "manager, the part's storages (+ new buffers) for the others. Host: bytes the method holds "
+              "(pinned in brackets).", ""]
+    cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
+    head = "| part | method | device MiB before / offloaded / onloaded | host MiB offloaded (pinned) | RSS MiB before / offloaded / onloaded |"
+    if cuda:
+        head += " CUDA alloc MiB b/o/o | CUDA reserved MiB b/o/o |"
+        lines.insert(-1, "CUDA figures include the benchmark's own ceiling and bound buffers for the part "
+                         "(`benchmark_device_buffers_bytes` in the JSON).")
+    lines += [head, "|---|---|---|---|---|" + ("---|---|" if cuda else "")]
+    by = {}
+    for x in res["memory"]:
+        by.setdefault((x["part"], x["method"]), {})[x["stage"]] = x
+    for (part, method), st in by.items():
+        b, o, n = st["before"], st["after_offload"], st["after_onload"]
+        row = (f"| {part} | {method} | {b['device_bytes'] / MiB:.1f} / {o['device_bytes'] / MiB:.1f} / "
+               f"{n['device_bytes'] / MiB:.1f} | {o['host_bytes'] / MiB:.1f} ({o['pinned_bytes'] / MiB:.1f}) | "
+               f"{b['rss_bytes'] / MiB:.0f} / {o['rss_bytes'] / MiB:.0f} / {n['rss_bytes'] / MiB:.0f} |")
+        if cuda:
+            row += " / ".join(f"{s['cuda_allocated_bytes'] / MiB:.0f}" for s in (b, o, n)) + " | "
+            row += " / ".join(f"{s['cuda_reserved_bytes'] / MiB:.0f}" for s in (b, o, n)) + " |"
+        lines.append(row)
+    cyc = res["cycles"]
+    rows = cyc["rows"]
+    lines += ["", f"## {len(rows)} repeated full cycles (manager)", "",
+              f"Cycle time (offload + onload) median {cyc['cycle_s_first_half']['median']:.3f} s "
+              f"(IQR {cyc['cycle_s_first_half']['q25']:.3f}-{cyc['cycle_s_first_half']['q75']:.3f}) in the first half, "
+              f"{cyc['cycle_s_second_half']['median']:.3f} s "
+              f"(IQR {cyc['cycle_s_second_half']['q25']:.3f}-{cyc['cycle_s_second_half']['q75']:.3f}) in the second.", "",
+              "| cycle | offload ms | onload ms | device MiB offloaded / onloaded | host store MiB | RSS MiB offloaded / onloaded |",
+              "|---:|---:|---:|---|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['cycle']} | {_ms(r['offload_s'])} | {_ms(r['onload_s'])} | "
+                     f"{r['device_bytes_after_offload'] / MiB:.1f} / {r['device_bytes_after_onload'] / MiB:.1f} | "
+                     f"{r['host_bytes_after_offload'] / MiB:.1f} | "
+                     f"{r['rss_after_offload'] / MiB:.0f} / {r['rss_after_onload'] / MiB:.0f} |")
+    lines += ["", "## Targets", "", "| target | result | detail |", "|---|---|---|"]
+    for t in res["targets"]:
+        lines.append(f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |")
+    integ = res["integrity"]
+    lines += ["", f"Integrity: tensors bit-identical after every method: "
+                  f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.", ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(res["methods"])
+    groups = [(p, d) for p in ("weights", "grads", "main_weights", "optimizer_states", "full")
+              for d in ("offload", "onload")]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 9))
+    width = 0.8 / len(methods)
+    for i, meth in enumerate(methods):
+        xs, ys, lo, hi = [], [], [], []
+        for g, (p, d) in enumerate(groups):
+            r = next((r for r in res["timings"] if r["part"] == p and r["direction"] == d and r["method"] == meth), None)
+            if r is None:
+                continue
+            s = r["seconds"]
+            xs.append(g + (i - (len(methods) - 1) / 2) * width)
+            ys.append(s["median"] * 1e3)
+            lo.append((s["median"] - s["q25"]) * 1e3)
+            hi.append((s["q75"] - s["median"]) * 1e3)
+        ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=meth)
+    ax1.set_xticks(range(len(groups)), [f"{p}\n{d}" for p, d in groups], fontsize=8)
+    ax1.set_ylabel("wall time, ms (median, IQR bars)")
+    ax1.set_yscale("log")
+    ax1.set_title(f"Time per part per method ({res['hardware'].get('gpu_name') or res['hardware']['cpu_model']})")
+    ax1.legend(fontsize=8)
+
+    cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
+    stages = ("before", "after_offload", "after_onload")
+    parts = ("weights", "grads", "main_weights", "optimizer_states", "full")
+    key = "cuda_reserved_bytes" if cuda else "device_bytes"
+    width = 0.8 / len(stages)
+    for i, stage in enumerate(stages):
+        ys = [next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager"
+                   and x["stage"] == stage)[key] / MiB for p in parts]
+        ax2.bar([j + (i - 1) * width for j in range(len(parts))], ys, width, label=f"device, {stage}")
+    mem = {(x["part"], x["method"], x["stage"]): x for x in res["memory"]}
+    rss = [mem[(p, "manager", "after_offload")]["rss_bytes"] / MiB for p in parts]
+    ax2.plot(range(len(parts)), rss, "k.--", label="process RSS after offload")
+    ax2.set_xticks(range(len(parts)), parts)
+    ax2.set_ylabel("MiB")
+    ax2.set_title("Manager: memory per stage (" + ("CUDA reserved" if cuda else "residency() device bytes") + ")")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(res: dict, out_dir: Path, stem: str, plot: bool = True, quiet: bool = False) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(res, indent=1) + "\n")
+    md = markdown(res)
+    paths[1].write_text(md)
+    if plot:
+        paths.append(out_dir / f"{stem}.png")
+        globals()["plot"](res, paths[-1])
+    if not quiet:
+        print(md.split("## Targets")[0])
+    return paths
+
+
+def print_targets(res: dict) -> None:
+    """The targets, last thing printed."""
+    print("== targets" + (" (GPU)" if res["hardware"]["device"].startswith("cuda") else " (CPU)"))
+    for t in res["targets"]:
+        print(f"{'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
+    missed = sum(not t["passed"] for t in res["targets"])
+    print(f"== {len(res['targets']) - missed} of {len(res['targets'])} targets met")

@@ -1,0 +1,294 @@
+"""Run the memory benchmark: build a trainer, time every method on every part, check targets."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import shlex
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from benchmarks.config import COPY_PARTS, PRESETS, BenchConfig, load_config
+from benchmarks.measure import (compare, git_revision, hardware, hardware_slug, memory_snapshot, stats, timed,
+                                versions)
+from benchmarks.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound, logical_tensors,
+                                part_storages)
+
+__all__ = ["main", "run_benchmark", "PARTS"]
+
+PARTS = ("weights", "grads", "main_weights", "optimizer_states", "full")
+"""Parts timed, in order; ``full`` is ``offload()`` / ``onload()`` of everything."""
+
+log = logging.getLogger("benchmarks")
+
+
+def _checksum(mm, trainer) -> list[int]:
+    """Integer checksum of every tensor the copy parts hold (bit-exactness after all methods)."""
+    out = []
+    with torch.no_grad():
+        for part in COPY_PARTS:
+            for t in logical_tensors(mm, trainer, part):
+                flat = t.detach().reshape(-1)
+                iview = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+                out.append(int(flat.view(iview).sum(dtype=torch.int64)))
+    return out
+
+
+def _init_distributed(tmp: str) -> None:
+    from chatlearn_mem import gpt
+
+    if not torch.distributed.is_initialized():
+        # A file init method: no TCP port to collide with other jobs on the machine.
+        gpt.init_distributed(init_method=f"file://{tmp}/dist_init")
+    else:
+        gpt.init_distributed()
+
+
+def _snap(method, part: str, device: torch.device, reference: list) -> dict:
+    host, pinned = method.host_bytes()
+    # The ceiling and bound buffers are in CUDA allocated/reserved and RSS too: say how much.
+    own = sum(r.device_bytes(part) for r in reference)
+    return {"device_bytes": method.device_bytes(part), "host_bytes": host, "pinned_bytes": pinned,
+            "benchmark_device_buffers_bytes": own, **memory_snapshot(device)}
+
+
+def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
+    """Run everything ``cfg`` asks for and return the results dict (what the JSON holds)."""
+    from chatlearn_mem import MemoryConfig, TrainerMemoryManager, gpt
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
+        _init_distributed(tmp)
+        trainer = gpt.build_gpt_trainer(cfg.trainer)
+        trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
+    cuda = torch.cuda.is_available()
+    pin = bool(cuda and (cfg.pin_memory is None or cfg.pin_memory))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(
+        bucket_size_mb=cfg.bucket_size_mb, pin_memory=pin if cuda else None, cpu_huge_pages=cfg.cpu_huge_pages,
+        skip_unchanged_weights=False))  # always copy: the benchmark times copies
+    device = mm.device
+    hw = hardware(device)
+    nbytes = {p: sum(s.nbytes() for s in part_storages(mm, p)) for p in PARTS if p != "full"}
+    nbytes["full"] = sum(nbytes[p] for p in COPY_PARTS)  # bytes copied; grads are dropped
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    log.info("trainer: %.1f M parameters on %s; bytes per part: %s", n_params / 1e6, device,
+             {k: f"{v / 2**20:.1f} MiB" for k, v in nbytes.items()})
+    checksum_before = _checksum(mm, trainer)
+
+    manager = ManagerMethod(mm, trainer, pin)
+    ceiling = CeilingMethod(mm, trainer, pin)
+    bound = ReleaseBound(mm, trainer, pin)
+    alternatives = [ALTERNATIVES[name](mm, trainer, pin) for name in cfg.methods]
+    timings, memory = [], []
+    for part in PARTS:
+        methods = [manager, ceiling, bound] + (alternatives if part in COPY_PARTS else [])
+        ceiling.prepare(nbytes[part])
+        bound.prepare(nbytes[part])
+        samples = {(m.name, d): [] for m in methods for d in ("offload", "onload")}
+        copied = {}
+        for r in range(cfg.warmup + cfg.repeats):
+            # Untimed: one manager cycle first, so the manager's timed offload starts from the state
+            # its own onload leaves (in real use nothing else regrows its storages; an alternative's
+            # regrow would leave 4 KiB pages on CPU, whose release costs more).
+            manager.offload(part)
+            manager.onload(part)
+            for m in methods:  # interleaved, so drifting load hits every method alike
+                record = r == cfg.warmup
+
+                def snap(stage: str) -> None:
+                    if record:
+                        memory.append({"part": part, "method": m.name, "stage": stage,
+                                       **_snap(m, part, device, [ceiling, bound])})
+
+                snap("before")
+                t_off, c_off = timed(lambda: m.offload(part), device)
+                snap("after_offload")
+                t_on, c_on = timed(lambda: m.onload(part), device)
+                snap("after_onload")
+                m.restore(part)
+                if r >= cfg.warmup:
+                    samples[(m.name, "offload")].append(t_off)
+                    samples[(m.name, "onload")].append(t_on)
+                    copied[(m.name, "offload")], copied[(m.name, "onload")] = c_off, c_on
+        ceiling.release()
+        bound.release()
+        for direction in ("offload", "onload"):
+            ms = stats(samples[("manager", direction)])
+            cs = stats(samples[("ceiling", direction)])
+            bs = stats(samples[("release_bound", direction)])
+            for m in methods:
+                s = stats(samples[(m.name, direction)])
+                b = copied[(m.name, direction)]
+                row = {"part": part, "method": m.name, "label": LABELS[m.name], "direction": direction,
+                       "seconds": s, "samples_s": samples[(m.name, direction)], "bytes_copied": b,
+                       "bytes_part": nbytes[part],
+                       "gb_per_s": b / s["median"] / 1e9 if b and s["median"] else None,
+                       "gb_per_s_iqr": [b / s["q75"] / 1e9, b / s["q25"] / 1e9] if b and s["q25"] else None}
+                if m.name == "manager":
+                    ceiling_copies = part != "grads" or direction == "onload"
+                    row["vs_ceiling"] = cs["median"] / s["median"] if ceiling_copies and s["median"] else None
+                    row["vs_release_bound"] = bs["median"] / s["median"] if ceiling_copies and s["median"] else None
+                    row["vs_ceiling_note"] = ("ceiling/manager time = manager/ceiling throughput"
+                                              if part != "grads" else
+                                              "grads: no bytes copied; onload ceiling is a zero-fill")
+                elif m.name not in ("ceiling", "release_bound"):
+                    row["time_vs_manager"] = s["median"] / ms["median"] if ms["median"] else None
+                    row["manager_is"] = compare(ms, s)
+                timings.append(row)
+        log.info("%s done", part)
+
+    cycles = _cycles(mm, trainer, cfg, device)
+    checksum_after = _checksum(mm, trainer)
+    audit = mm.audit()
+    result = {
+        "command": command,
+        "git_revision": git_revision(),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "date": started.date().isoformat(),
+        "config": cfg.model_dump(mode="json"),
+        "versions": versions(),
+        "hardware": hw,
+        "model": {"parameters": n_params, "bytes_per_part": nbytes, "pinned_host": pin},
+        "methods": {k: LABELS[k] for k in ["manager", "ceiling", "release_bound"] + list(cfg.methods)},
+        "timings": timings,
+        "memory": memory,
+        "cycles": cycles,
+        "integrity": {"tensors_bit_identical_after_all_methods": checksum_before == checksum_after,
+                      "audit_ok": audit.ok, "audit_problems": list(audit.problems)},
+    }
+    result["targets"] = check_targets(result)
+    return result
+
+
+def _cycles(mm, trainer, cfg: BenchConfig, device: torch.device) -> dict:
+    """``cfg.cycles`` full manager cycles: time per cycle and bytes after each stage."""
+    rows = []
+    for i in range(cfg.cycles):
+        t_off, _ = timed(lambda: mm.offload(force=True), device)
+        r_off = mm.residency()
+        s_off = memory_snapshot(device)
+        t_on, _ = timed(lambda: mm.onload(), device)
+        r_on = mm.residency()
+        s_on = memory_snapshot(device)
+        rows.append({"cycle": i, "offload_s": t_off, "onload_s": t_on,
+                     "device_bytes_after_offload": r_off.device_bytes, "host_bytes_after_offload": r_off.host_bytes,
+                     "device_bytes_after_onload": r_on.device_bytes, "host_bytes_after_onload": r_on.host_bytes,
+                     "rss_after_offload": s_off["rss_bytes"], "rss_after_onload": s_on["rss_bytes"],
+                     **{f"{k}_after_offload": v for k, v in s_off.items() if k.startswith("cuda")},
+                     **{f"{k}_after_onload": v for k, v in s_on.items() if k.startswith("cuda")}})
+    half = len(rows) // 2
+    totals = [r["offload_s"] + r["onload_s"] for r in rows]
+    return {"rows": rows, "cycle_s_all": stats(totals), "cycle_s_first_half": stats(totals[:half]),
+            "cycle_s_second_half": stats(totals[half:])}
+
+
+def check_targets(res: dict) -> list[dict]:
+    """The issue's targets, each ``{"name", "passed", "detail"}`` (CPU targets; GPU ones on CUDA)."""
+    gpu = res["hardware"]["device"].startswith("cuda")
+    threshold = 0.9 if gpu else 0.8
+    out = []
+    rows = res["timings"]
+    ceiling_parts = COPY_PARTS if gpu else ("weights", "optimizer_states")
+    by = {(r["part"], r["method"], r["direction"]): r for r in rows}
+    for part in ceiling_parts:
+        for d in ("offload", "onload"):
+            row, ceil = by[(part, "manager", d)], by[(part, "ceiling", d)]
+            ratio = row["vs_ceiling"]
+            out.append({"name": f"{part} {d}: manager >= {threshold} of ceiling", "passed": ratio >= threshold,
+                        "detail": f"{ratio:.2f} of ceiling ({row['gb_per_s']:.2f} GB/s vs {ceil['gb_per_s']:.2f} GB/s; "
+                                  f"{row['vs_release_bound']:.2f} of the release bound)"})
+    for r in rows:
+        if "manager_is" not in r:
+            continue
+        ok = r["manager_is"] == "faster" if gpu else r["manager_is"] != "slower"
+        want = "faster than" if gpu else "no slower (beyond spread) than"
+        out.append({"name": f"{r['part']} {r['direction']}: manager {want} {r['method']}", "passed": ok,
+                    "detail": f"{r['method']} takes {r['time_vs_manager']:.2f}x the manager's time "
+                              f"({r['manager_is']}{' - within spread' if r['manager_is'] == 'noise' else ''})"})
+    cyc = res["cycles"]["rows"][1:]  # the first cycle may still settle allocator state
+    for key in ("device_bytes_after_offload", "device_bytes_after_onload", "host_bytes_after_offload",
+                "host_bytes_after_onload"):
+        vals = [r[key] for r in cyc]
+        out.append({"name": f"no growth: {key.replace('_', ' ')}", "passed": max(vals) <= vals[0],
+                    "detail": f"first {vals[0]}, max {max(vals)}, last {vals[-1]} bytes over cycles 2..{len(cyc) + 1}"})
+    tol = res["config"]["rss_tolerance_mb"] * 2**20
+    for key in ("rss_after_offload", "rss_after_onload"):
+        vals = [r[key] for r in cyc]
+        out.append({"name": f"no growth: process {key.replace('_', ' ')}", "passed": vals[-1] - vals[0] <= tol,
+                    "detail": f"{(vals[-1] - vals[0]) / 2**20:+.1f} MiB from cycle 2 to {len(cyc) + 1} "
+                              f"(tolerance {tol / 2**20:.0f} MiB)"})
+    if gpu:  # from the cycles, where the benchmark holds no ceiling buffers of its own
+        last = res["cycles"]["rows"][-1]
+        for key in ("cuda_allocated_bytes", "cuda_reserved_bytes"):
+            before, after = last[f"{key}_after_onload"], last[f"{key}_after_offload"]
+            out.append({"name": f"{key} after full offload < 1% of onloaded", "passed": after < 0.01 * before,
+                        "detail": f"{after} of {before} bytes (last cycle)"})
+    first, second = res["cycles"]["cycle_s_first_half"], res["cycles"]["cycle_s_second_half"]
+    allc = res["cycles"]["cycle_s_all"]
+    slack = max(allc["q75"] - allc["q25"], 0.05 * allc["median"])
+    flat = second["median"] - first["median"] <= slack
+    out.append({"name": "time per cycle flat (second-half median within max(IQR, 5%) of the first)",
+                "passed": flat, "detail": f"median {first['median']:.3f} s then {second['median']:.3f} s "
+                                          f"(allowed +{slack:.3f} s)"})
+    integ = res["integrity"]
+    out.append({"name": "integrity: tensors bit-identical after every method, audit ok",
+                "passed": integ["tensors_bit_identical_after_all_methods"] and integ["audit_ok"],
+                "detail": "; ".join(integ["audit_problems"]) or "checksums equal, audit ok"})
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
+        "Time chatlearn-mem's offload/onload of a megatron-core trainer against a plain-copy ceiling "
+        "and the usual alternatives; write JSON, markdown and a PNG plot."))
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=PRESETS, default="cpu", help="benchmarks/configs/<preset>.yaml (default cpu)")
+    src.add_argument("--config", help="a YAML file of BenchConfig fields instead of a preset")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set trainer.num_layers=4 --set repeats=5 (repeatable)")
+    p.add_argument("--output-dir", help="directory for the results (default benchmarks/results)")
+    p.add_argument("--name", help="file stem (default <date>_<hardware>)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the targets")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command-line entry point; returns 0 when the run completed (targets do not change it)."""
+    from benchmarks.report import print_targets, write_outputs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.name:
+        overrides.append(f"name={args.name}")
+    if args.no_plot:
+        overrides.append("plot=false")
+    cfg = load_config(None if args.config else args.preset, args.config, overrides)
+    if args.print_config:
+        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="[bench] %(message)s")  # megatron's INFO is long
+    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    command = "python -m benchmarks " + shlex.join(argv) if argv else "python -m benchmarks"
+    print(f"command: {command}", flush=True)
+    res = run_benchmark(cfg, command)
+    stem = cfg.name or f"{res['date']}_{hardware_slug(res['hardware'])}"
+    paths = write_outputs(res, Path(cfg.output_dir), stem, plot=cfg.plot, quiet=args.quiet)
+    for p in paths:
+        print(f"wrote {p}")
+    print_targets(res)
+    return 0
