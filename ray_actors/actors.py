@@ -185,15 +185,16 @@ class TrainerActor(_ManagedActor):
             warnings.simplefilter("ignore")
             return _stats(self.manager.onload(**chosen))
 
-    def weights_for_sync(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """This rank's weights (from the host store when offloaded) and, per name, the dimension
-        tensor parallelism split it along (-1: replicated)."""
+    def weights_for_sync(self, with_digest: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:
+        """This rank's weights (from the host store when offloaded); per name, the dimension
+        tensor parallelism split it along (-1: replicated); and, with ``with_digest``, their
+        SHA-256 (see :func:`ray_actors.modeling.weights_digest`), computed from the same read."""
         state = self.manager.weights_state_dict()
         params = dict(self.trainer.model.module.named_parameters())
         dims = {name: (getattr(params[name], "partition_dim", -1)
                        if getattr(params.get(name), "tensor_model_parallel", False) else -1)
                 for name in state}
-        return state, dims
+        return state, dims, modeling.weights_digest(state) if with_digest else None
 
     def weights_digest(self) -> str:
         """SHA-256 of this rank's weights (see :func:`ray_actors.modeling.weights_digest`)."""

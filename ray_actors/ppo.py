@@ -178,14 +178,15 @@ class PPORun:
     def _sync_and_generate(self, iteration: int, prompts: torch.Tensor):
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
-        pairs = [a.weights_for_sync.options(num_returns=2).remote() for a in senders]
-        dims = c.call("generate", {a: dims_ref for a, (_, dims_ref) in zip(senders, pairs)})[senders[0]]
+        verify = self.cfg.memory.verify_sync
+        triples = [a.weights_for_sync.options(num_returns=3).remote(verify) for a in senders]
+        # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
+        dims = c.call("generate", {senders[0]: triples[0][1]})[senders[0]]
+        digests = c.call("generate", {a: digest_ref for a, (_, _, digest_ref) in zip(senders, triples)})
         rollout_digests = c.call("generate", {c.rollout: c.rollout.load_weights.remote(
-            dims, *[state_ref for state_ref, _ in pairs])})[c.rollout]
-        if self.cfg.memory.verify_sync:
-            policy_digests = [v for _, v in sorted(
-                ((c.ranks[c.names[a]]["tp_rank"], d) for a, d in
-                 c.call("generate", {a: a.weights_digest.remote() for a in senders}).items()))]
+            dims, *[state_ref for state_ref, _, _ in triples])})[c.rollout]
+        if verify:
+            policy_digests = [digests[a] for a in senders]  # tensor-parallel rank order, as the shards
             mismatch = weight_sync_mismatch(policy_digests, rollout_digests)
             self.sync_checks.append({"iteration": iteration, "equal": mismatch is None,
                                      "policy": policy_digests, "rollout": rollout_digests})
