@@ -1,25 +1,33 @@
-"""Benchmark parameters: a pydantic model, presets in ``benchmarks/configs/*.yaml`` and overrides."""
+"""Benchmark parameters: a pydantic model and its presets (``configs/bench/*.yaml`` in the repository)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal, Optional
+import os
+from importlib import resources
+from typing import Literal, Optional, Sequence
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatlearn_mem.gpt import GPTTrainerConfig
+from chatlearn_mem import Part
+from chatlearn_mem.config import load_config as _load
+from chatlearn_mem.config import preset_names
+from chatlearn_mem.testbed.gpt import GPTTrainerConfig
 
-__all__ = ["BenchConfig", "CONFIG_DIR", "PRESETS", "METHODS", "COPY_PARTS", "load_config"]
+__all__ = ["BenchConfig", "COPY_PARTS", "DEFAULT_PRESET", "FULL", "METHODS", "PARTS", "PRESETS", "load_config"]
 
-CONFIG_DIR = Path(__file__).parent / "configs"
-PRESETS = ("cpu", "gpu", "tiny")
-"""Preset names; each is ``benchmarks/configs/<name>.yaml``."""
+PRESETS = resources.files("chatlearn_mem_bench.presets")
+"""The shipped presets (``configs/bench/*.yaml`` in the repository, installed with the package)."""
+DEFAULT_PRESET = "cpu"
+"""What ``chatlearn-mem bench`` runs without ``--config`` (about 135 M parameters, minutes on 2 cores)."""
 
 METHODS = ("manager", "ceiling", "per_tensor_new_host", "fresh_host_alloc", "replace_rebuild")
 """Every method the benchmark can time; ``manager`` and ``ceiling`` are always run."""
 
-COPY_PARTS = ("weights", "main_weights", "optimizer_states")
+FULL = "full"
+"""The pseudo part ``offload()`` / ``onload()`` of everything."""
+PARTS = (*Part, FULL)
+"""Parts timed, in order."""
+COPY_PARTS = (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
 """Parts whose bytes are copied to the host (grads are dropped and rebuilt zeroed)."""
 
 
@@ -54,44 +62,28 @@ class BenchConfig(BaseModel):
     """``torch.set_num_threads`` for the run; None keeps torch's default (one per core)."""
     rss_tolerance_mb: float = Field(64.0, ge=0)
     """Process RSS may move this much across cycles without counting as growth (allocator noise)."""
-    output_dir: str = "benchmarks/results"
-    """Where the JSON, markdown and PNG go."""
+    output_dir: str = "runs/bench"
+    """Where the JSON, markdown and PNG go (relative to the working directory). The committed
+    results under ``benchmarks/results`` are written only when asked for explicitly."""
     name: Optional[str] = None
     """File stem; default ``<date>_<hardware>`` (e.g. ``2026-11-22_cpu-2core-...``)."""
     plot: bool = True
     """Write the PNG plot (matplotlib)."""
 
 
-def _set_dotted(data: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    for p in parts[:-1]:
-        data = data.setdefault(p, {})
-    data[parts[-1]] = value
-
-
-def load_config(preset: Optional[str] = "cpu", path: Optional[str] = None,
-                overrides: Optional[list[str]] = None) -> BenchConfig:
-    """Build a :class:`BenchConfig` from a preset or a YAML file, then ``key=value`` overrides.
+def load_config(source: Optional[str | os.PathLike] = DEFAULT_PRESET, overrides: Sequence[str] = ()) -> BenchConfig:
+    """Build a :class:`BenchConfig` from a preset name or YAML path, then ``key=value`` overrides.
 
     Args:
-        preset: Name of a file in ``benchmarks/configs`` (ignored when ``path`` is given).
-        path: A YAML file with :class:`BenchConfig` fields.
+        source: A preset name (``cpu``, ``gpu``, ``tiny``; see :data:`PRESETS`) or the path of a
+            YAML file of :class:`BenchConfig` fields; None starts from the defaults.
         overrides: ``dotted.key=value`` strings; values are parsed as YAML
             (``trainer.num_layers=4``, ``methods=[fresh_host_alloc]``).
+
+    Raises:
+        ConfigError: Unknown preset, missing or invalid file, malformed override or invalid
+            result; every problem is listed with its dotted key.
     """
-    if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        data.setdefault("preset", "custom")
-    else:
-        preset = preset or "cpu"
-        file = CONFIG_DIR / f"{preset}.yaml"
-        if not file.exists():
-            raise ValueError(f"unknown preset {preset!r}; presets are {list(PRESETS)}")
-        data = yaml.safe_load(file.read_text()) or {}
-        data["preset"] = preset
-    for item in overrides or []:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
-        key, value = item.split("=", 1)
-        _set_dotted(data, key.strip(), yaml.safe_load(value))
-    return BenchConfig.model_validate(data)
+    cfg = _load(BenchConfig, source, overrides, presets=PRESETS)
+    named = source is not None and str(source) in preset_names(PRESETS)
+    return cfg.model_copy(update={"preset": str(source) if named else "custom"})

@@ -35,7 +35,9 @@ from typing import Optional
 
 import torch
 
+from chatlearn_mem import Part
 from chatlearn_mem.mcore import layout
+from chatlearn_mem_bench.config import FULL
 from chatlearn_mem.storage import advise_huge_pages
 
 __all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
@@ -67,18 +69,18 @@ def _view(storage: torch.UntypedStorage, dtype, offset, size, stride) -> torch.T
 
 def part_storages(mm, part: str) -> list[torch.UntypedStorage]:
     """The device storages the manager moves for ``part`` (the same bytes for every method)."""
-    return mm._storages(part)
+    return mm._storages(Part(part))
 
 
 def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
     """The tensors a per-tensor system would move: params and module buffers for weights, else
     the manager's own list (main weights, optimizer state tensors)."""
     keys = {s._cdata for s in part_storages(mm, part)}
-    if part == "weights":
+    if part == Part.WEIGHTS:
         cands = [t for c in layout.ddp_chunks(trainer.model)
                  for t in list(c.parameters()) + layout.module_buffers(c)]
     else:
-        cands = list(mm._part_tensors(part))
+        cands = list(mm._part_tensors(Part(part)))
     seen, out = set(), []
     for t in cands:
         if t is not None and id(t) not in seen and t.untyped_storage()._cdata in keys and t.numel():
@@ -142,21 +144,21 @@ class ManagerMethod(Method):
 
     def offload(self, part: str) -> int:
         mm = self.mm
-        if part == "full":
+        if part == FULL:
             return sum(s.copied_bytes for s in mm.offload(force=True))
-        st = mm.free_grad_buffers(force=True) if part == "grads" else getattr(mm, f"offload_{part}")()
+        st = mm.free_grad_buffers(force=True) if part == Part.GRADS else getattr(mm, f"offload_{part}")()
         return st.copied_bytes
 
     def onload(self, part: str) -> int:
         mm = self.mm
-        if part == "full":
+        if part == FULL:
             return sum(s.copied_bytes for s in mm.onload())
-        st = mm.build_grad_buffers() if part == "grads" else getattr(mm, f"onload_{part}")()
+        st = mm.build_grad_buffers() if part == Part.GRADS else getattr(mm, f"onload_{part}")()
         return st.copied_bytes
 
     def device_bytes(self, part: str) -> int:
         r = self.mm.residency()
-        return r.device_bytes if part == "full" else r.by_category[part]
+        return r.device_bytes if part == FULL else r.by_category[part]
 
     def host_bytes(self) -> tuple[int, int]:
         n = self.mm.residency().host_bytes
@@ -190,14 +192,14 @@ class CeilingMethod(Method):
             torch.cuda.empty_cache()
 
     def offload(self, part: str) -> int:
-        if part == "grads":
+        if part == Part.GRADS:
             return 0
         self.host.copy_(self.dev, non_blocking=self.pin)
         sync(self.device)
         return self.nbytes
 
     def onload(self, part: str) -> int:
-        if part == "grads":
+        if part == Part.GRADS:
             self.dev.zero_()
             sync(self.device)
             return 0

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
+
+from chatlearn_mem_bench.config import PARTS
 
 __all__ = ["write_outputs", "markdown", "plot", "print_targets"]
 
@@ -102,7 +105,7 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = list(res["methods"])
-    groups = [(p, d) for p in ("weights", "grads", "main_weights", "optimizer_states", "full")
+    groups = [(p, d) for p in PARTS
               for d in ("offload", "onload")]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 9))
     width = 0.8 / len(methods)
@@ -126,7 +129,7 @@ def plot(res: dict, path: Path) -> None:
 
     cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
     stages = ("before", "after_offload", "after_onload")
-    parts = ("weights", "grads", "main_weights", "optimizer_states", "full")
+    parts = PARTS
     key = "cuda_reserved_bytes" if cuda else "device_bytes"
     width = 0.8 / len(stages)
     for i, stage in enumerate(stages):
@@ -159,10 +162,10 @@ def write_outputs(res: dict, out_dir: Path, stem: str, plot: bool = True, quiet:
     return paths
 
 
-def print_targets(res: dict) -> None:
+def print_targets(res: dict, echo: Callable[[str], None] = print) -> None:
     """The targets, last thing printed."""
-    print("== targets" + (" (GPU)" if res["hardware"]["device"].startswith("cuda") else " (CPU)"))
+    echo("== targets" + (" (GPU)" if res["hardware"]["device"].startswith("cuda") else " (CPU)"))
     for t in res["targets"]:
-        print(f"{'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
+        echo(f"{'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
     missed = sum(not t["passed"] for t in res["targets"])
-    print(f"== {len(res['targets']) - missed} of {len(res['targets'])} targets met")
+    echo(f"== {len(res['targets']) - missed} of {len(res['targets'])} targets met")

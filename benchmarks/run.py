@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import logging
-import shlex
-import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable
 
 import torch
 
-from benchmarks.config import COPY_PARTS, PRESETS, BenchConfig, load_config
-from benchmarks.measure import (compare, git_revision, hardware, hardware_slug, memory_snapshot, stats, timed,
+from chatlearn_mem import Part
+from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS, BenchConfig
+from chatlearn_mem_bench.measure import (compare, git_revision, hardware, hardware_slug, memory_snapshot, stats, timed,
                                 versions)
-from benchmarks.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound, logical_tensors,
+from chatlearn_mem_bench.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound, logical_tensors,
                                 part_storages)
 
-__all__ = ["main", "run_benchmark", "PARTS"]
+__all__ = ["PARTS", "run_and_report", "run_benchmark"]
 
-PARTS = ("weights", "grads", "main_weights", "optimizer_states", "full")
-"""Parts timed, in order; ``full`` is ``offload()`` / ``onload()`` of everything."""
 
 log = logging.getLogger("benchmarks")
 
@@ -42,7 +38,7 @@ def _checksum(mm, trainer) -> list[int]:
 
 
 def _init_distributed(tmp: str) -> None:
-    from chatlearn_mem import gpt
+    from chatlearn_mem.testbed import gpt
 
     if not torch.distributed.is_initialized():
         # A file init method: no TCP port to collide with other jobs on the machine.
@@ -61,7 +57,8 @@ def _snap(method, part: str, device: torch.device, reference: list) -> dict:
 
 def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
     """Run everything ``cfg`` asks for and return the results dict (what the JSON holds)."""
-    from chatlearn_mem import MemoryConfig, TrainerMemoryManager, gpt
+    from chatlearn_mem import MemoryConfig, TrainerMemoryManager
+    from chatlearn_mem.testbed import gpt
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -78,8 +75,8 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
         skip_unchanged_weights=False))  # always copy: the benchmark times copies
     device = mm.device
     hw = hardware(device)
-    nbytes = {p: sum(s.nbytes() for s in part_storages(mm, p)) for p in PARTS if p != "full"}
-    nbytes["full"] = sum(nbytes[p] for p in COPY_PARTS)  # bytes copied; grads are dropped
+    nbytes = {p: sum(s.nbytes() for s in part_storages(mm, p)) for p in PARTS if p != FULL}
+    nbytes[FULL] = sum(nbytes[p] for p in COPY_PARTS)  # bytes copied; grads are dropped
     n_params = sum(p.numel() for p in trainer.model.parameters())
     log.info("trainer: %.1f M parameters on %s; bytes per part: %s", n_params / 1e6, device,
              {k: f"{v / 2**20:.1f} MiB" for k, v in nbytes.items()})
@@ -135,11 +132,11 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
                        "gb_per_s": b / s["median"] / 1e9 if b and s["median"] else None,
                        "gb_per_s_iqr": [b / s["q75"] / 1e9, b / s["q25"] / 1e9] if b and s["q25"] else None}
                 if m.name == "manager":
-                    ceiling_copies = part != "grads" or direction == "onload"
+                    ceiling_copies = part != Part.GRADS or direction == "onload"
                     row["vs_ceiling"] = cs["median"] / s["median"] if ceiling_copies and s["median"] else None
                     row["vs_release_bound"] = bs["median"] / s["median"] if ceiling_copies and s["median"] else None
                     row["vs_ceiling_note"] = ("ceiling/manager time = manager/ceiling throughput"
-                                              if part != "grads" else
+                                              if part != Part.GRADS else
                                               "grads: no bytes copied; onload ceiling is a zero-fill")
                 elif m.name not in ("ceiling", "release_bound"):
                     row["time_vs_manager"] = s["median"] / ms["median"] if ms["median"] else None
@@ -198,7 +195,7 @@ def check_targets(res: dict) -> list[dict]:
     threshold = 0.9 if gpu else 0.8
     out = []
     rows = res["timings"]
-    ceiling_parts = COPY_PARTS if gpu else ("weights", "optimizer_states")
+    ceiling_parts = COPY_PARTS if gpu else (Part.WEIGHTS, Part.OPTIMIZER_STATES)
     by = {(r["part"], r["method"], r["direction"]): r for r in rows}
     for part in ceiling_parts:
         for d in ("offload", "onload"):
@@ -247,48 +244,29 @@ def check_targets(res: dict) -> list[dict]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=(
-        "Time chatlearn-mem's offload/onload of a megatron-core trainer against a plain-copy ceiling "
-        "and the usual alternatives; write JSON, markdown and a PNG plot."))
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=PRESETS, default="cpu", help="benchmarks/configs/<preset>.yaml (default cpu)")
-    src.add_argument("--config", help="a YAML file of BenchConfig fields instead of a preset")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set trainer.num_layers=4 --set repeats=5 (repeatable)")
-    p.add_argument("--output-dir", help="directory for the results (default benchmarks/results)")
-    p.add_argument("--name", help="file stem (default <date>_<hardware>)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only the targets")
-    return p
+def run_and_report(cfg: BenchConfig, command: str = "", quiet: bool = False,
+                   echo: Callable[[str], None] = print) -> list[Path]:
+    """Run the benchmark ``cfg`` describes, write its JSON, markdown and PNG, print the targets last.
 
+    Args:
+        command: The command line that produced the run (printed first and stored in the results).
+        quiet: Log only warnings while running; print only what was written and the targets.
+        echo: Receives the printed lines.
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Command-line entry point; returns 0 when the run completed (targets do not change it)."""
-    from benchmarks.report import print_targets, write_outputs
+    Returns:
+        The paths written (under ``cfg.output_dir``).
+    """
+    from chatlearn_mem_bench.report import print_targets, write_outputs
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f"output_dir={args.output_dir}")
-    if args.name:
-        overrides.append(f"name={args.name}")
-    if args.no_plot:
-        overrides.append("plot=false")
-    cfg = load_config(None if args.config else args.preset, args.config, overrides)
-    if args.print_config:
-        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
-        return 0
     logging.basicConfig(level=logging.WARNING, format="[bench] %(message)s")  # megatron's INFO is long
-    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
-    command = "python -m benchmarks " + shlex.join(argv) if argv else "python -m benchmarks"
-    print(f"command: {command}", flush=True)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    echo(f"command: {command}")
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # fail before minutes of measuring, not after
     res = run_benchmark(cfg, command)
     stem = cfg.name or f"{res['date']}_{hardware_slug(res['hardware'])}"
-    paths = write_outputs(res, Path(cfg.output_dir), stem, plot=cfg.plot, quiet=args.quiet)
+    paths = write_outputs(res, out_dir, stem, plot=cfg.plot, quiet=quiet)
     for p in paths:
-        print(f"wrote {p}")
-    print_targets(res)
-    return 0
+        echo(f"wrote {p}")
+    print_targets(res, echo=echo)
+    return paths

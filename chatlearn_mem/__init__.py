@@ -2,23 +2,28 @@
 
 Public API::
 
-    from chatlearn_mem import TrainerMemoryManager, MemoryConfig
+    from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
     mm = TrainerMemoryManager(model, optimizer, MemoryConfig(bucket_size_mb=256))
-    mm.offload()            # weights, grads, main weights, optimizer states
+    mm.offload()                    # weights, grads, main weights, optimizer states
+    mm.onload([Part.WEIGHTS])       # a forward-only phase needs the weights alone
     mm.onload()
     assert mm.audit().ok
+
+Beside the managers: :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
+names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exercise the manager).
 """
 
 from chatlearn_mem.audit import AuditReport
-from chatlearn_mem.config import MemoryConfig
-from chatlearn_mem.errors import ChatlearnMemError, OffloadedError, UnsupportedLayoutError
+from chatlearn_mem.config import MemoryConfig, load_config
+from chatlearn_mem.errors import ChatlearnMemError, ConfigError, OffloadedError, UnsupportedLayoutError
 from chatlearn_mem.inference import InferenceMemoryManager
+from chatlearn_mem.parts import Part
 from chatlearn_mem.residency import Residency
 from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
 
 __all__ = [
-    "AuditReport", "ChatlearnMemError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError",
-    "Residency", "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError",
+    "AuditReport", "ChatlearnMemError", "ConfigError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError",
+    "Part", "Residency", "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError", "load_config",
 ]
 __version__ = "0.1.0"

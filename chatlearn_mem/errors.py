@@ -1,6 +1,6 @@
 """Exceptions raised by chatlearn-mem."""
 
-__all__ = ["ChatlearnMemError", "OffloadedError", "UnsupportedLayoutError"]
+__all__ = ["ChatlearnMemError", "ConfigError", "OffloadedError", "UnsupportedLayoutError"]
 
 
 class ChatlearnMemError(RuntimeError):
@@ -13,3 +13,7 @@ class OffloadedError(ChatlearnMemError):
 
 class UnsupportedLayoutError(ChatlearnMemError):
     """The model, optimizer or megatron-core version is not one the manager can handle."""
+
+
+class ConfigError(ChatlearnMemError, ValueError):
+    """A configuration is missing or invalid; the message lists every problem with its dotted key."""

@@ -9,7 +9,9 @@ import torch
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.manager import MemoryManagerBase, serialized
+from chatlearn_mem.parts import Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
+from chatlearn_mem.storage import TransferStats
 
 __all__ = ["InferenceMemoryManager"]
 
@@ -44,7 +46,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         tensors = list(module.parameters()) + list(module.buffers())
         if not tensors:
             raise ValueError("the module has no parameters or buffers; nothing to manage")
-        super().__init__({"weights": True}, tensors[0].device, config)
+        super().__init__({Part.WEIGHTS: True}, tensors[0].device, config)
         self._module = module
         self._tracked = {name: t for name, t in self._named_tensors()}
         self._remember_weight_storages()
@@ -60,12 +62,11 @@ class InferenceMemoryManager(MemoryManagerBase):
     def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         return ((n, t) for n, t in self._module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor))
 
-    def _part_tensors(self, part: str) -> Iterable[torch.Tensor]:
-        if part != "weights":
-            raise ValueError(f"unknown part {part!r}; an inference model has only 'weights'")
+    def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
+        assert part is Part.WEIGHTS, part
         return (t for _, t in self._named_tensors())
 
-    def _part_token(self, part: str) -> Optional[Hashable]:
+    def _part_token(self, part: Part) -> Optional[Hashable]:
         return (self._dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
 
     def _before_forward(self, module, args) -> None:
@@ -73,9 +74,31 @@ class InferenceMemoryManager(MemoryManagerBase):
         self._check_weights_resident("forward pass")
 
     @serialized
+    def offload(self, parts: PartsArg = None) -> list[TransferStats]:
+        """Offload the chosen parts (an inference model has one: ``Part.WEIGHTS``; None: all).
+
+        Returns one :class:`TransferStats`, or none (with a warning) when already offloaded.
+
+        Raises:
+            ValueError: A part other than ``weights``.
+        """
+        if not self._parse_parts(parts):
+            return []
+        stats = self._offload_one(Part.WEIGHTS)
+        return [stats] if stats is not None else []
+
+    @serialized
+    def onload(self, parts: PartsArg = None) -> list[TransferStats]:
+        """Onload the chosen parts (``Part.WEIGHTS``; None: all); see :meth:`offload`."""
+        if not self._parse_parts(parts):
+            return []
+        stats = self._onload_part(Part.WEIGHTS)
+        return [stats] if stats is not None else []
+
+    @serialized
     def residency(self) -> Residency:
         """Device bytes of the parameters and buffers (each storage once) and host store bytes."""
-        return measure({"weights": self._part_tensors("weights")}, self.device, self._host_bytes())
+        return measure({Part.WEIGHTS.value: self._part_tensors(Part.WEIGHTS)}, self.device, self._host_bytes())
 
     @serialized
     def audit(self) -> AuditReport:
@@ -96,5 +119,5 @@ class InferenceMemoryManager(MemoryManagerBase):
         for name in current.keys() - self._tracked.keys():
             report.checked += 1
             report.add(f"{name} was added after the manager was created and is not managed")
-        self._check_storage_state(report, "weights")
+        self._check_storage_state(report, Part.WEIGHTS)
         return report

@@ -11,6 +11,7 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError
+from chatlearn_mem.parts import Part, PartsArg, parse_parts
 from chatlearn_mem.storage import StorageGroup, TransferStats, extent, storage_key, unique_storages
 
 __all__ = ["MemoryManagerBase", "serialized"]
@@ -49,22 +50,23 @@ class MemoryManagerBase:
     describes a part's current contents (:meth:`_part_token`).
     """
 
-    def __init__(self, parts: dict[str, bool], device: torch.device, config: Optional[MemoryConfig]):
+    def __init__(self, parts: dict[Part, bool], device: torch.device, config: Optional[MemoryConfig]):
         if config is not None and not isinstance(config, MemoryConfig):
             raise TypeError(f"config must be a chatlearn_mem.MemoryConfig, got {type(config).__name__}")
         self.config = config or MemoryConfig()
         self.device = device
         self._lock = threading.RLock()
         self._active_call: Optional[tuple[str, int]] = None  # (method, thread id) of the call in progress
-        self._groups = {name: StorageGroup(name, keep, self.config) for name, keep in parts.items()}
+        # part -> its storages; ``keep``: copy the contents to the host (False: drop them)
+        self._groups = {part: StorageGroup(part.value, keep, self.config) for part, keep in parts.items()}
         self._dirty_epoch = 0
         self._hook_handles: list = []
 
     # -- to be provided by subclasses -------------------------------------------------------
-    def _part_tensors(self, part: str) -> Iterable[torch.Tensor]:
+    def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
         raise NotImplementedError
 
-    def _part_token(self, part: str) -> Optional[Hashable]:
+    def _part_token(self, part: Part) -> Optional[Hashable]:
         return None
 
     def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -76,16 +78,27 @@ class MemoryManagerBase:
         raise NotImplementedError
 
     # -- shared mechanics --------------------------------------------------------------------
-    def is_offloaded(self, part: str) -> bool:
-        """Whether ``part`` is currently offloaded (released from the device)."""
-        if part not in self._groups:
-            raise ValueError(f"unknown part {part!r}; parts are {sorted(self._groups)}")
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The parts this manager moves."""
+        return tuple(self._groups)
+
+    def _parse_parts(self, parts: PartsArg) -> list[Part]:
+        return parse_parts(parts, self._groups)
+
+    def is_offloaded(self, part: Part | str) -> bool:
+        """Whether ``part`` is currently offloaded (released from the device).
+
+        Raises:
+            ValueError: ``part`` is not one of :attr:`parts`.
+        """
+        (part,) = self._parse_parts([part])
         return self._groups[part].offloaded
 
-    def _storages(self, part: str) -> list[torch.UntypedStorage]:
+    def _storages(self, part: Part) -> list[torch.UntypedStorage]:
         return unique_storages(self._part_tensors(part), self.device)
 
-    def _offload_part(self, part: str, storages: Optional[list] = None) -> Optional[TransferStats]:
+    def _offload_part(self, part: Part, storages: Optional[list] = None) -> Optional[TransferStats]:
         group = self._groups[part]
         if group.offloaded:
             warnings.warn(f"{part} are already offloaded; nothing to do", stacklevel=3)
@@ -93,7 +106,7 @@ class MemoryManagerBase:
         storages = self._storages(part) if storages is None else storages
         token = self._part_token(part) if self.config.skip_unchanged_weights else None
         stats = group.offload(storages, token)
-        if part == "weights":
+        if part is Part.WEIGHTS:
             self._remember_weight_storages()
         return stats
 
@@ -115,7 +128,7 @@ class MemoryManagerBase:
                 report.add(f"{name} .data was rebound to a new tensor since the manager last "
                            "offloaded it; the manager would restore the old storage")
 
-    def _onload_part(self, part: str) -> Optional[TransferStats]:
+    def _onload_part(self, part: Part) -> Optional[TransferStats]:
         group = self._groups[part]
         if not group.offloaded:
             warnings.warn(f"{part} are already on the device; nothing to do", stacklevel=3)
@@ -124,10 +137,10 @@ class MemoryManagerBase:
         group.set_host_token(self._part_token(part))
         return stats
 
-    def _before_offload(self, part: str) -> None:
+    def _before_offload(self, part: Part) -> None:
         """Refuse an offload that is unsafe now (subclasses); called before anything changes."""
 
-    def _offload_one(self, part: str) -> Optional[TransferStats]:
+    def _offload_one(self, part: Part) -> Optional[TransferStats]:
         self._before_offload(part)
         stats = self._offload_part(part)
         self._empty_cache()
@@ -136,12 +149,12 @@ class MemoryManagerBase:
     @serialized
     def offload_weights(self) -> Optional[TransferStats]:
         """Copy the weights to the host store (unless the copy there is current) and free them."""
-        return self._offload_one("weights")
+        return self._offload_one(Part.WEIGHTS)
 
     @serialized
     def onload_weights(self) -> Optional[TransferStats]:
         """Reallocate the weights on the device and copy them back from the host store."""
-        return self._onload_part("weights")
+        return self._onload_part(Part.WEIGHTS)
 
     @serialized
     def weights_state_dict(self) -> dict[str, torch.Tensor]:
@@ -151,7 +164,7 @@ class MemoryManagerBase:
         can send its weights (for example to a rollout engine) without being woken up. While
         resident they are copied from the device.
         """
-        group = self._groups["weights"]
+        group = self._groups[Part.WEIGHTS]
         out = {}
         for name, t in self._state_dict_tensors():
             if group.offloaded:
@@ -176,7 +189,7 @@ class MemoryManagerBase:
                 "concurrency group)")
 
     def _check_weights_resident(self, what: str) -> None:
-        if self._groups["weights"].offloaded:
+        if self._groups[Part.WEIGHTS].offloaded:
             raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() "
                                  "(or onload()) first")
 
@@ -198,9 +211,9 @@ class MemoryManagerBase:
             self._hook_handles.clear()
 
     def _host_bytes(self) -> dict[str, int]:
-        return {name: g.host_bytes for name, g in self._groups.items()}
+        return {part.value: g.host_bytes for part, g in self._groups.items()}
 
-    def _check_storage_state(self, report, part: str) -> None:
+    def _check_storage_state(self, report, part: Part) -> None:
         """Offloaded parts hold no device bytes; resident parts hold every byte their tensors need."""
         group = self._groups[part]
         if group.offloaded:

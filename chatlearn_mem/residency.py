@@ -7,9 +7,12 @@ from typing import Iterable, Mapping
 
 import torch
 
+from chatlearn_mem.parts import OTHER, Part
+
 __all__ = ["Residency", "measure"]
 
-CATEGORIES = ("weights", "grads", "main_weights", "optimizer_states", "other")
+CATEGORIES = (*(p.value for p in Part), OTHER)
+"""Residency categories: every :class:`~chatlearn_mem.parts.Part` and ``other``."""
 
 
 @dataclass(frozen=True)

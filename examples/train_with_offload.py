@@ -20,7 +20,9 @@ import warnings
 
 import torch
 
-from chatlearn_mem import MemoryConfig, TrainerMemoryManager, gpt
+from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
+
+from chatlearn_mem.testbed import gpt
 
 
 def mib(n: int) -> str:
@@ -60,7 +62,7 @@ def main() -> None:
         show(step, "train")
         mm.offload()
         show(step, "sleep")
-        mm.onload(grads=False, main_weights=False, optimizer_states=False)
+        mm.onload(Part.WEIGHTS)  # a forward-only phase needs the weights alone
         with torch.no_grad():
             score_loss = trainer.loss(gpt.synthetic_batch(cfg, 10_000 + step)).item()
         show(step, "score")

@@ -1,17 +1,20 @@
-"""Ray actors and a colocated PPO loop built on :mod:`chatlearn_mem`.
+"""Ray actors and a colocated PPO loop built on :mod:`chatlearn_mem` (installed as ``chatlearn_mem_ray``).
 
-- :class:`RunConfig` / :func:`load_config`: the whole run as pydantic models, from YAML plus
-  ``key=value`` overrides.
+- :class:`RunConfig` / :func:`load_config`: the whole run as pydantic models, from a preset or a
+  YAML file plus ``key=value`` overrides.
 - :func:`run_ppo`: start (or join) Ray, place every actor on the same resources, run PPO with
   the memory manager switching models between phases, write the JSON log and memory timeline.
 - :class:`TrainerActor`, :class:`InferenceActor`: the actors (plain classes; ``ray.remote`` them).
-- Command line: ``chatlearn-mem ppo --config configs/ppo_cpu_tiny.yaml [key=value ...]``.
+- :class:`RunError`: the base of every error that stops a run.
+- Command line: ``chatlearn-mem ppo [--config cpu_tiny|gpu|PATH] [key=value ...]``.
 """
 
-from ray_actors.actors import InferenceActor, TrainerActor
-from ray_actors.cluster import ActorFailedError, Colocation, PhaseTimeoutError, ResourceError
-from ray_actors.config import ConfigError, RunConfig, load_config
-from ray_actors.ppo import AuditFailedError, run_ppo
+from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
+from chatlearn_mem_ray.cluster import Colocation
+from chatlearn_mem_ray.config import RunConfig, load_config
+from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, PhaseTimeoutError, ResourceError, RunError,
+                                      WeightSyncError)
+from chatlearn_mem_ray.ppo import run_ppo
 
-__all__ = ["ActorFailedError", "AuditFailedError", "Colocation", "ConfigError", "InferenceActor",
-           "PhaseTimeoutError", "ResourceError", "RunConfig", "TrainerActor", "load_config", "run_ppo"]
+__all__ = ["ActorFailedError", "AuditFailedError", "Colocation", "InferenceActor", "PhaseTimeoutError",
+           "ResourceError", "RunConfig", "RunError", "TrainerActor", "WeightSyncError", "load_config", "run_ppo"]

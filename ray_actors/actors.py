@@ -1,4 +1,4 @@
-"""The two kinds of actor of a colocated PPO run. Plain classes: ``ray_actors.cluster`` turns them
+"""The two kinds of actor of a colocated PPO run. Plain classes: ``chatlearn_mem_ray.cluster`` turns them
 into Ray actors; tests may also use them in-process.
 
 - :class:`TrainerActor`: one rank of a megatron-core trainer (policy or critic) under a
@@ -17,13 +17,13 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import torch
 
-from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, TrainerMemoryManager
-from chatlearn_mem.gpt import GPTTrainerConfig
-from ray_actors import modeling
+from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, Part, TrainerMemoryManager
+from chatlearn_mem.parts import PartsArg
+from chatlearn_mem.testbed.gpt import GPTTrainerConfig
+from chatlearn_mem_ray import modeling
 
 __all__ = ["InferenceActor", "TrainerActor"]
 
-PARTS = ("weights", "grads", "main_weights", "optimizer_states")
 
 
 def _free_port() -> int:
@@ -62,7 +62,7 @@ class _ManagedActor:
         return f"tcp://{ip}:{_free_port()}"
 
     def _init_distributed(self, rank: int, world_size: int, tp: int, init_method: str, seed: int) -> None:
-        from chatlearn_mem import gpt
+        from chatlearn_mem.testbed import gpt
 
         gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed)
 
@@ -112,7 +112,7 @@ class TrainerActor(_ManagedActor):
         """
         from megatron.core import parallel_state
 
-        from chatlearn_mem import gpt
+        from chatlearn_mem.testbed import gpt
 
         self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
         self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.role == "critic")
@@ -171,24 +171,22 @@ class TrainerActor(_ManagedActor):
                 steps += 1
         return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
 
-    def offload(self, parts: Sequence[str] = PARTS) -> list[dict]:
-        """Offload the named parts (already offloaded ones are skipped)."""
-        chosen = {p: p in parts for p in PARTS}
+    def offload(self, parts: PartsArg = None) -> list[dict]:
+        """Offload the chosen parts (None: all; already offloaded ones are skipped)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _stats(self.manager.offload(**chosen))
+            return _stats(self.manager.offload(parts))
 
-    def onload(self, parts: Sequence[str] = PARTS) -> list[dict]:
-        """Onload the named parts (already resident ones are skipped)."""
-        chosen = {p: p in parts for p in PARTS}
+    def onload(self, parts: PartsArg = None) -> list[dict]:
+        """Onload the chosen parts (None: all; already resident ones are skipped)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _stats(self.manager.onload(**chosen))
+            return _stats(self.manager.onload(parts))
 
     def weights_for_sync(self, with_digest: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:
         """This rank's weights (from the host store when offloaded); per name, the dimension
         tensor parallelism split it along (-1: replicated); and, with ``with_digest``, their
-        SHA-256 (see :func:`ray_actors.modeling.weights_digest`), computed from the same read."""
+        SHA-256 (see :func:`chatlearn_mem_ray.modeling.weights_digest`), computed from the same read."""
         state = self.manager.weights_state_dict()
         params = dict(self.trainer.model.module.named_parameters())
         dims = {name: (getattr(params[name], "partition_dim", -1)
@@ -197,7 +195,7 @@ class TrainerActor(_ManagedActor):
         return state, dims, modeling.weights_digest(state) if with_digest else None
 
     def weights_digest(self) -> str:
-        """SHA-256 of this rank's weights (see :func:`ray_actors.modeling.weights_digest`)."""
+        """SHA-256 of this rank's weights (see :func:`chatlearn_mem_ray.modeling.weights_digest`)."""
         return modeling.weights_digest(self.manager.weights_state_dict())
 
 
@@ -217,7 +215,7 @@ class InferenceActor(_ManagedActor):
 
     def setup(self, init_method: str) -> dict:
         """Create a one-rank process group and build the model (same init as the policy's)."""
-        from chatlearn_mem import gpt
+        from chatlearn_mem.testbed import gpt
 
         self._init_distributed(0, 1, 1, init_method, self.config.seed)
         self.model = gpt.build_gpt_model(self.config)
@@ -242,17 +240,17 @@ class InferenceActor(_ManagedActor):
         """(B, T-1) log-probability of each next token of ``tokens`` (B, T)."""
         return modeling.sequence_logprobs(self.model, _to_device(tokens)).cpu()
 
-    def offload(self, parts: Sequence[str] = ("weights",)) -> list[dict]:
+    def offload(self, parts: PartsArg = None) -> list[dict]:
         """Offload the weights (the only part); a no-op when already offloaded."""
-        if "weights" not in parts or self.manager.is_offloaded("weights"):
-            return []
-        return _stats([self.manager.offload_weights()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _stats(self.manager.offload(parts))
 
-    def onload(self, parts: Sequence[str] = ("weights",)) -> list[dict]:
+    def onload(self, parts: PartsArg = None) -> list[dict]:
         """Onload the weights; a no-op when already resident."""
-        if "weights" not in parts or not self.manager.is_offloaded("weights"):
-            return []
-        return _stats([self.manager.onload_weights()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _stats(self.manager.onload(parts))
 
     @torch.no_grad()
     def load_weights(self, partition_dims: Mapping[str, int], *shards: Mapping[str, torch.Tensor]) -> list[str]:
@@ -271,7 +269,7 @@ class InferenceActor(_ManagedActor):
             ValueError: Names or shapes do not match this model; nothing is copied then.
             OffloadedError: The weights are offloaded.
         """
-        if self.manager.is_offloaded("weights"):
+        if self.manager.is_offloaded(Part.WEIGHTS):
             raise OffloadedError(f"{self.name}: load_weights() needs the weights on the device; "
                                  "call onload() first")
         state = modeling.merge_tensor_parallel(shards, partition_dims or {})
@@ -288,7 +286,7 @@ class InferenceActor(_ManagedActor):
 
     def weights_digest(self, tensor_parallel_size: int = 1,
                        partition_dims: Optional[Mapping[str, int]] = None) -> list[str]:
-        """SHA-256 of the weights (see :func:`ray_actors.modeling.weights_digest`), one per
+        """SHA-256 of the weights (see :func:`chatlearn_mem_ray.modeling.weights_digest`), one per
         tensor-parallel shard when split as a trainer with ``tensor_parallel_size`` ranks holds them."""
         state = self.manager.weights_state_dict()
         return [modeling.weights_digest(s) for s in

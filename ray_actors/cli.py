@@ -1,56 +1,114 @@
-"""The ``chatlearn-mem`` command: ``ppo`` runs a colocated PPO job, ``bench`` the memory benchmark."""
+"""The ``chatlearn-mem`` command: ``ppo`` runs a colocated PPO job, ``bench`` the memory benchmark.
+
+Both subcommands read their config the same way, through the project's one loader
+(:func:`chatlearn_mem.config.load_config`): ``--config`` takes a preset name or the path of a YAML
+file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the shipped
+presets. A bad config prints ``error: ...`` (every problem, with its key) and exits 2; a run that
+fails prints ``error: ...`` and exits 1.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import List, Optional
+import json
+import shlex
+from typing import Callable, List, Optional, TypeVar
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+from chatlearn_mem.errors import ChatlearnMemError, ConfigError
+from chatlearn_mem_bench.config import DEFAULT_PRESET as BENCH_DEFAULT
+from chatlearn_mem_ray.config import DEFAULT_PRESET as PPO_DEFAULT
+
+__all__ = ["app"]
+
+T = TypeVar("T")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Colocated RLHF on shared devices with an exact memory manager for megatron-core.")
+
+_OVERRIDES_HELP = "dotted key=value overrides, values parsed as YAML (e.g. ppo.iterations=5)"
+_CONFIG_HELP = "a preset name (see `chatlearn-mem presets`) or the path of a YAML file"
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _guarded(work: Callable[[], T]) -> T:
+    """Run ``work``; a user mistake or run failure becomes one ``error:`` line and an exit code."""
+    try:
+        return work()
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
+    except ChatlearnMemError as e:
+        raise _fail(str(e), 1) from None
+    except ModuleNotFoundError as e:
+        raise _fail(f"{e} (a dependency of this command is missing; install chatlearn-mem with the "
+                    "[ray] extra for `ppo` or the [bench] extra for `bench`)", 1) from None
+    except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
+        raise _fail(f"{type(e).__name__}: {e}", 1) from None
 
 
 @app.command()
-def ppo(config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML run config (see configs/)."),
-        overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. ppo.iterations=5"),
+def ppo(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HELP, show_default=False),
+        config: str = typer.Option(PPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
+        print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
         ) -> None:
     """Run PPO with the policy, critic, rollout and reference models colocated through Ray.
 
     Prints one line per iteration and writes log.json and memory_timeline.png to output_dir.
     """
-    from ray_actors.cluster import ActorFailedError, PhaseTimeoutError, ResourceError
-    from ray_actors.config import ConfigError, load_config
-    from ray_actors.ppo import AuditFailedError, run_ppo
+    from chatlearn_mem_ray.config import load_config
 
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    try:
+    cfg = _guarded(lambda: load_config(config, overrides or []))
+    if print_config:
+        typer.echo(cfg.model_dump_json(indent=2))
+        return
+
+    def run() -> None:
+        from chatlearn_mem_ray.ppo import run_ppo
+
         run_ppo(cfg, progress=typer.echo)
-    except (ResourceError, ActorFailedError, PhaseTimeoutError, AuditFailedError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+
+    _guarded(run)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
-def bench(ctx: typer.Context) -> None:
-    """Memory benchmark (arguments go to ``python -m benchmarks``; try ``bench --help``)."""
-    try:
-        from benchmarks import main as bench_main
-    except ImportError as e:
-        typer.echo(f"error: the benchmarks package is not importable ({e}); run from a source checkout "
-                   "installed with `pip install -e .`", err=True)
-        raise typer.Exit(2)
-    raise typer.Exit(bench_main(list(ctx.args)))
+@app.command()
+def bench(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HELP, show_default=False),
+          config: str = typer.Option(BENCH_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
+          print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the targets"),
+          ) -> None:
+    """Time offload/onload of a megatron-core trainer against a plain-copy ceiling and the usual
+    alternatives; write JSON, markdown and a PNG (to output_dir, default runs/bench)."""
+
+    from chatlearn_mem_bench.config import load_config
+
+    cfg = _guarded(lambda: load_config(config, overrides or []))
+    if print_config:
+        typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        return
+    command = shlex.join(["chatlearn-mem", "bench", "--config", config, *(overrides or [])])
+
+    def run() -> None:
+        from chatlearn_mem_bench.run import run_and_report
+
+        run_and_report(cfg, command, quiet=quiet, echo=typer.echo)
+
+    _guarded(run)
 
 
-def main() -> None:
-    app()
+@app.command()
+def presets() -> None:
+    """List the shipped presets of `ppo` and `bench` (use them with --config NAME)."""
+    from chatlearn_mem.config import preset_names
 
+    def show(label: str, module: str) -> None:
+        from importlib import resources
 
-if __name__ == "__main__":
-    main()
+        names = preset_names(resources.files(module))
+        typer.echo(f"{label}: {', '.join(names) if names else '(none installed)'}")
+
+    show("ppo", "chatlearn_mem_ray.presets")
+    show("bench", "chatlearn_mem_bench.presets")

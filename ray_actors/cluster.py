@@ -15,37 +15,21 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
-from chatlearn_mem.errors import ChatlearnMemError
-from ray_actors.config import RunConfig
+from chatlearn_mem_ray.config import RunConfig
+from chatlearn_mem_ray.errors import ActorFailedError, PhaseTimeoutError, ResourceError
 
-__all__ = ["ActorFailedError", "Colocation", "PhaseTimeoutError", "ResourceError", "check_resources"]
+__all__ = ["Colocation", "check_resources"]
 
-logger = logging.getLogger("ray_actors")
+logger = logging.getLogger("chatlearn_mem_ray")
 
 ACTOR_SHARE = 0.25  # of a bundle: up to four colocated models per bundle
-
-
-class ResourceError(ChatlearnMemError):
-    """The run asks for more CPUs or GPUs than the machine or cluster has."""
-
-
-class ActorFailedError(ChatlearnMemError):
-    """An actor died or raised during a phase; the message names both."""
-
-    def __init__(self, actor: str, phase: str, cause: str):
-        super().__init__(f"actor {actor!r} failed during phase {phase!r}: {cause}")
-        self.actor, self.phase = actor, phase
-
-
-class PhaseTimeoutError(ChatlearnMemError):
-    """A phase took longer than ``ray.phase_timeout_s``; the message names the actors waited for."""
 
 
 def _ray():
     try:
         import ray
     except ImportError as e:
-        raise ImportError("Ray is required for ray_actors; install it with: pip install 'ray>=2.40'") from e
+        raise ImportError("Ray is required for the PPO run; install it with: pip install 'chatlearn-mem[ray]'") from e
     return ray
 
 
@@ -138,7 +122,7 @@ class Colocation:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ray_actors.actors import InferenceActor, TrainerActor
+        from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
 
         cfg = self.cfg
         bundle = {"CPU": cfg.ray.cpus_per_rank} | ({"GPU": 1} if self.use_gpu else {})

@@ -1,29 +1,27 @@
 """Configuration of a colocated PPO run: one pydantic model per component, YAML plus overrides.
 
-A run is described by :class:`RunConfig`. :func:`load_config` reads a YAML file, applies
-``key=value`` overrides (dotted keys, YAML-typed values: ``ppo.iterations=5``,
-``memory.enabled=false``) and validates everything at once; :class:`ConfigError` lists every
-problem, so a bad run fails before Ray or any model starts.
+A run is described by :class:`RunConfig`. :func:`load_config` reads a preset or a YAML file,
+applies ``key=value`` overrides (dotted keys, YAML-typed values: ``ppo.iterations=5``,
+``memory.enabled=false``) and validates everything at once with the project's one loader
+(:func:`chatlearn_mem.config.load_config`); its ``ConfigError`` lists every problem, so a bad
+run fails before Ray or any model starts.
 """
 
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chatlearn_mem import MemoryConfig
-from chatlearn_mem.gpt import GPTTrainerConfig
+from chatlearn_mem import ConfigError, MemoryConfig
+from chatlearn_mem.config import load_config as _load
+from chatlearn_mem.testbed.gpt import GPTTrainerConfig
 
-__all__ = ["ConfigError", "MemoryPolicy", "PPOConfig", "ParallelConfig", "RayConfig", "RunConfig",
-           "TaskConfig", "load_config", "parse_overrides"]
-
-
-class ConfigError(ValueError):
-    """A run configuration is missing or invalid; the message lists every problem."""
+__all__ = ["DEFAULT_PRESET", "MemoryPolicy", "PPOConfig", "PRESETS", "ParallelConfig", "RayConfig", "RunConfig",
+           "TaskConfig", "load_config"]
 
 
 class _Strict(BaseModel):
@@ -75,7 +73,7 @@ class TaskConfig(_Strict):
     """
 
     name: Literal["token_range"] = "token_range"
-    """Which task (only one is built in; add yours in ``ray_actors.ppo.TASKS``)."""
+    """Which task (only one is built in; add yours in ``chatlearn_mem_ray.ppo.TASKS``)."""
     target_low: int = Field(0, ge=0)
     """Lowest rewarded token id."""
     target_high: int = Field(16, ge=1)
@@ -192,75 +190,22 @@ class RunConfig(_Strict):
         return self
 
 
-def parse_overrides(overrides: Sequence[str]) -> dict:
-    """Turn ``["a.b=1", "c=x"]`` into ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML).
+PRESETS = resources.files("chatlearn_mem_ray.presets")
+"""The shipped run presets (``configs/ppo/*.yaml`` in the repository, installed with the package)."""
+DEFAULT_PRESET = "cpu_tiny"
+"""What ``chatlearn-mem ppo`` runs without ``--config``: the CPU default (about 2 minutes on 2 cores)."""
+
+
+def load_config(source: Optional[str | os.PathLike] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Build a :class:`RunConfig` from a preset name or YAML path, then dotted ``key=value`` overrides.
+
+    Args:
+        source: A preset name (``cpu_tiny``, ``gpu``; see :data:`PRESETS`) or the path of a YAML
+            file; None starts from the defaults of :class:`RunConfig`.
+        overrides: ``ppo.iterations=5``, ``memory.enabled=false``, ...; values are parsed as YAML.
 
     Raises:
-        ConfigError: An item has no ``=`` or an empty key.
+        ConfigError: The source is missing or not a YAML mapping, an override is malformed, or
+            the result is invalid; the message lists every problem with its dotted key.
     """
-    out: dict = {}
-    bad = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip() or any(not k for k in key.split(".")):
-            bad.append(f"{item!r} is not key=value (example: ppo.iterations=5)")
-            continue
-        value = yaml.safe_load(raw) if raw.strip() else None
-        node = out
-        *parents, leaf = key.strip().split(".")
-        for k in parents:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                bad.append(f"{item!r}: {k} was already given a value")
-                break
-        else:
-            node[leaf] = value
-    if bad:
-        raise ConfigError("invalid override(s):\n  " + "\n  ".join(bad))
-    return out
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _format(error: ValidationError) -> str:
-    lines = []
-    for e in error.errors():
-        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") else ""
-        if e["type"] == "extra_forbidden":
-            msg, got = "unknown key", ""
-        lines.append(f"  {where}: {msg}{got}")
-    return f"invalid config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n" + "\n".join(lines)
-
-
-def load_config(path: Optional[str | os.PathLike] = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read ``path`` (YAML; None means all defaults), apply overrides and validate.
-
-    Raises:
-        ConfigError: The file is missing or not a YAML mapping, an override is malformed, or the
-            result is invalid; the message lists every problem with its dotted key.
-    """
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist (shipped configs: "
-                              f"{', '.join(sorted(str(f) for f in Path('configs').glob('*.yaml'))) or 'none here'})")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got "
-                              f"{type(data).__name__}")
-    data = _merge(data, parse_overrides(overrides))
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+    return _load(RunConfig, source, overrides, presets=PRESETS)

@@ -34,11 +34,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ray_actors.cluster import Colocation
-from ray_actors.config import RunConfig, TaskConfig
-from ray_actors.timeline import TRAIN_PARTS, MemoryTimeline, plot_timeline
+from chatlearn_mem import Part
+from chatlearn_mem_ray.cluster import Colocation
+from chatlearn_mem_ray.config import RunConfig, TaskConfig
+from chatlearn_mem_ray.errors import AuditFailedError, WeightSyncError
+from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
-__all__ = ["AuditFailedError", "PPORun", "TASKS", "gae", "policy_loss", "run_ppo", "token_range_reward",
+__all__ = ["PPORun", "TASKS", "gae", "policy_loss", "run_ppo", "token_range_reward",
            "value_loss", "weight_sync_mismatch"]
 
 
@@ -84,10 +86,6 @@ def value_loss(values: torch.Tensor, mb: dict, *, prompt_length: int, value_clip
     clipped = old + (v - old).clamp(-value_clip, value_clip)
     loss = 0.5 * torch.max((v - mb["returns"]) ** 2, (clipped - mb["returns"]) ** 2).mean()
     return loss, {"value_mean": v.mean().item()}
-
-
-class AuditFailedError(RuntimeError):
-    """A memory audit after an onload found a broken invariant; training would not be exact."""
 
 
 def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) -> Optional[str]:
@@ -191,7 +189,7 @@ class PPORun:
             self.sync_checks.append({"iteration": iteration, "equal": mismatch is None,
                                      "policy": policy_digests, "rollout": rollout_digests})
             if mismatch:
-                raise RuntimeError(f"iteration {iteration}: {mismatch}")
+                raise WeightSyncError(f"iteration {iteration}: {mismatch}")
         seed = ppo.seed * 1_000_003 + iteration
         return c.call("generate", {c.rollout: c.rollout.generate.remote(
             prompts, ppo.response_length, ppo.temperature, seed)})[c.rollout]
@@ -218,11 +216,11 @@ class PPORun:
         g = torch.Generator().manual_seed(ppo.seed * 7919 + iteration)
         prompts = torch.randint(0, cfg.policy.vocab_size, (ppo.prompts_per_iteration, P), generator=g)
 
-        tokens, old_logprobs = self._phase(iteration, "generate", {c.rollout: ("weights",)},
+        tokens, old_logprobs = self._phase(iteration, "generate", {c.rollout: (Part.WEIGHTS,)},
                                            lambda: self._sync_and_generate(iteration, prompts))
-        ref_logprobs = self._phase(iteration, "reference", {c.reference: ("weights",)},
+        ref_logprobs = self._phase(iteration, "reference", {c.reference: (Part.WEIGHTS,)},
                                    lambda: c.call("reference", {c.reference: c.reference.logprobs.remote(tokens)})[c.reference])
-        values = self._phase(iteration, "values", {a: ("weights",) for a in c.critic},
+        values = self._phase(iteration, "values", {a: (Part.WEIGHTS,) for a in c.critic},
                              lambda: self._critic_values(tokens))
 
         old = old_logprobs[:, P - 1:]  # (B, R)
@@ -234,11 +232,11 @@ class PPORun:
         advantages, returns = gae(rewards, old_values, ppo.gamma, ppo.lam)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-        critic = self._phase(iteration, "train_critic", {a: TRAIN_PARTS[:-1] for a in c.critic},
+        critic = self._phase(iteration, "train_critic", {a: tuple(Part) for a in c.critic},
                              lambda: self._train("train_critic", c.critic, {
                                  "tokens": tokens, "old_values": old_values, "returns": returns},
                                  self._value_loss, iteration))
-        policy = self._phase(iteration, "train_policy", {a: TRAIN_PARTS[:-1] for a in c.policy},
+        policy = self._phase(iteration, "train_policy", {a: tuple(Part) for a in c.policy},
                              lambda: self._train("train_policy", c.policy, {
                                  "tokens": tokens, "old_logprobs": old, "advantages": advantages},
                                  self._policy_loss, iteration))

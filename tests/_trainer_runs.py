@@ -11,7 +11,9 @@ from typing import Callable, Optional
 
 import torch
 
-from chatlearn_mem import TrainerMemoryManager, gpt
+from chatlearn_mem import TrainerMemoryManager
+
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 
 STEPS = 8

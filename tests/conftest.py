@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # for the _trainer_runs helpers, 
 @pytest.fixture(scope="session")
 def dist1(tmp_path_factory):
     """megatron-core initialised for one rank (gloo on CPU)."""
-    from chatlearn_mem import gpt
+    from chatlearn_mem.testbed import gpt
 
     init_file = tmp_path_factory.mktemp("dist") / "init"
     with warnings.catch_warnings():

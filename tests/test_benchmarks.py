@@ -8,16 +8,26 @@ import pytest
 pytest.importorskip("matplotlib")
 pytest.importorskip("psutil")
 
-from benchmarks import BenchConfig, PARTS, load_config, main  # noqa: E402
-from benchmarks.config import CONFIG_DIR, COPY_PARTS, PRESETS  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from typer.testing import CliRunner  # noqa: E402
+
+from chatlearn_mem import ConfigError  # noqa: E402
+from chatlearn_mem.config import preset_names  # noqa: E402
+from chatlearn_mem_bench import PARTS, BenchConfig, load_config  # noqa: E402
+from chatlearn_mem_bench.config import COPY_PARTS, FULL, PRESETS  # noqa: E402
+from chatlearn_mem_ray.cli import app  # noqa: E402
+
+CONFIG_DIR = Path(__file__).parent.parent / "configs" / "bench"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates(path):
-    assert path.stem in PRESETS  # every file is reachable as --preset
-    cfg = load_config(path=str(path))
-    assert cfg.repeats >= 3 and cfg.cycles >= 2
-    assert load_config(path.stem).trainer == cfg.trainer
+    assert path.stem in preset_names(PRESETS)  # every file ships and is reachable as --config NAME
+    cfg = load_config(str(path))
+    assert cfg.repeats >= 3 and cfg.cycles >= 2 and cfg.preset == "custom"
+    named = load_config(path.stem)
+    assert named.trainer == cfg.trainer and named.preset == path.stem
 
 
 def test_presets_load_and_overrides_apply():
@@ -27,24 +37,24 @@ def test_presets_load_and_overrides_apply():
     gpu = load_config("gpu")
     t = gpu.trainer  # 1B+ parameters: 12 h^2 per layer plus the embedding
     assert 12 * t.num_layers * t.hidden_size**2 + t.vocab_size * t.hidden_size > 1e9
-    with pytest.raises(ValueError, match="presets"):
+    with pytest.raises(ConfigError, match="presets: cpu, gpu, tiny"):
         load_config("nope")
-    with pytest.raises(Exception, match="repeatz"):
+    with pytest.raises(ConfigError, match="repeatz: unknown key"):
         load_config("tiny", overrides=["repeatz=3"])
 
 
-def test_benchmark_end_to_end(dist1, tmp_path, capsys):
-    rc = main(["--preset", "tiny", "--output-dir", str(tmp_path), "--name", "smoke", "-q"])
-    assert rc == 0
-    out = capsys.readouterr().out
-    assert out.startswith("command: python -m benchmarks --preset tiny")
+def test_benchmark_end_to_end(dist1, tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=smoke", "-q"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert out.startswith("command: chatlearn-mem bench --config tiny")
     last = out.strip().splitlines()
     assert last[-1].startswith("== ") and "targets met" in last[-1]  # targets are printed last
 
     res = json.loads((tmp_path / "smoke.json").read_text())
     assert (tmp_path / "smoke.md").read_text().count("| manager |") >= 10
     assert (tmp_path / "smoke.png").stat().st_size > 0
-    assert res["command"].startswith("python -m benchmarks")
+    assert res["command"].startswith("chatlearn-mem bench --config tiny")
     assert res["config"]["trainer"]["hidden_size"] == 64 and res["config"]["preset"] == "tiny"
     for key in ("torch", "megatron-core", "python"):
         assert res["versions"][key]
@@ -60,7 +70,7 @@ def test_benchmark_end_to_end(dist1, tmp_path, capsys):
                 r = rows[(part, m, d)]
                 assert len(r["samples_s"]) == res["config"]["repeats"]
                 assert set(r["seconds"]) >= {"median", "q25", "q75", "min", "max"}
-                if part in COPY_PARTS or part == "full":
+                if part in COPY_PARTS or part == FULL:
                     assert r["bytes_copied"] == res["model"]["bytes_per_part"][part] > 0
                     assert r["gb_per_s"] > 0
                 if m == "manager" and (part != "grads" or d == "onload"):
@@ -90,8 +100,8 @@ def test_benchmark_end_to_end(dist1, tmp_path, capsys):
 
     # The GPU branches of the targets and the tables, on the same figures relabelled as CUDA ones
     # (no GPU here: this checks the bookkeeping, not CUDA).
-    from benchmarks.report import markdown
-    from benchmarks.run import check_targets
+    from chatlearn_mem_bench.report import markdown
+    from chatlearn_mem_bench.run import check_targets
 
     gpu = json.loads(json.dumps(res))
     gpu["hardware"].update(device="cuda:0", gpu_name="fake")

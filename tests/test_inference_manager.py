@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, MemoryConfig, OffloadedError
+from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, MemoryConfig, OffloadedError, Part
 
 # enc.weight 256 + enc.bias 32 + fc.weight 128 + fc.bias 16 + scale (bf16) 8 + frozen 16
 # + ids (int64) 32 + shift 16; dec.weight is enc.weight and counts once.
@@ -265,8 +265,22 @@ def test_rejects_bad_config(model):
 
 
 def test_unknown_part(mm):
-    with pytest.raises(ValueError, match="unknown part 'grads'"):
+    with pytest.raises(ValueError, match=r"'grads' is not a part of this manager; its parts are \['weights'\]"):
         mm.is_offloaded("grads")
+    with pytest.raises(ValueError, match=r"unknown part 'weight'; parts are \['weights'\]"):
+        mm.offload(["weight"])
+    assert not mm.is_offloaded(Part.WEIGHTS)  # nothing moved
+
+
+def test_offload_and_onload_take_parts(model, mm):
+    assert mm.parts == (Part.WEIGHTS,)
+    assert mm.offload([]) == [] and not mm.is_offloaded("weights")  # nothing chosen, nothing moved
+    (stats,) = mm.offload()
+    assert stats.group == "weights" and mm.is_offloaded(Part.WEIGHTS)
+    with pytest.warns(UserWarning, match="already offloaded"):
+        assert mm.offload(Part.WEIGHTS) == []
+    (stats,) = mm.onload("weights")
+    assert stats.direction == "onload" and not mm.is_offloaded("weights")
 
 
 def test_concurrent_offload_onload(model, mm, x):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from ray_actors import modeling
-from ray_actors.config import TaskConfig
-from ray_actors.ppo import gae, policy_loss, token_range_reward, value_loss, weight_sync_mismatch
+from chatlearn_mem_ray import modeling
+from chatlearn_mem_ray.config import TaskConfig
+from chatlearn_mem_ray.ppo import gae, policy_loss, token_range_reward, value_loss, weight_sync_mismatch
 
 
 def test_token_range_reward():

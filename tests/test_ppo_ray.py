@@ -1,15 +1,14 @@
 """The colocated PPO loop end to end through a real local Ray cluster (CPU, gloo, megatron-core)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from ray_actors import ActorFailedError, load_config, run_ppo
+from chatlearn_mem_ray import ActorFailedError, load_config, run_ppo
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
-CONFIG = Path(__file__).parent.parent / "configs" / "ppo_cpu_tiny.yaml"
+CONFIG = "cpu_tiny"
 
 
 @pytest.fixture(scope="module")

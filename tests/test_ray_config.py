@@ -5,21 +5,28 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ray_actors.cli import app
-from ray_actors.cluster import ResourceError, check_resources
-from ray_actors.config import ConfigError, RunConfig, load_config, parse_overrides
+from chatlearn_mem import ConfigError
+from chatlearn_mem.config import parse_overrides, preset_names
+from chatlearn_mem_ray.cli import app
+from chatlearn_mem_ray.cluster import check_resources
+from chatlearn_mem_ray.config import DEFAULT_PRESET, PRESETS, RunConfig, load_config
+from chatlearn_mem_ray.errors import ResourceError
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIG_DIR = Path(__file__).parent.parent / "configs" / "ppo"
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
 def test_there_are_configs():
-    assert {p.name for p in CONFIGS} >= {"ppo_cpu_tiny.yaml", "ppo_gpu.yaml"}
+    assert {p.name for p in CONFIGS} >= {"cpu_tiny.yaml", "gpu.yaml"}
+    assert preset_names(PRESETS) == [p.stem for p in CONFIGS]  # the package ships every file
+    assert DEFAULT_PRESET in preset_names(PRESETS)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
+    assert load_config(path.stem) == cfg  # by preset name, the same config
 
 
 def test_overrides_are_typed_and_nested():
@@ -109,7 +116,29 @@ def test_cli_refuses_more_ranks_than_cpus_before_starting_ray():
     assert not ray.is_initialized()
 
 
-def test_cli_bench_forwards_its_arguments_to_the_benchmark():
-    result = CliRunner().invoke(app, ["bench", "--preset", "tiny", "--print-config", "--set", "repeats=3"])
+def test_cli_bench_takes_the_same_config_syntax_as_ppo():
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--print-config", "repeats=3"])
     assert result.exit_code == 0, result.output
     assert '"preset": "tiny"' in result.output and '"repeats": 3' in result.output
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "repeatz=3"])
+    assert result.exit_code == 2 and "error: invalid config (1 problem)" in result.output
+    assert "repeatz: unknown key" in result.output
+
+
+def test_cli_ppo_without_config_runs_the_cpu_default():
+    result = CliRunner().invoke(app, ["ppo", "--print-config"])
+    assert result.exit_code == 0, result.output
+    assert RunConfig.model_validate_json(result.output) == load_config(DEFAULT_PRESET)
+
+
+def test_cli_unknown_preset_lists_the_presets():
+    result = CliRunner().invoke(app, ["ppo", "--config", "cpu_tinny"])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: unknown config 'cpu_tinny'") and "cpu_tiny, gpu" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_lists_presets():
+    result = CliRunner().invoke(app, ["presets"])
+    assert result.exit_code == 0
+    assert "ppo: cpu_tiny, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output

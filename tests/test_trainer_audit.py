@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _trainer_runs import train
-from chatlearn_mem import gpt
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from _trainer_runs import STEPS, bit_equal, full_cycle, multirank_exactness, spawn, train
-from chatlearn_mem import gpt
+from chatlearn_mem import Part
+from chatlearn_mem.testbed import gpt
 
 LAYOUTS = {
     "bf16-distopt": dict(precision="bf16", use_distributed_optimizer=True),
@@ -36,14 +37,14 @@ def _grads_only(mm, step):
 
 
 def _optimizer_only(mm, step):
-    mm.offload(weights=False, grads=False)
-    mm.onload(weights=False, grads=False)
+    mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
+    mm.onload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
 
 
 def _forward_only_phase(mm, step):
     # What a PPO loop does around a scoring phase: sleep fully, wake weights alone, sleep, wake all.
     mm.offload()
-    mm.onload(grads=False, main_weights=False, optimizer_states=False)
+    mm.onload(Part.WEIGHTS)
     assert mm.audit().ok
     mm.offload()
     mm.onload()
@@ -78,7 +79,7 @@ def test_forward_only_phase_skips_copy_of_unchanged_weights(dist1):
     _, _, mm, trainer = train(cfg, steps=2)
     first = {s.group: s for s in mm.offload()}
     assert first["weights"].copied_bytes > 0
-    mm.onload(grads=False, main_weights=False, optimizer_states=False)
+    mm.onload(["weights"])  # plain names work too
     import torch
     with torch.no_grad():
         trainer.loss(gpt.synthetic_batch(cfg, 99))  # forward only: weights unchanged

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from _trainer_runs import STEPS, bit_equal, full_cycle, train
-from chatlearn_mem import TrainerMemoryManager, gpt
+from chatlearn_mem import TrainerMemoryManager
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from _trainer_runs import train
-from chatlearn_mem import gpt
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 
 

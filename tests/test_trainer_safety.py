@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from _trainer_runs import STEPS, bit_equal, train
-from chatlearn_mem import ChatlearnMemError, OffloadedError, TrainerMemoryManager, UnsupportedLayoutError, gpt
+from chatlearn_mem import ChatlearnMemError, OffloadedError, Part, TrainerMemoryManager, UnsupportedLayoutError
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem import host_store, storage
 from chatlearn_mem.mcore import layout
 
@@ -101,7 +102,7 @@ def test_free_grads_refuses_unconsumed_gradients(trained):
     with pytest.raises(ChatlearnMemError, match="force=True"):
         mm.offload()
     assert mm.residency() == before  # the refused offload released nothing
-    assert not any(mm.is_offloaded(p) for p in ("weights", "grads", "main_weights", "optimizer_states"))
+    assert not any(mm.is_offloaded(p) for p in Part)
     mm.free_grad_buffers(force=True)
     mm.build_grad_buffers()
     assert all(not b.grad_data.any() for b in layout.ddp_buffers(trainer.model))
@@ -152,7 +153,7 @@ def test_host_allocation_failure_during_offload_loses_nothing(dist1, monkeypatch
         with pytest.raises(MemoryError, match="simulated host OOM"):
             mm.offload()
         assert mm.residency().device_bytes == before.device_bytes
-        assert not any(mm.is_offloaded(p) for p in ("weights", "grads", "main_weights", "optimizer_states"))
+        assert not any(mm.is_offloaded(p) for p in Part)
 
     _cycle_then_continue(fail, monkeypatch)
 
@@ -173,7 +174,7 @@ def test_device_allocation_failure_during_onload_loses_nothing(dist1, monkeypatc
         mp.setattr(storage, "_grow_storage", flaky)
         with pytest.raises(torch.OutOfMemoryError, match="simulated device OOM"):
             mm.onload()
-        assert any(mm.is_offloaded(p) for p in ("weights", "grads", "main_weights", "optimizer_states"))
+        assert any(mm.is_offloaded(p) for p in Part)
         mp.undo()
         mm.onload()  # retry once memory is available
 
@@ -212,7 +213,7 @@ def test_concurrent_calls_are_serialised(trained):
     for t in threads:
         t.join()
     assert not errors
-    assert not any(mm.is_offloaded(p) for p in ("weights", "grads", "main_weights", "optimizer_states"))
+    assert not any(mm.is_offloaded(p) for p in Part)
     assert mm.audit().ok
 
 

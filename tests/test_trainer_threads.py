@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from _trainer_runs import bit_equal, snapshot, train
-from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, TrainerMemoryManager, gpt
+from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, Part, TrainerMemoryManager
+from chatlearn_mem.mcore import checks
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem import storage
 
 CFG = gpt.GPTTrainerConfig()
-PARTS = ("weights", "grads", "main_weights", "optimizer_states")
+PARTS = tuple(Part)
 
 # Every public method, in an order in which each call is valid, with its arguments.
 TRAINER_CALLS = [
@@ -26,7 +28,7 @@ TRAINER_CALLS = [
     ("offload", ()), ("onload", ()), ("close", ()),
 ]
 INFERENCE_CALLS = [("residency", ()), ("audit", ()), ("mark_weights_dirty", ()), ("weights_state_dict", ()),
-                   ("offload_weights", ()), ("onload_weights", ()), ("close", ())]
+                   ("offload_weights", ()), ("onload_weights", ()), ("offload", ()), ("onload", ()), ("close", ())]
 UNLOCKED = {"is_offloaded"}  # reads one flag
 
 
@@ -92,8 +94,8 @@ def test_concurrent_offload_onload_audit_residency_never_interleave(trained):
         mm.onload()
 
     def partial_cycle():
-        mm.offload(weights=False, grads=False)
-        mm.onload(weights=False, grads=False)
+        mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
+        mm.onload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
 
     threads = [threading.Thread(target=loop(f)) for f in (
         cycle, partial_cycle, lambda: audits.append(mm.audit()), lambda: residencies.append(mm.residency()))]
@@ -170,14 +172,14 @@ def test_step_while_another_thread_offloads_is_refused(offload_in_progress):
 def test_forward_during_audit_or_residency_in_another_thread_is_allowed(trained, monkeypatch):
     mm, trainer = trained
     entered, release = threading.Event(), threading.Event()
-    real = TrainerMemoryManager._audit_hooks
+    real = checks.check_hooks
 
-    def slow(self, report):
+    def slow(*args):
         entered.set()
         release.wait(30)
-        return real(self, report)
+        return real(*args)
 
-    monkeypatch.setattr(TrainerMemoryManager, "_audit_hooks", slow)
+    monkeypatch.setattr(checks, "check_hooks", slow)
     t = threading.Thread(target=mm.audit)
     t.start()
     assert entered.wait(30)

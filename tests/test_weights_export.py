@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from _trainer_runs import train
-from chatlearn_mem import InferenceMemoryManager, MemoryConfig, gpt
+from chatlearn_mem import InferenceMemoryManager, MemoryConfig
+from chatlearn_mem.testbed import gpt
 from chatlearn_mem.storage import StorageGroup
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chatlearn_mem import cpu_backend
+from chatlearn_mem.testbed import cpu_backend
 
 __all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTPipelineTrainer", "GPTValueModel", "build_gpt_model",
            "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "synthetic_batch"]

@@ -14,13 +14,13 @@ events, pins memory and seeds the CUDA generator. On a machine without a GPU non
   autograd functions allocate on the CUDA device in their backward;
 * replacing the ``torch.cuda`` entry points megatron calls (``current_device``, ``synchronize``,
   ``Stream``, ``Event``, RNG state, memory queries) with CPU stand-ins;
-* defining ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None`` when Transformer
-  Engine is missing (megatron reads the name unconditionally in the MoE router's gating GEMM, so
-  without it every MoE forward raises ``NameError``), so the router uses ``torch.mm``;
-* pointing megatron's CUDA RNG tracker (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``) at the
-  CPU default generator, so ``tracker.fork()`` really switches the stream CPU kernels draw from and
-  no closures pile up in torch's lazy CUDA call queue (a CPU build queues every
-  ``torch.cuda.manual_seed`` forever).
+* two megatron-core patches, kept with megatron's other private names in
+  :func:`chatlearn_mem.mcore.cpu.patch_for_cpu`: megatron's CUDA RNG tracker
+  (``_get_cuda_rng_state`` / ``_set_cuda_rng_state``) points at the CPU default generator, so
+  ``tracker.fork()`` really switches the stream CPU kernels draw from and no closures pile up in
+  torch's lazy CUDA call queue (a CPU build queues every ``torch.cuda.manual_seed`` forever); and
+  ``moe_utils.te_general_gemm`` is defined as ``None`` when Transformer Engine is missing, so the
+  MoE router uses ``torch.mm``.
 
 gloo (torch >= 2.6) has every collective the distributed optimizer uses (all-reduce,
 reduce-scatter, all-gather into a tensor, bf16 included), so nothing is patched there.
@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from chatlearn_mem.mcore import cpu as mcore_cpu
 
 __all__ = ["install", "is_installed"]
 
@@ -196,21 +198,6 @@ def _patch_torch_cuda() -> None:
     cuda.nvtx.range_pop = lambda: 0
 
 
-def _patch_megatron() -> None:
-    try:
-        from megatron.core.tensor_parallel import random as mcore_random
-    except ImportError:  # megatron-core is optional for the library's CPU-only users
-        return
-    mcore_random._get_cuda_rng_state = _get_rng_state
-    mcore_random._set_cuda_rng_state = _set_rng_state
-    # megatron-core 0.13-0.16 bind te_general_gemm only when Transformer Engine imports, but the
-    # MoE router's gating GEMM tests ``te_general_gemm is not None`` unconditionally: without TE
-    # every MoE forward dies with a NameError. None makes it take its plain torch.mm path.
-    from megatron.core.transformer.moe import moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _mode_is_active() -> bool:
     from torch.overrides import _get_current_function_mode_stack
 
@@ -266,7 +253,7 @@ def install() -> bool:
         if _installed:
             return True
         _patch_torch_cuda()
-        _patch_megatron()
+        mcore_cpu.patch_for_cpu(_get_rng_state, _set_rng_state)
         _mode = _CudaToCpuMode()
         _mode.__enter__()  # stays pushed for the life of the process, on this thread
         _enter_mode_in_new_threads()

@@ -1,0 +1,37 @@
+"""megatron-core private names the CPU backend must patch so megatron trains on a CPU-only torch.
+
+:mod:`chatlearn_mem.testbed.cpu_backend` patches torch itself; the two megatron-specific patches
+live here, beside the rest of megatron's private names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["patch_for_cpu"]
+
+
+def patch_for_cpu(get_rng_state: Callable[..., torch.Tensor], set_rng_state: Callable[..., None]) -> None:
+    """Point megatron's CUDA RNG hooks at the given CPU stand-ins and fill a name TE would define.
+
+    * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``: the RNG tracker's
+      ``fork()`` then really switches the stream CPU kernels draw from.
+    * ``transformer.moe.moe_utils.te_general_gemm``: megatron-core 0.13-0.16 bind it only when
+      Transformer Engine imports, but the MoE router's gating GEMM tests ``te_general_gemm is not
+      None`` unconditionally, so without TE every MoE forward dies with a NameError. ``None``
+      makes it take its plain ``torch.mm`` path.
+
+    Does nothing when megatron-core is not installed (the library's CPU-only users need not have it).
+    """
+    try:
+        from megatron.core.tensor_parallel import random as mcore_random
+    except ImportError:
+        return
+    mcore_random._get_cuda_rng_state = get_rng_state
+    mcore_random._set_cuda_rng_state = set_rng_state
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

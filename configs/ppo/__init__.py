@@ -1,0 +1,1 @@
+"""PPO run presets (YAML). Installed as ``chatlearn_mem_ray.presets``; ``chatlearn-mem ppo --config NAME``."""
