@@ -13,11 +13,16 @@ training). Then
 With every model resident the ratio is about the number of models; with the memory manager it
 is close to 1. Activations and allocator caches are not included (the manager does not own
 them); on CUDA each actor also reports ``torch.cuda.memory_allocated``.
+
+Each record also keeps every actor's device bytes per part (``device_by_part``). :func:`plot_timeline`
+draws a fixed-size picture (about 1300 x 960 px whatever the run's length): one iteration's phases
+by actor and part, the peak per iteration, and the manager on next to off.
+:meth:`MemoryTimeline.from_json` rebuilds a timeline from a run's ``log.json`` to re-plot it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +43,9 @@ class PhaseRecord:
     device_bytes: dict[str, int]  # actor -> device bytes at the phase's peak
     need_bytes: int
     cuda_allocated_bytes: dict[str, int] = field(default_factory=dict)
+    # actor -> part (weights, grads, main_weights, optimizer_states, other) -> device bytes at the
+    # phase's peak; sums to ``device_bytes[actor]``. Empty in logs written before it was recorded.
+    device_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def colocated_bytes(self) -> int:
@@ -56,7 +64,8 @@ class MemoryTimeline:
         need = sum(residency[a]["by_part"].get(p, 0) for a, parts in active.items() for p in parts)
         rec = PhaseRecord(iteration, phase, manager_on, seconds, {a: list(p) for a, p in active.items()},
                           {a: r["device_bytes"] for a, r in residency.items()}, need,
-                          {a: r["cuda_allocated_bytes"] for a, r in residency.items() if "cuda_allocated_bytes" in r})
+                          {a: r["cuda_allocated_bytes"] for a, r in residency.items() if "cuda_allocated_bytes" in r},
+                          {a: {p: int(b) for p, b in r.get("by_part", {}).items()} for a, r in residency.items()})
         self.records.append(rec)
         return rec
 
@@ -76,44 +85,270 @@ class MemoryTimeline:
     def to_json(self) -> list[dict]:
         return [asdict(r) | {"colocated_bytes": r.colocated_bytes} for r in self.records]
 
+    @classmethod
+    def from_json(cls, records: list[dict]) -> "MemoryTimeline":
+        """The timeline back from :meth:`to_json`'s records (``log["memory_timeline"]`` of a run's
+        ``log.json``), e.g. to re-plot a run without running it again. Derived keys
+        (``colocated_bytes``) are recomputed; logs without ``device_by_part`` still load."""
+        names = {f.name for f in fields(PhaseRecord)}
+        return cls([PhaseRecord(**{k: v for k, v in r.items() if k in names}) for r in records])
+
+
+MiB = 2**20
+PART_HATCH = {"weights": "", "grads": "////", "main_weights": "....", "optimizer_states": "xxxx", "other": "----"}
+PART_ALPHA = {"weights": 1.0, "grads": 0.75, "main_weights": 0.6, "optimizer_states": 0.45, "other": 0.3}
+FIGSIZE, DPI = (13.0, 9.6), 100  # 1300 x 960 px
+ROLE_CMAP = {"policy": "Blues", "critic": "Oranges", "rollout": "Greens", "reference": "Purples"}
+OTHER_COLORS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray", "tab:red")
+
+
+def _role(actor: str) -> tuple[str, int]:
+    """``"policy_1"`` -> ``("policy", 1)``; a name without a rank suffix is rank 0."""
+    base, _, rank = actor.rpartition("_")
+    return (base, int(rank)) if base and rank.isdigit() else (actor, 0)
+
+
+def _actor_colors(names: list[str]) -> tuple[list[str], dict]:
+    """The actors in a stable order (policy, critic, rollout, reference, others; by rank) and a
+    colour each: one hue per role, the ranks of a role in shades of it, so every run's picture
+    reads the same."""
+    import matplotlib.pyplot as plt
+
+    roles = list(ROLE_CMAP)
+    order = sorted(names, key=lambda a: (roles.index(_role(a)[0]) if _role(a)[0] in roles else len(roles),
+                                         _role(a)[0] if _role(a)[0] not in roles else "", _role(a)[1], a))
+    colors, others = {}, 0
+    for role, cmap_name in ROLE_CMAP.items():
+        members = [a for a in order if _role(a)[0] == role]
+        cmap = plt.get_cmap(cmap_name)
+        for k, a in enumerate(members):
+            colors[a] = cmap(0.7 if len(members) == 1 else 0.85 - 0.5 * k / (len(members) - 1))
+    for a in order:
+        if a not in colors:
+            colors[a] = OTHER_COLORS[others % len(OTHER_COLORS)]
+            others += 1
+    return order, colors
+
+
+def _ratio(peak: int, need: int) -> float:
+    return peak / need if need else float("nan")
+
+
+def _fmt_mib(nbytes: float) -> str:
+    mib = nbytes / MiB
+    return f"{mib:.2f}" if mib < 100 else f"{mib:.0f}"
+
+
+def _no_data(ax, title: str, why: str) -> None:
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.text(0.5, 0.5, why, ha="center", va="center", fontsize=10, color="0.35", transform=ax.transAxes, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _iteration_stats(timeline: MemoryTimeline) -> list[dict]:
+    """Per iteration (and manager setting): its worst phase's colocated bytes and largest need."""
+    groups: dict[tuple[int, bool], list[PhaseRecord]] = {}
+    for r in timeline.records:
+        groups.setdefault((r.iteration, r.manager_on), []).append(r)
+    out = []
+    for (it, on), recs in sorted(groups.items()):
+        peak = max(recs, key=lambda r: r.colocated_bytes)
+        largest = max(recs, key=lambda r: r.need_bytes)
+        out.append({"iteration": it, "manager_on": on, "records": recs,
+                    "peak_colocated_bytes": peak.colocated_bytes, "peak_phase": peak.phase,
+                    "largest_phase_bytes": largest.need_bytes, "largest_phase": largest.phase,
+                    "ratio": _ratio(peak.colocated_bytes, largest.need_bytes)})
+    return out
+
+
+def _parts_of(rec: PhaseRecord, actor: str) -> list[tuple[str, int]]:
+    """(part, device bytes) of ``actor`` in ``rec``; one ``"total"`` part when the log predates
+    the per-part record."""
+    if actor in rec.device_by_part:
+        by = rec.device_by_part[actor]
+        order = [p for p in TRAIN_PARTS if p in by] + [p for p in by if p not in TRAIN_PARTS]
+        return [(p, by[p]) for p in order]
+    return [("total", rec.device_bytes.get(actor, 0))]
+
+
+def _holders(rec: PhaseRecord, actors: list[str]) -> str:
+    """The actors holding device bytes, short: ``"critic_0, rollout"``; ranks of a role counted
+    (``"policy x4"``) when there are more than two holders."""
+    holders = [a for a in actors if rec.device_bytes.get(a, 0) > 0]
+    if len(holders) <= 2:
+        return ", ".join(holders) or "nothing resident"
+    by_role: dict[str, list[str]] = {}
+    for a in holders:
+        by_role.setdefault(_role(a)[0], []).append(a)
+    return ", ".join(names[0] if len(names) == 1 else f"{role} x{len(names)}" for role, names in by_role.items())
+
+
+def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
+    """Panel 1: one iteration, a stacked bar per phase; colour = actor, hatch and shade = part."""
+    recs = stat["records"]
+    top = max([r.colocated_bytes for r in recs] + [r.need_bytes for r in recs] + [1]) / MiB
+    for x, rec in enumerate(recs):
+        bottom = 0.0
+        for a in actors:
+            for part, nbytes in _parts_of(rec, a):
+                if nbytes <= 0:
+                    continue
+                h = nbytes / MiB
+                ax.bar(x, h, bottom=bottom, width=0.62, color=colors[a], alpha=PART_ALPHA.get(part, 1.0),
+                       hatch=PART_HATCH.get(part, ""), edgecolor="0.15", linewidth=0.5)
+                if h > 0.07 * top:  # room for a label inside the segment
+                    ax.text(x, bottom + h / 2, f"{a} {part} {_fmt_mib(nbytes)}", ha="center", va="center",
+                            fontsize=8, bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
+                bottom += h
+        ax.text(x, bottom + 0.015 * top, f"{_fmt_mib(rec.colocated_bytes)} MiB\n" + _holders(rec, actors),
+                ha="center", va="bottom", fontsize=8)
+        ax.plot([x - 0.36, x + 0.36], [rec.need_bytes / MiB] * 2, color="black", ls="--", lw=1.2)
+    ax.plot([], [], color="black", ls="--", lw=1.2, label="the phase's need")
+    ax.set_xticks(range(len(recs)))
+    ax.set_xticklabels([r.phase for r in recs], fontsize=9)
+    ax.set_xlim(-0.6, len(recs) - 0.4)
+    ax.set_ylim(0, top * 1.22)
+    ax.set_ylabel("device MiB", fontsize=9)
+    mode = "on" if stat["manager_on"] else "off"
+    ax.set_title(f"(1) iteration {stat['iteration']} (the last with the memory manager {mode}): "
+                 f"device bytes per phase, by actor and part"
+                 + ("" if any(r.device_by_part for r in recs) else " (parts not in this log: totals)"),
+                 fontsize=10, loc="left")
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def _plot_peaks(ax, stats: list[dict]) -> None:
+    """Panel 2: per iteration, the worst phase's colocated bytes and the largest phase's need."""
+    xs = [s["iteration"] for s in stats]
+    ax.plot(xs, [s["peak_colocated_bytes"] / MiB for s in stats], color="0.55", lw=1, zorder=1)
+    ax.plot(xs, [s["largest_phase_bytes"] / MiB for s in stats], color="black", ls="--", lw=1.2,
+            label="largest phase's need", zorder=2)
+    for on, marker, color, label in ((True, "o", "0.15", "peak colocated, manager on"),
+                                     (False, "s", "tab:red", "peak colocated, manager off")):
+        sel = [s for s in stats if s["manager_on"] == on]
+        if sel:
+            ax.scatter([s["iteration"] for s in sel], [s["peak_colocated_bytes"] / MiB for s in sel],
+                       marker=marker, color=color, s=30, zorder=3, label=label)
+    off = [s["iteration"] for s in stats if not s["manager_on"]]
+    for i, it in enumerate(off):
+        ax.axvspan(it - 0.5, it + 0.5, color="tab:red", alpha=0.1, lw=0, label="manager off" if i == 0 else None)
+    top = max(s["peak_colocated_bytes"] for s in stats) / MiB
+    for on in (True, False):  # the ratio at the last iteration of each setting
+        sel = [s for s in stats if s["manager_on"] == on]
+        if sel:
+            s = sel[-1]
+            ax.annotate(f"ratio {s['ratio']:.2f}\n({s['peak_phase']})", (s["iteration"], s["peak_colocated_bytes"] / MiB),
+                        xytext=(0, 8), textcoords="offset points", ha="right" if on and off else "center",
+                        va="bottom", fontsize=8)
+    ax.set_ylim(0, top * 1.35 if top else 1)
+    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    ax.set_xlabel("iteration", fontsize=9)
+    ax.set_ylabel("device MiB", fontsize=9)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("(2) peak per iteration: all actors at the worst phase vs the largest phase",
+                 fontsize=10, loc="left")
+    ax.legend(fontsize=8, loc="lower left", ncol=2)
+
+
+def _plot_on_off(ax, on: Optional[dict], off: Optional[dict], actors: list[str], colors: dict) -> None:
+    """Panel 3: the five phases with the manager on next to off, stacked by actor."""
+    shown = [(s, dx, lab) for s, dx, lab in ((on, -0.21, "on"), (off, 0.21, "off")) if s is not None]
+    phases = []
+    for s, _, _ in shown:
+        phases += [r.phase for r in s["records"] if r.phase not in phases]
+    top = max(r.colocated_bytes for s, _, _ in shown for r in s["records"]) / MiB or 1.0
+    for s, dx, lab in shown:
+        for rec in s["records"]:
+            x = phases.index(rec.phase) + dx
+            bottom = 0.0
+            for a in actors:
+                h = rec.device_bytes.get(a, 0) / MiB
+                if h > 0:
+                    ax.bar(x, h, bottom=bottom, width=0.4, color=colors[a], edgecolor="0.15", linewidth=0.5)
+                bottom += h
+            ax.text(x, bottom + 0.015 * top, f"{lab}\n{_fmt_mib(rec.colocated_bytes)}", ha="center",
+                    va="bottom", fontsize=8)
+    largest = max(s["largest_phase_bytes"] for s, _, _ in shown) / MiB
+    ax.axhline(largest, color="black", ls="--", lw=1.2, label="largest phase's need")
+    ax.set_xticks(range(len(phases)))
+    ax.set_xticklabels(phases, fontsize=9)
+    ax.set_xlim(-0.6, len(phases) - 0.4)
+    ax.set_ylim(0, top * 1.3)
+    ax.set_ylabel("colocated device MiB", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    parts = [f"manager {lab} (iteration {s['iteration']}): {s['ratio']:.2f}" for s, _, lab in shown]
+    ax.set_title("(3) manager on vs off, peak colocated / largest phase:\n" + ", ".join(parts),
+                 fontsize=10, loc="left")
+    if on is None or off is None:
+        missing = "on" if on is None else "off"
+        ax.text(0.02, 0.97, f"no manager-{missing} iteration in this run", transform=ax.transAxes,
+                ha="left", va="top", fontsize=9, color="tab:red")
+
 
 def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path:
-    """Stacked device bytes per actor for every phase; one panel per manager setting present.
+    """The run's memory in three panels, about 1300 x 960 pixels whatever the run's length.
 
-    Each bar is a phase; its segments are the actors' device bytes, so a bar made of one colour
-    means only the active phase's model was resident. The dashed line is the largest phase's need.
+    1. One iteration in detail (the last with the manager on, else the last): a stacked bar per
+       phase whose segments are each actor's parts (colour = actor, hatch and shade = part), with
+       the phase's need dashed. With the manager on, each bar is the active model only.
+    2. Per iteration, the peak colocated bytes (all actors at the worst phase) and the largest
+       phase's need; manager-off iterations are red squares on a shaded band.
+    3. An iteration with the manager on next to one with it off (the last of each), stacked by
+       actor, with each one's ratio peak colocated / largest phase in the title.
+
+    A panel without data says so instead (e.g. no manager-off iterations); an empty timeline
+    gives a figure that says it is empty.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    panels = [(on, [r for r in timeline.records if r.manager_on == on]) for on in (True, False)]
-    panels = [(on, recs) for on, recs in panels if recs]
-    actors = sorted({a for r in timeline.records for a in r.device_bytes})
-    colors = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(actors)}
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.35 * max(len(r) for _, r in panels) + 4),
-                                                      3.6 * len(panels)), squeeze=False, sharey=True)
-    for ax, (on, recs) in zip(axes[:, 0], panels):
-        xs = range(len(recs))
-        bottom = [0.0] * len(recs)
-        for a in actors:
-            mib = [r.device_bytes.get(a, 0) / 2**20 for r in recs]
-            ax.bar(xs, mib, bottom=bottom, color=colors[a], label=a, width=0.85)
-            bottom = [b + m for b, m in zip(bottom, mib)]
-        summary = timeline.summary(on)
-        ax.axhline(summary["largest_phase_bytes"] / 2**20, color="black", ls="--", lw=1,
-                   label="largest phase need")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{r.iteration}:{r.phase}" for r in recs], rotation=70, fontsize=7)
-        ax.set_ylabel("device MiB")
-        ax.set_title(f"memory manager {'on' if on else 'off'}: peak colocated / largest phase = "
-                     f"{summary['ratio']:.2f}", fontsize=10)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    path = Path(path)
+    stats = _iteration_stats(timeline)
+    actors, colors = _actor_colors(list(dict.fromkeys(
+        a for r in timeline.records for a in [*r.device_bytes, *r.device_by_part])))
+    last_on = next((s for s in reversed(stats) if s["manager_on"]), None)
+    last_off = next((s for s in reversed(stats) if not s["manager_on"]), None)
+    detail = last_on or (stats[-1] if stats else None)
+    parts_seen = {p for r in (detail["records"] if detail else []) for a in actors
+                  for p, nbytes in _parts_of(r, a) if nbytes > 0}
+    handles = [Patch(facecolor=colors[a], edgecolor="0.15", label=a) for a in actors]
+    handles += [Patch(facecolor="0.6", alpha=PART_ALPHA[p], hatch=PART_HATCH[p], edgecolor="0.15", label=p)
+                for p in TRAIN_PARTS if p in parts_seen]
+    legend_rows = max(1, -(-len(handles) // 10))
+
+    fig = plt.figure(figsize=FIGSIZE, dpi=DPI)
+    # Fixed margins (in figure fractions) leave room for the title lines, the legend rows and the
+    # two-line title of panel 3, so the layout does not depend on the data.
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.15, 1.0), left=0.05, right=0.99,
+                            top=0.86 - 0.03 * (legend_rows - 1), bottom=0.055, hspace=0.3, wspace=0.14)
+    ax1, ax2, ax3 = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    if detail is None:
+        for n, ax in enumerate((ax1, ax2, ax3), 1):
+            _no_data(ax, f"({n})", "no phases recorded")
+    else:
+        _plot_detail(ax1, detail, actors, colors)
+        _plot_peaks(ax2, stats)
+        _plot_on_off(ax3, last_on, last_off, actors, colors)
+    for ax in (ax1, ax2, ax3):
+        ax.tick_params(labelsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    if handles:
+        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.925),
+                   ncol=-(-len(handles) // legend_rows), fontsize=9, frameon=False, handlelength=2.5,
+                   handleheight=1.2)
+    lines = [title] if title else []
+    summaries = [(on, timeline.summary(on)) for on in (True, False)]
+    lines.append("\n".join(f"manager {'on' if on else 'off'}: peak colocated {_fmt_mib(s['peak_colocated_bytes'])} "
+                           f"MiB ({s['peak_phase']}) / largest phase {_fmt_mib(s['largest_phase_bytes'])} MiB "
+                           f"({s['largest_phase']}) = {s['ratio']:.2f}" for on, s in summaries if s)
+                 or "no phases recorded")
+    fig.suptitle("\n".join(lines), fontsize=11, y=0.99, va="top")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
