@@ -26,9 +26,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
+from chatlearn_mem import Part
+from chatlearn_mem.parts import OTHER
+from chatlearn_mem.residency import CATEGORIES
+
 __all__ = ["MemoryTimeline", "PhaseRecord", "plot_timeline"]
 
-TRAIN_PARTS = ("weights", "grads", "main_weights", "optimizer_states", "other")
+TRAIN_PARTS = CATEGORIES
+"""Residency categories in drawing order: every :class:`~chatlearn_mem.Part`, then ``other``."""
 
 
 @dataclass
@@ -95,8 +100,9 @@ class MemoryTimeline:
 
 
 MiB = 2**20
-PART_HATCH = {"weights": "", "grads": "////", "main_weights": "....", "optimizer_states": "xxxx", "other": "----"}
-PART_ALPHA = {"weights": 1.0, "grads": 0.75, "main_weights": 0.6, "optimizer_states": 0.45, "other": 0.3}
+PART_HATCH = {Part.WEIGHTS: "", Part.GRADS: "////", Part.MAIN_WEIGHTS: "....", Part.OPTIMIZER_STATES: "xxxx",
+              OTHER: "----"}
+PART_ALPHA = {Part.WEIGHTS: 1.0, Part.GRADS: 0.75, Part.MAIN_WEIGHTS: 0.6, Part.OPTIMIZER_STATES: 0.45, OTHER: 0.3}
 FIGSIZE, DPI = (13.0, 9.6), 100  # 1300 x 960 px
 ROLE_CMAP = {"policy": "Blues", "critic": "Oranges", "rollout": "Greens", "reference": "Purples"}
 OTHER_COLORS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray", "tab:red")
