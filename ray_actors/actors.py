@@ -66,6 +66,18 @@ class _ManagedActor:
 
         gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed)
 
+    def offload(self, parts: PartsArg = None) -> list[dict]:
+        """Offload the chosen parts (None: every part of the manager; offloaded ones are skipped)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _stats(self.manager.offload(parts))
+
+    def onload(self, parts: PartsArg = None) -> list[dict]:
+        """Onload the chosen parts (None: every part of the manager; resident ones are skipped)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _stats(self.manager.onload(parts))
+
     def residency(self) -> dict:
         """Device and host bytes of the model, per part; on CUDA also what the allocator holds."""
         r = self.manager.residency()
@@ -171,18 +183,6 @@ class TrainerActor(_ManagedActor):
                 steps += 1
         return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
 
-    def offload(self, parts: PartsArg = None) -> list[dict]:
-        """Offload the chosen parts (None: all; already offloaded ones are skipped)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _stats(self.manager.offload(parts))
-
-    def onload(self, parts: PartsArg = None) -> list[dict]:
-        """Onload the chosen parts (None: all; already resident ones are skipped)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _stats(self.manager.onload(parts))
-
     def weights_for_sync(self, with_digest: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:
         """This rank's weights (from the host store when offloaded); per name, the dimension
         tensor parallelism split it along (-1: replicated); and, with ``with_digest``, their
@@ -239,18 +239,6 @@ class InferenceActor(_ManagedActor):
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T-1) log-probability of each next token of ``tokens`` (B, T)."""
         return modeling.sequence_logprobs(self.model, _to_device(tokens)).cpu()
-
-    def offload(self, parts: PartsArg = None) -> list[dict]:
-        """Offload the weights (the only part); a no-op when already offloaded."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _stats(self.manager.offload(parts))
-
-    def onload(self, parts: PartsArg = None) -> list[dict]:
-        """Onload the weights; a no-op when already resident."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _stats(self.manager.onload(parts))
 
     @torch.no_grad()
     def load_weights(self, partition_dims: Mapping[str, int], *shards: Mapping[str, torch.Tensor]) -> list[str]:

@@ -1,0 +1,58 @@
+"""The chatlearn-mem command: every run failure is one ``error:`` line and exit 1, never a traceback."""
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from chatlearn_mem_ray import errors, ppo
+from chatlearn_mem_ray.cli import app
+
+
+@pytest.mark.parametrize("error", [
+    errors.WeightSyncError("iteration 3: tensor-parallel shard 0 differs"),
+    errors.AuditFailedError("audit of policy_0 after onload in phase 'train_policy' found 1 problem(s)"),
+    errors.ActorFailedError("critic_0", "values", "the actor process died (ActorDiedError)"),
+    errors.PhaseTimeoutError("phase 'generate' did not finish within 600 s"),
+    errors.ResourceError("not enough resources for this run"),
+    PermissionError(13, "Permission denied", "/readonly/log.json"),
+], ids=lambda e: type(e).__name__)
+def test_a_run_failure_is_one_error_line_and_exit_1(monkeypatch, error):
+    def fail(cfg, progress):
+        raise error
+
+    monkeypatch.setattr(ppo, "run_ppo", fail)
+    result = CliRunner().invoke(app, ["ppo", "ppo.iterations=1"])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: ") and str(error.args[-1]) in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_every_run_error_shares_one_base():
+    from chatlearn_mem import ChatlearnMemError
+
+    for cls in (errors.WeightSyncError, errors.AuditFailedError, errors.ActorFailedError,
+                errors.PhaseTimeoutError, errors.ResourceError):
+        assert issubclass(cls, errors.RunError) and issubclass(cls, ChatlearnMemError)
+
+
+def test_a_missing_extra_names_what_to_install(monkeypatch):
+    def fail(cfg, progress):
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+
+    monkeypatch.setattr(ppo, "run_ppo", fail)
+    result = CliRunner().invoke(app, ["ppo"])
+    assert result.exit_code == 1 and "chatlearn-mem with the [ray] extra" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_command_without_its_extras_says_which_to_install(monkeypatch, capsys):
+    from chatlearn_mem_ray.__main__ import main
+
+    monkeypatch.delitem(sys.modules, "chatlearn_mem_ray.cli")
+    monkeypatch.setitem(sys.modules, "typer", None)  # as in a core-only install
+    with pytest.raises(SystemExit) as e:
+        main(["ppo"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the chatlearn-mem command needs 'typer'") and "chatlearn-mem[ray]" in err
