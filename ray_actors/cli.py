@@ -16,7 +16,6 @@ from typing import Callable, List, Optional, TypeVar
 import typer
 
 from chatlearn_mem.errors import ChatlearnMemError, ConfigError
-from chatlearn_mem_bench.config import DEFAULT_PRESET as BENCH_DEFAULT
 from chatlearn_mem_ray.config import DEFAULT_PRESET as PPO_DEFAULT
 
 __all__ = ["app"]
@@ -76,20 +75,25 @@ def ppo(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HE
 
 @app.command()
 def bench(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HELP, show_default=False),
-          config: str = typer.Option(BENCH_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
+          config: Optional[str] = typer.Option(None, "--config", "-c", show_default=False,
+                                               help=_CONFIG_HELP + " [default: cpu]"),
           print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the targets"),
           ) -> None:
     """Time offload/onload of a megatron-core trainer against a plain-copy ceiling and the usual
     alternatives; write JSON, markdown and a PNG (to output_dir, default runs/bench)."""
 
-    from chatlearn_mem_bench.config import load_config
+    def load():  # the benchmark package is imported only when `bench` runs
+        from chatlearn_mem_bench.config import DEFAULT_PRESET, load_config
 
-    cfg = _guarded(lambda: load_config(config, overrides or []))
+        return load_config(config or DEFAULT_PRESET, overrides or [])
+
+    cfg = _guarded(load)
     if print_config:
         typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return
-    command = shlex.join(["chatlearn-mem", "bench", "--config", config, *(overrides or [])])
+    command = shlex.join(["chatlearn-mem", "bench", "--config", cfg.preset if config is None else config,
+                          *(overrides or [])])
 
     def run() -> None:
         from chatlearn_mem_bench.run import run_and_report

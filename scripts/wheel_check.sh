@@ -3,8 +3,8 @@
 #   1. build the wheel and check what it holds: the three project packages (no generic top-level
 #      name such as `benchmarks`), the presets, and only torch, megatron-core and pydantic as
 #      requirements outside the extras;
-#   2. install it (not editable) with the [ray,bench] extras into a fresh venv and, from a
-#      directory outside the repository, run `chatlearn-mem ppo ppo.iterations=2` and
+#   2. install it (not editable) with the [ray] extra (the whole command line) into a fresh venv
+#      and, from a directory outside the repository, run `chatlearn-mem ppo ppo.iterations=2` and
 #      `chatlearn-mem bench --config tiny`;
 #   3. install it with the core requirements only into another fresh venv: `import chatlearn_mem`
 #      works, Ray is not installed, and the command says which extra to install.
@@ -39,10 +39,10 @@ print(f"   {len(names)} files; top-level packages {sorted(top)}; core requiremen
       f"extras {meta.get_all('Provides-Extra')}")
 EOF
 
-step "install with [ray,bench] into a fresh venv"
+step "install with [ray] into a fresh venv"
 python3 -m venv "$work/app"
 pip_quiet "$work/app/bin/python" -m pip install torch==2.13.0
-pip_quiet "$work/app/bin/python" -m pip install "${wheel}[ray,bench]"
+pip_quiet "$work/app/bin/python" -m pip install "${wheel}[ray]"
 cd "$work"  # outside the repository: nothing may be read from the checkout
 export PATH="$work/app/bin:$PATH"
 "$work/app/bin/python" - <<'EOF'

@@ -56,3 +56,26 @@ def test_the_command_without_its_extras_says_which_to_install(monkeypatch, capsy
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: the chatlearn-mem command needs 'typer'") and "chatlearn-mem[ray]" in err
+
+
+def test_ppo_does_not_need_the_benchmark_package(monkeypatch):
+    """With the benchmark's dependencies missing, `ppo` still loads its config (it used to import
+    the benchmark package, and with it psutil, when the command line started)."""
+    import subprocess
+
+    code = ("import sys; sys.modules['psutil'] = None; sys.modules['chatlearn_mem_bench'] = None\n"
+            "from typer.testing import CliRunner\n"
+            "from chatlearn_mem_ray.cli import app\n"
+            "r = CliRunner().invoke(app, ['ppo', '--print-config'])\n"
+            "assert r.exit_code == 0, r.output\n"
+            "r = CliRunner().invoke(app, ['bench'])\n"
+            "assert r.exit_code == 1 and 'the [bench] extra' in r.output, r.output\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_bench_without_config_is_the_cpu_preset():
+    from chatlearn_mem_bench.config import DEFAULT_PRESET
+
+    result = CliRunner().invoke(app, ["bench", "--print-config"])
+    assert result.exit_code == 0 and f'"preset": "{DEFAULT_PRESET}"' in result.output
