@@ -18,7 +18,7 @@ from chatlearn_mem_bench import PARTS, BenchConfig, load_config  # noqa: E402
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PRESETS  # noqa: E402
 from chatlearn_mem_ray.cli import app  # noqa: E402
 
-CONFIG_DIR = Path(__file__).parent.parent / "configs" / "bench"
+CONFIG_DIR = Path(__file__).parents[2] / "configs" / "bench"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
