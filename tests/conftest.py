@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # for the _trainer_runs helpers, in workers too
+sys.path.insert(0, os.path.dirname(__file__))  # trainer_runs is importable from every tier (and, through spawn, in the workers)
 
 
 @pytest.fixture(scope="session")
