@@ -30,9 +30,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+    # The installed distribution's version, read without importing megatron (which takes seconds
+    # and would put megatron into every tier, the megatron-free unit tier included).
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from megatron.core.package_info import __version__
-    except ImportError:
+        __version__ = version("megatron-core")
+    except PackageNotFoundError:
         __version__ = "not installed"
     import torch
 
