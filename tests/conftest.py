@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # for the _trainer_runs helpers, in workers too
+sys.path.insert(0, os.path.dirname(__file__))  # trainer_runs is importable from every tier (and, through spawn, in the workers)
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +30,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+    # The installed distribution's version, read without importing megatron (which takes seconds
+    # and would put megatron into every tier, the megatron-free unit tier included).
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from megatron.core.package_info import __version__
-    except ImportError:
+        __version__ = version("megatron-core")
+    except PackageNotFoundError:
         __version__ = "not installed"
     import torch
 

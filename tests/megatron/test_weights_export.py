@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from _trainer_runs import train
+from trainer_runs import train
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem.storage import StorageGroup

@@ -8,13 +8,13 @@ before, both as the manager reports it and as an independent walk of everything 
 the model chunks and the optimizer finds it. Some layouts then break aliases on purpose and check
 the audit names each break.
 
-All layouts of one world size run in one spawned process group (see _layout_runs.py): process
+All layouts of one world size run in one spawned process group (see trainer_runs.py): process
 start and megatron's import dominate on CPU.
 """
 
 import pytest
 
-from _layout_runs import layout_spec, spawn_layouts
+from trainer_runs import layout_spec, spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -44,12 +44,12 @@ SPECS = {s["name"]: s for s in WORLD2 + WORLD4}
 
 @pytest.fixture(scope="module")
 def world2():
-    return spawn_layouts(WORLD2)
+    return spawn(WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return spawn_layouts(WORLD4)
+    return spawn(WORLD4)
 
 
 def _results(request, name):

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from _trainer_runs import bit_equal, snapshot, train
+from trainer_runs import bit_equal, snapshot, train
 from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, Part, TrainerMemoryManager
 from chatlearn_mem.mcore import checks
 from chatlearn_mem.testbed import gpt

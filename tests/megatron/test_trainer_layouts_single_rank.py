@@ -4,7 +4,7 @@ parallelism, megatron's no-pipelining schedule, config checks."""
 import pytest
 import torch
 
-from _trainer_runs import STEPS, bit_equal, full_cycle, train
+from trainer_runs import STEPS, bit_equal, full_cycle, train
 from chatlearn_mem import TrainerMemoryManager
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
@@ -51,7 +51,7 @@ def test_pipeline_trainer_without_pipelining_matches_itself_under_cycles(dist1):
         for step in range(4):
             losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step)))
             if cycle:
-                full_cycle(mm, step)
+                full_cycle(mm, trainer, step)
         return losses, [p.detach().clone() for p in trainer.model[0].parameters()]
 
     base_losses, base_weights = run(False)

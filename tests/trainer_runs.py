@@ -1,8 +1,13 @@
-"""Multi-process trainer layouts (TP, PP, virtual PP, MoE/EP, overlap, frozen, precisions).
+"""Training runs shared by the megatron and multirank tiers, and the spawned workers' code.
 
-One spawned process group runs several layouts one after the other, re-initialising megatron's
-model-parallel state between them, so the process start and megatron import (which dominate on
-CPU) are paid once per group, not once per layout. Each rank writes one JSON result per layout.
+Single-rank tests call :func:`train` in the test process (after the ``dist1`` fixture). Multi-rank
+tests describe each run as a spec (:func:`layout_spec`) and run a list of specs of one world size
+in one spawned process group (:func:`spawn_layouts`): the process start and the megatron import,
+which dominate on CPU, are paid once per group, not once per run. Each rank re-initialises
+megatron's model-parallel state between specs and writes one JSON result per spec.
+
+Importable as ``trainer_runs`` from every tier and from the spawned workers: the root conftest
+puts ``tests/`` on sys.path, and spawn hands sys.path to the children.
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from chatlearn_mem.mcore import layout
 
 _T0 = time.perf_counter()  # module import in the spawned process, before megatron's
 
-STEPS = 4
+STEPS = 8  # train() default: the single-rank runs and the multi-rank exactness specs
+LAYOUT_STEPS = 4  # layout_spec() default: the multi-rank layouts (each step costs more there)
 BATCH = 4
 
 
 def layout_spec(name: str, world: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                steps: int = STEPS, inject_bugs: bool = False, **cfg) -> dict:
-    """A layout: process-group sizes, the GPTTrainerConfig fields, and whether to break aliases
-    on purpose after the exactness run (:func:`inject_bugs`)."""
+                steps: int = LAYOUT_STEPS, inject_bugs: bool = False, **cfg) -> dict:
+    """A multi-rank run for :func:`spawn`: process-group sizes, steps, the GPTTrainerConfig
+    fields, and whether to break aliases on purpose after the exactness run (:func:`inject_bugs`)."""
     return dict(name=name, world=world, tp=tp, pp=pp, vpp=vpp, ep=ep, steps=steps, cfg=cfg,
                 inject_bugs=inject_bugs)
 
@@ -50,6 +56,7 @@ def setup_parallel(spec: dict) -> None:
 
 
 def chunks_of(trainer) -> list:
+    """The trainer's model chunks: ``[model]`` for the single-model trainer."""
     return trainer.model if isinstance(trainer.model, list) else [trainer.model]
 
 
@@ -61,7 +68,10 @@ def sync_params(trainer) -> None:
 
 
 def snapshot(trainer) -> list[torch.Tensor]:
-    """Every chunk's weights, the fp32 main weights and the optimizer states, cloned."""
+    """Weights (of every chunk), fp32 main weights and optimizer states, cloned.
+
+    Works for both trainers (one model or a list of chunks); with overlapped param gather it
+    first finishes the lazy all-gather so the params hold the stepped weights."""
     sync_params(trainer)
     out = [p.detach().clone() for c in chunks_of(trainer) for p in c.parameters()]
     for leaf in layout.leaf_optimizers(trainer.optimizer):
@@ -72,31 +82,50 @@ def snapshot(trainer) -> list[torch.Tensor]:
 
 
 def bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Same length, and every pair has the same dtype and the same bits."""
     return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
 
-def build(spec: dict):
-    cfg = gpt.GPTTrainerConfig(**spec["cfg"])
-    return gpt.build_gpt_pipeline_trainer(cfg)
-
-
-def batch(trainer, step: int) -> torch.Tensor:
+def data_parallel_rank() -> int:
     from megatron.core import parallel_state
 
-    return gpt.synthetic_batch(trainer.config, step, batch_size=BATCH,
-                               rank=parallel_state.get_data_parallel_rank())
+    return parallel_state.get_data_parallel_rank()
 
 
-def train(spec: dict, between: Optional[Callable] = None):
-    """Train ``spec['steps']`` steps calling ``between(mm, trainer, step)`` after each."""
-    trainer = build(spec)
+def train(cfg: gpt.GPTTrainerConfig | dict, steps: int = STEPS, between: Optional[Callable] = None,
+          rank: int = 0, pipeline: bool = False):
+    """Build a trainer, train ``steps`` steps calling ``between(mm, trainer, step)`` after each.
+
+    ``pipeline=False`` builds the single-model ``GPTTrainer`` (``gpt.build_gpt_trainer``),
+    ``pipeline=True`` the ``GPTPipelineTrainer`` (a list of chunks stepped by megatron's
+    schedule). ``rank`` is the data-parallel rank the synthetic batches are drawn for.
+    Returns ``(losses, snapshot(trainer), mm, trainer)``.
+    """
+    if isinstance(cfg, dict):
+        cfg = gpt.GPTTrainerConfig(**cfg)
+    trainer = (gpt.build_gpt_pipeline_trainer if pipeline else gpt.build_gpt_trainer)(cfg)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
     losses = []
-    for step in range(spec["steps"]):
-        losses.append(trainer.train_step(batch(trainer, step)))
+    for step in range(steps):
+        losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step, batch_size=BATCH, rank=rank)))
         if between is not None:
             between(mm, trainer, step)
     return losses, snapshot(trainer), mm, trainer
+
+
+def train_spec(spec: dict, between: Optional[Callable] = None):
+    """:func:`train` for a multi-rank layout spec: the pipeline trainer, this rank's data."""
+    return train(spec["cfg"], steps=spec["steps"], between=between, rank=data_parallel_rank(), pipeline=True)
+
+
+def full_cycle(mm, trainer, step):
+    """Offload everything, check the device is empty, onload everything, audit."""
+    mm.offload()
+    res = mm.residency()
+    assert res.device_bytes == 0, str(res)
+    mm.onload()
+    report = mm.audit()
+    assert report.ok, str(report)
 
 
 def reachable_storages(*roots) -> dict[int, tuple[str, torch.UntypedStorage]]:
@@ -246,7 +275,7 @@ def inject_bugs(mm, trainer) -> dict:
 def run_layout(spec: dict) -> dict:
     """Baseline run vs the same run with a full offload/onload after every step, on this rank."""
     setup_parallel(spec)
-    base_losses, base_state, _, _ = train(spec)
+    base_losses, base_state, _, _ = train_spec(spec)
     ratios, problems = [], []
 
     reach_ratios, leftovers = [], []
@@ -268,12 +297,22 @@ def run_layout(spec: dict) -> dict:
         problems.extend(f"step {step} onloaded: {p}" for p in report.problems)
 
     setup_parallel(spec)
-    losses, state, mm, trainer = train(spec, between=cycle)
+    losses, state, mm, trainer = train_spec(spec, between=cycle)
     bugs = inject_bugs(mm, trainer) if spec.get("inject_bugs") else {}
     return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state), bugs=bugs,
                 n_tensors=len(state), losses=losses, ratios=ratios, audit_problems=problems,
                 reach_ratios=reach_ratios, leftovers=leftovers,
                 **describe(trainer, mm))
+
+
+def exactness(spec: dict) -> dict:
+    """The single-model trainer on this rank: baseline vs a full offload/onload after every step."""
+    setup_parallel(spec)
+    rank = data_parallel_rank()
+    base_losses, base_weights, _, _ = train(spec["cfg"], steps=spec["steps"], rank=rank)
+    losses, weights, mm, _ = train(spec["cfg"], steps=spec["steps"], between=full_cycle, rank=rank)
+    return dict(losses_equal=base_losses == losses, weights_equal=bit_equal(base_weights, weights),
+                audit_ok=mm.audit().ok, losses=losses, n_tensors=len(weights))
 
 
 def _rss_bytes() -> int:
@@ -287,7 +326,7 @@ def soak(spec: dict) -> dict:
     import gc
 
     setup_parallel(spec)
-    base_losses, base_state, _, _ = train(spec)
+    base_losses, base_state, _, _ = train_spec(spec)
     samples = []
 
     def cycle(mm, trainer, step):
@@ -307,13 +346,14 @@ def soak(spec: dict) -> dict:
             samples.append(dict(step=step, audit_ok=False, problems=report.problems))
 
     setup_parallel(spec)
-    losses, state, mm, trainer = train(spec, between=cycle)
+    losses, state, mm, trainer = train_spec(spec, between=cycle)
     return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state),
                 samples=samples, steps=len(losses))
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str, fn_name: str) -> None:
-    """Run ``fn_name(spec)`` for every layout in ``specs_json``; write ``<name>.rank<N>.json``.
+    """Spawned process: join the process group, run ``fn_name(spec)`` for every spec in
+    ``specs_json``; write ``<name>.rank<N>.json`` to ``out_dir``.
 
     After the first failing layout the remaining ones are not run (the ranks may be out of step
     in their collectives); their results say so.
@@ -354,8 +394,12 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str,
             pass  # a peer failed a layout and left; its result file says why
 
 
-def spawn_layouts(specs: list[dict], fn_name: str = "run_layout") -> dict[str, list[dict]]:
-    """Run every layout of ``specs`` (same world size) in one spawned process group."""
+def spawn(specs: list[dict], fn_name: str = "run_layout") -> dict[str, list[dict]]:
+    """Run ``fn_name(spec)`` (``run_layout``, ``exactness`` or ``soak``) for every spec of ``specs``
+    (all of one world size) in one spawned process group; return ``{spec name: [result per rank]}``.
+
+    A rank that wrote no result (it crashed, or the group failed) gets ``{"rank": r, "error": ...}``.
+    """
     import tempfile
 
     import torch.multiprocessing as mp

@@ -2,7 +2,7 @@
 
 import pytest
 
-from _trainer_runs import train
+from trainer_runs import train
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 

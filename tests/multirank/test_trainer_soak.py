@@ -6,7 +6,7 @@ beyond a small bound, and the result is bit-identical to the same 200 steps with
 
 import pytest
 
-from _layout_runs import layout_spec, spawn_layouts
+from trainer_runs import layout_spec, spawn
 
 CYCLES = 200
 # RSS climbs ~40 MiB over the first ~100 cycles (the allocator settling under repeated release
@@ -22,7 +22,7 @@ SPECS = [layout_spec("soak-dp2", 2, steps=CYCLES),
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_two_hundred_cycles_grow_nothing_and_stay_exact():
-    results = spawn_layouts(SPECS, fn_name="soak")
+    results = spawn(SPECS, fn_name="soak")
     for name, ranks in results.items():
         for r in ranks:
             assert "error" not in r, f"{name} rank {r['rank']}: {r['error']}"

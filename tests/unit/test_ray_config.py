@@ -12,7 +12,7 @@ from chatlearn_mem_ray.cluster import check_resources
 from chatlearn_mem_ray.config import DEFAULT_PRESET, PRESETS, RunConfig, load_config
 from chatlearn_mem_ray.errors import ResourceError
 
-CONFIG_DIR = Path(__file__).parent.parent / "configs" / "ppo"
+CONFIG_DIR = Path(__file__).parents[2] / "configs" / "ppo"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 

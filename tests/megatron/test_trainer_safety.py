@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from _trainer_runs import STEPS, bit_equal, train
+from trainer_runs import STEPS, bit_equal, train
 from chatlearn_mem import ChatlearnMemError, OffloadedError, Part, TrainerMemoryManager, UnsupportedLayoutError
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem import host_store, storage
@@ -133,7 +133,7 @@ def _cycle_then_continue(fail_patch, monkeypatch):
             mm.offload()
             mm.onload()
             assert mm.audit().ok
-    from _trainer_runs import snapshot
+    from trainer_runs import snapshot
     assert losses == base_losses
     assert bit_equal(snapshot(trainer), base_state)
 
