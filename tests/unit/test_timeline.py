@@ -5,7 +5,7 @@ import json
 import matplotlib.image
 import pytest
 
-from ray_actors.timeline import TRAIN_PARTS, MemoryTimeline, PhaseRecord, _holders, _iteration_stats, plot_timeline
+from chatlearn_mem_ray.timeline import TRAIN_PARTS, MemoryTimeline, PhaseRecord, _holders, _iteration_stats, plot_timeline
 
 MiB = 2**20
 # Per actor, the device bytes of each part when fully resident (a tiny policy/critic, bf16 weights).
