@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 import warnings
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import torch
 

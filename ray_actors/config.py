@@ -16,7 +16,7 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chatlearn_mem import ConfigError, MemoryConfig
+from chatlearn_mem import MemoryConfig
 from chatlearn_mem.config import load_config as _load
 from chatlearn_mem.testbed.gpt import GPTTrainerConfig
 
