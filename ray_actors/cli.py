@@ -42,9 +42,11 @@ def _guarded(work: Callable[[], T]) -> T:
         raise _fail(str(e), 2) from None
     except ChatlearnMemError as e:
         raise _fail(str(e), 1) from None
-    except ModuleNotFoundError as e:
-        raise _fail(f"{e} (a dependency of this command is missing; install chatlearn-mem with the "
-                    "[ray] extra for `ppo` or the [bench] extra for `bench`)", 1) from None
+    except ImportError as e:  # an extra that is not installed (Ray, psutil, ...)
+        hint = "" if "chatlearn-mem[" in str(e) else (
+            " (a dependency of this command is missing; install chatlearn-mem with the [ray] extra "
+            "for `ppo` or the [bench] extra for `bench`)")
+        raise _fail(f"{e}{hint}", 1) from None
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
         raise _fail(f"{type(e).__name__}: {e}", 1) from None
 

@@ -79,3 +79,20 @@ def test_bench_without_config_is_the_cpu_preset():
 
     result = CliRunner().invoke(app, ["bench", "--print-config"])
     assert result.exit_code == 0 and f'"preset": "{DEFAULT_PRESET}"' in result.output
+
+
+def test_ppo_without_ray_installed_says_which_extra_to_install(tmp_path):
+    """A `[bench]`-only install has the command but not Ray: `ppo` ends in one error line."""
+    import subprocess
+
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from typer.testing import CliRunner\n"
+            "from chatlearn_mem_ray.cli import app\n"
+            f"r = CliRunner().invoke(app, ['ppo', 'ppo.iterations=1', 'output_dir={tmp_path}'])\n"
+            "print(r.exit_code); print(r.output)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    code_line, *message = out.stdout.strip().splitlines()
+    assert code_line == "1", out.stdout
+    assert message[0].startswith("error: Ray is required") and "chatlearn-mem[ray]" in message[0], out.stdout
+    assert "Traceback" not in out.stdout
