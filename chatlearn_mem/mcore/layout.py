@@ -12,7 +12,7 @@ true for all of them:
   ``param_data`` only with the distributed optimizer. ``param_index_map[param]`` is
   ``(start, end, bucket_id)`` in elements; ``param.data`` (when ``param_data`` exists) and
   ``param.main_grad`` are views at ``start``.
-* Buckets hold ``param_data`` / ``grad_data`` views at ``bucket.offset``. Bucket groups (0.16)
+* Buckets hold ``param_data`` / ``grad_data`` views at ``bucket.offset``. Bucket groups (0.14+)
   cache shard views in ``cached_param_buffer_shard_list`` / ``cached_grad_buffer_shard_list``.
 * DDP registers one hook per trainable parameter on ``param.expand_as(param).grad_fn
   .next_functions[0][0]`` and keeps the nodes in ``grad_accs``.
@@ -128,7 +128,7 @@ def bucket_groups(chunks: Iterable[torch.nn.Module], optimizer: Any = None) -> l
 
 
 def cached_shard_views(group: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(label, cached shard, bucket tensor it must view)`` for the cached shard lists (0.16)."""
+    """``(label, cached shard, bucket tensor it must view)`` for the cached shard lists (0.14+)."""
     out = []
     for attr, kind in (("cached_param_buffer_shard_list", "param_data"),
                        ("cached_grad_buffer_shard_list", "grad_data")):
