@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chatlearn_mem import Part
 from chatlearn_mem.config import load_config as _load
-from chatlearn_mem.config import preset_names
+from chatlearn_mem.config import preset_of
 from chatlearn_mem.testbed.gpt import GPTTrainerConfig
 
 __all__ = ["BenchConfig", "COPY_PARTS", "DEFAULT_PRESET", "FULL", "METHODS", "PARTS", "PRESETS", "load_config"]
@@ -85,5 +85,4 @@ def load_config(source: Optional[str | os.PathLike] = DEFAULT_PRESET, overrides:
             result; every problem is listed with its dotted key.
     """
     cfg = _load(BenchConfig, source, overrides, presets=PRESETS)
-    named = source is not None and str(source) in preset_names(PRESETS)
-    return cfg.model_copy(update={"preset": str(source) if named else "custom"})
+    return cfg.model_copy(update={"preset": preset_of(source, PRESETS) or "custom"})

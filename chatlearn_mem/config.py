@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatlearn_mem.errors import ConfigError
 
-__all__ = ["MemoryConfig", "load_config", "parse_overrides", "preset_names"]
+__all__ = ["MemoryConfig", "load_config", "parse_overrides", "preset_names", "preset_of"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -136,20 +136,36 @@ def _format(error: ValidationError) -> str:
     return f"invalid config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n" + "\n".join(lines)
 
 
+def _looks_like_a_name(text: str) -> bool:
+    return os.sep not in text and "/" not in text and not text.endswith((".yaml", ".yml"))
+
+
+def preset_of(source: Optional[Union[str, os.PathLike]], presets: Any) -> Optional[str]:
+    """The preset ``source`` names, or None when it is a file path (an existing file wins over a
+    preset of the same name) or no preset at all. The rule :func:`load_config` reads by."""
+    if source is None:
+        return None
+    text = str(source)
+    if Path(text).is_file() or not _looks_like_a_name(text) or text not in preset_names(presets):
+        return None
+    return text
+
+
 def _read_source(source: Union[str, os.PathLike], presets: Any) -> dict:
     """The mapping in a preset (by name) or a YAML file (by path)."""
     yaml = _yaml()
-    names = preset_names(presets)
-    listing = f"presets: {', '.join(names)}" if names else "no presets"
     text = str(source)
-    if Path(text).is_file():
+    preset = preset_of(source, presets)
+    if preset is not None:
+        where, read = f"preset {preset!r}", (presets / f"{preset}.yaml").read_text
+    elif Path(text).is_file():
         where, read = repr(text), Path(text).read_text
-    elif os.sep not in text and "/" not in text and not text.endswith((".yaml", ".yml")):
-        if text not in names:
+    else:
+        names = preset_names(presets)
+        listing = f"presets: {', '.join(names)}" if names else "no presets"
+        if _looks_like_a_name(text):
             raise ConfigError(f"unknown config {text!r}: not a preset and not a file ({listing}; "
                               "or give the path of a YAML file)")
-        where, read = f"preset {text!r}", (presets / f"{text}.yaml").read_text
-    else:
         raise ConfigError(f"config file {text!r} does not exist ({listing})")
     try:
         data = yaml.safe_load(read()) or {}

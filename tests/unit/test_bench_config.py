@@ -36,3 +36,10 @@ def test_presets_load_and_overrides_apply():
         load_config("nope")
     with pytest.raises(ConfigError, match="repeatz: unknown key"):
         load_config("tiny", overrides=["repeatz=3"])
+
+
+def test_a_file_named_like_a_preset_is_read_as_the_file_and_recorded_as_custom(tmp_path, monkeypatch):
+    (tmp_path / "tiny").write_text("repeats: 7\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny")
+    assert cfg.repeats == 7 and cfg.preset == "custom"  # the file, not the preset, and labelled so
