@@ -4,7 +4,8 @@ One function per question ("which buffers hold the params?", "which tensors are 
 weights?"). The managers and the audit ask these functions and never spell a megatron attribute
 themselves, so supporting a new megatron-core release means changing this file only.
 
-Supported: megatron-core 0.13 to 0.16 (tested: 0.13.1, 0.14.0, 0.15.3, 0.16.1). Facts relied on,
+Supported: megatron-core 0.13 to 0.19 (tested: 0.13.1, 0.14.0, 0.15.3, 0.16.1, 0.17.1, 0.18.2,
+0.19.2; 0.17+ need Python 3.12). Facts relied on,
 true for all of them:
 
 * ``DistributedDataParallel.buffers`` and ``.expert_parallel_buffers`` hold one
@@ -32,16 +33,19 @@ import torch
 from chatlearn_mem.errors import UnsupportedLayoutError
 
 __all__ = [
-    "SUPPORTED_VERSIONS", "BufferLayout", "ShardView", "check_supported_version", "ddp_chunks",
+    "SUPPORTED_VERSIONS", "TESTED_VERSIONS", "INSTALL_HINT", "BufferLayout", "ShardView",
+    "check_supported_version", "ddp_chunks",
     "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
     "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
     "pipeline_input_tensors", "clear_pipeline_input_tensors",
 ]
 
-SUPPORTED_VERSIONS = ((0, 13), (0, 16))
+SUPPORTED_VERSIONS = ((0, 13), (0, 19))
 """Inclusive (major, minor) range of megatron-core releases the manager supports."""
-_INSTALL_HINT = "pip install 'megatron-core>=0.13,<0.17'"
+TESTED_VERSIONS = ("0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
+"""Releases the suite has passed on; CI runs 0.13.1 and 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12)."""
+INSTALL_HINT = "pip install 'megatron-core>=0.13,<0.20' (0.17 and newer need Python 3.12)"
 
 
 def megatron_core_version() -> str:
@@ -49,7 +53,7 @@ def megatron_core_version() -> str:
     try:
         from megatron.core.package_info import __version__
     except ImportError as e:
-        raise UnsupportedLayoutError(f"megatron-core is not installed; install it with: {_INSTALL_HINT}") from e
+        raise UnsupportedLayoutError(f"megatron-core is not installed; install it with: {INSTALL_HINT}") from e
     return __version__
 
 
@@ -64,8 +68,8 @@ def check_supported_version(version: Optional[str] = None) -> str:
     if major_minor is None or not lo <= major_minor <= hi:
         raise UnsupportedLayoutError(
             f"megatron-core {version} is not supported: chatlearn-mem supports megatron-core "
-            f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (tested 0.13.1, 0.14.0, 0.15.3, 0.16.1). "
-            f"Install one with: {_INSTALL_HINT}")
+            f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (tested {', '.join(TESTED_VERSIONS)}). "
+            f"Install one with: {INSTALL_HINT}")
     return version
 
 

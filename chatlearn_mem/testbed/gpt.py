@@ -14,12 +14,12 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chatlearn_mem.mcore.layout import INSTALL_HINT
 from chatlearn_mem.testbed import cpu_backend
 
 __all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTPipelineTrainer", "GPTValueModel", "build_gpt_model",
            "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "synthetic_batch"]
 
-_INSTALL_HINT = "pip install 'megatron-core>=0.13,<0.17'"
 
 
 class GPTTrainerConfig(BaseModel):
@@ -108,7 +108,7 @@ def _megatron():
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"megatron-core is required for GPT trainers; install it with: {_INSTALL_HINT}") from e
+        raise ImportError(f"megatron-core is required for GPT trainers; install it with: {INSTALL_HINT}") from e
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_size: int = 1,

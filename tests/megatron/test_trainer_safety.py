@@ -1,5 +1,6 @@
 """Guarantee 4: repeated calls are no-ops, offloaded state is never used, failures lose nothing."""
 
+import re
 import threading
 import warnings
 
@@ -218,10 +219,11 @@ def test_concurrent_calls_are_serialised(trained):
 
 
 def test_unsupported_megatron_version_is_refused(trained, monkeypatch):
-    with pytest.raises(UnsupportedLayoutError, match=r"0\.12\.3 is not supported.*0\.13 to 0\.16"):
-        layout.check_supported_version("0.12.3")
-    with pytest.raises(UnsupportedLayoutError, match="0.17.0"):
-        layout.check_supported_version("0.17.0")
+    for refused in ("0.12.3", "0.20.0", "1.0.0", "not-a-version"):
+        with pytest.raises(UnsupportedLayoutError, match=rf"{re.escape(refused)} is not supported.*0\.13 to 0\.19"):
+            layout.check_supported_version(refused)
+    for accepted in ("0.13.0", "0.16.1", "0.17.0", "0.19.2", "0.19.9rc1"):
+        assert layout.check_supported_version(accepted) == accepted
     _, trainer = trained
     monkeypatch.setattr(layout, "megatron_core_version", lambda: "0.11.0")
     with pytest.raises(UnsupportedLayoutError, match="pip install"):
