@@ -1,6 +1,6 @@
 """Exceptions raised by chatlearn-mem."""
 
-__all__ = ["ChatlearnMemError", "ConfigError", "OffloadedError", "UnsupportedLayoutError"]
+__all__ = ["ChatlearnMemError", "ConfigError", "ExternalChangeError", "OffloadedError", "UnsupportedLayoutError"]
 
 
 class ChatlearnMemError(RuntimeError):
@@ -17,3 +17,9 @@ class UnsupportedLayoutError(ChatlearnMemError):
 
 class ConfigError(ChatlearnMemError, ValueError):
     """A configuration is missing or invalid; the message lists every problem with its dotted key."""
+
+
+class ExternalChangeError(ChatlearnMemError):
+    """Memory the manager manages was released, regrown or moved by something else (typically
+    megatron-core's own offload calls); the message says what and how to get back to a state the
+    manager can work from. See :mod:`chatlearn_mem.external`."""

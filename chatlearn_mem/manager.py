@@ -10,6 +10,7 @@ from typing import Callable, Hashable, Iterable, Optional
 import torch
 
 from chatlearn_mem.config import MemoryConfig
+from chatlearn_mem import external
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError
 from chatlearn_mem.parts import Part, PartsArg, parse_parts
 from chatlearn_mem.storage import StorageGroup, TransferStats, extent, storage_key, unique_storages
@@ -61,6 +62,7 @@ class MemoryManagerBase:
         self._groups = {part: StorageGroup(part.value, keep, self.config) for part, keep in parts.items()}
         self._dirty_epoch = 0
         self._hook_handles: list = []
+        self._placements: dict[Part, external.Placement] = {}  # recorded after each call, see external.py
 
     # -- to be provided by subclasses -------------------------------------------------------
     def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
@@ -76,6 +78,11 @@ class MemoryManagerBase:
     def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of what :meth:`weights_state_dict` exports, in state-dict naming."""
         raise NotImplementedError
+
+    def _part_slots(self, part: Part) -> Iterable[tuple[Hashable, torch.Tensor]]:
+        """``(slot, tensor)`` for each tensor of ``part``: a slot names where the tensor is held,
+        so that a tensor rebound or replaced in place is recognised (default: the tensor itself)."""
+        return ((id(t), t) for t in self._part_tensors(part) if t is not None)
 
     # -- shared mechanics --------------------------------------------------------------------
     @property
@@ -98,16 +105,40 @@ class MemoryManagerBase:
     def _storages(self, part: Part) -> list[torch.UntypedStorage]:
         return unique_storages(self._part_tensors(part), self.device)
 
+    # -- changes made behind the manager's back (megatron-core's own offload calls) ------------
+    def _record_placement(self, parts: Iterable[Part] = ()) -> None:
+        """Remember where ``parts`` (all by default) are now; see :mod:`chatlearn_mem.external`."""
+        for part in parts or self._groups:
+            self._placements[part] = external.Placement.of(self._part_slots(part), self.device)
+
+    def _external_changes(self, parts: Iterable[Part] = ()) -> list[str]:
+        """One sentence per change made to ``parts`` (all by default) by something other than the manager."""
+        out = []
+        for part in parts or self._groups:
+            group = self._groups[part]
+            out += external.changes(part.value, group.offloaded, group.released, self._part_slots(part),
+                                    self.device, self._placements.get(part))
+        return out
+
+    def _refuse_external_changes(self, parts: Iterable[Part], what: str) -> None:
+        found = self._external_changes(parts)
+        if found:
+            raise external.ExternalChangeError(
+                f"refusing to {what}: memory the manager manages was changed by something else, so "
+                "it would copy released memory or restore stale bytes. " + "; ".join(found))
+
     def _offload_part(self, part: Part, storages: Optional[list] = None) -> Optional[TransferStats]:
         group = self._groups[part]
         if group.offloaded:
             warnings.warn(f"{part} are already offloaded; nothing to do", stacklevel=3)
             return None
+        self._refuse_external_changes([part], f"offload {part}")
         storages = self._storages(part) if storages is None else storages
         token = self._part_token(part) if self.config.skip_unchanged_weights else None
         stats = group.offload(storages, token)
         if part is Part.WEIGHTS:
             self._remember_weight_storages()
+        self._record_placement([part])
         return stats
 
     def _remember_weight_storages(self) -> None:
@@ -133,8 +164,10 @@ class MemoryManagerBase:
         if not group.offloaded:
             warnings.warn(f"{part} are already on the device; nothing to do", stacklevel=3)
             return None
+        self._refuse_external_changes([part], f"onload {part}")
         stats = group.onload()
         group.set_host_token(self._part_token(part))
+        self._record_placement([part])
         return stats
 
     def _before_offload(self, part: Part) -> None:

@@ -82,6 +82,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             opt = layout.torch_optimizer(leaf)
             self._hook_handles.append(opt.register_step_pre_hook(self._before_step))
             self._hook_handles.append(opt.register_step_post_hook(self._after_step))
+        self._record_placement()
 
     # -- which tensors make up each part ----------------------------------------------------
     def _grad_storage_keys(self) -> set[int]:
@@ -114,6 +115,14 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return ((f"param {name}", p) for p, name in self._names.items())
+
+    def _part_slots(self, part: Part) -> Iterable[tuple[Hashable, torch.Tensor]]:
+        if part is not Part.OPTIMIZER_STATES:
+            return super()._part_slots(part)
+        # a state entry is replaced (state[k] = v.cpu()), not rebound: name it by where it is held
+        return (((li, id(key), k), v) for li, leaf in enumerate(self._leaves)
+                for key, state in layout.torch_optimizer(leaf).state.items()
+                for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel())
 
     def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         many = len(self._chunks) > 1
@@ -177,6 +186,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._steps += 1
         self._forward_since_step = False
+        self._record_placement([Part.OPTIMIZER_STATES])  # the first step creates the states
 
     def _before_offload(self, part: Part) -> None:
         if part is Part.WEIGHTS:
@@ -206,10 +216,12 @@ class TrainerMemoryManager(MemoryManagerBase):
             warnings.warn("grads are already released; nothing to do", stacklevel=3)
             return None
         self._check_no_pending_communication("free grad buffers")
+        self._refuse_external_changes([Part.GRADS], "free grad buffers")
         if not force:
             self._check_grads_consumed()
         self._drop_stale_grads()
         stats = self._groups[Part.GRADS].offload(self._storages(Part.GRADS))
+        self._record_placement([Part.GRADS])
         self._empty_cache()
         return stats
 
@@ -263,6 +275,7 @@ class TrainerMemoryManager(MemoryManagerBase):
                 warnings.warn("the chosen parts are already offloaded; nothing to do", stacklevel=3)
             return []
         self._check_no_pending_communication("offload")
+        self._refuse_external_changes(todo, "offload")
         if Part.GRADS in todo and not force:
             self._check_grads_consumed()
         storages = {p: self._storages(p) for p in todo}
@@ -311,7 +324,9 @@ class TrainerMemoryManager(MemoryManagerBase):
         buffers; the distributed optimizer's shard groups view the params; each torch
         ``param_group`` holds exactly the live shard / main tensors and ``state`` is keyed by
         them; each trainable parameter has exactly one grad-accumulator hook and one entry in
-        DDP's ``grad_accs``; offloaded parts hold no device memory and resident parts all of it.
+        DDP's ``grad_accs``; offloaded parts hold no device memory and resident parts all of it;
+        nothing else (megatron-core's own offload calls, say) released, regrew or moved the
+        manager's memory since its last call (see :mod:`chatlearn_mem.external`).
         """
         report = AuditReport()
         self._check_rebinds(report)
@@ -320,6 +335,9 @@ class TrainerMemoryManager(MemoryManagerBase):
         checks.check_hooks(report, self._chunks, self._chunk_buffers, self._names)
         for part in Part:
             self._check_storage_state(report, part)
+        report.checked += 1
+        for sentence in self._external_changes():
+            report.add(sentence)
         return report
 
     # -- internals -----------------------------------------------------------------------------

@@ -1,22 +1,72 @@
 #!/usr/bin/env bash
-# Install chatlearn-mem with its test extras into the active Python and run the test suite twice:
-# on the newest supported megatron-core (the default install) and on the oldest (0.13.1, put first
-# on PYTHONPATH from a --target install); then check the wheel as a user installs it
-# (scripts/wheel_check.sh; SKIP_WHEEL_CHECK=1 skips it). Extra arguments go to pytest, e.g.
-# `bash scripts/test.sh tests/unit` for one tier.
+# Install chatlearn-mem with its test extras and run the whole test suite on three legs:
+#   1. Python 3.11 (the active Python) + megatron-core 0.16.1, the newest release for 3.11 (the default install);
+#   2. Python 3.11 + megatron-core 0.13.1, the oldest supported (put first on PYTHONPATH from a --target install);
+#   3. Python 3.12 + megatron-core 0.19.2, the newest (0.17 and later need Python 3.12), in its own venv
+#      `.venv312` (torch 2.13.0 comes there as the registry's CUDA build, about 4.7 GB; it runs on CPU);
+# then check the wheel as a user installs it (scripts/wheel_check.sh).
+#
+# Environment: LEGS (default "0.16 0.13 0.19") picks legs; PYTHON312 names the Python 3.12 to use (else it is
+# looked up on PATH and under ~/.pyenv/versions/3.12*); SKIP_WHEEL_CHECK=1 skips the wheel check.
+# Extra arguments go to pytest, e.g. `LEGS=0.19 bash scripts/test.sh tests/unit` for one tier on one leg.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pip_quiet() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
-pip_quiet torch==2.13.0
-pip_quiet -e '.[test]'
-python -c "import chatlearn_mem, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" # fail early and loudly if the install did not work
-echo "== test suite on megatron-core $(python -c 'import megatron.core as m; print(m.__version__)')"
-python -m pytest -q -p no:cacheprovider "$@"
-if [ ! -f .mcore013/megatron/core/package_info.py ]; then
-  pip_quiet --no-deps --target .mcore013 megatron-core==0.13.1
-fi
-echo "== test suite on megatron-core $(PYTHONPATH=.mcore013 python -c 'import megatron.core as m; print(m.__version__)')"
-PYTHONPATH="$PWD/.mcore013" python -m pytest -q -p no:cacheprovider "$@"
+LEGS="${LEGS:-0.16 0.13 0.19}"
+pip_quiet() { "$1" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
+summary=()
+
+run_leg() {  # run_leg NAME PYTHON [PYTHONPATH]: the suite on one interpreter / megatron-core
+  local name="$1" py="$2" path="${3:-}" start=$SECONDS
+  local version
+  version="$(PYTHONPATH="$path" "$py" -c 'import sys; from chatlearn_mem.mcore.layout import megatron_core_version as v; print(f"Python {sys.version.split()[0]} + megatron-core {v()}")')"
+  echo "== test suite on $version"
+  PYTHONPATH="$path" "$py" -m pytest -q -p no:cacheprovider "${@:4}"
+  summary+=("leg $name ($version): passed in $((SECONDS - start)) s")
+}
+
+find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run counts as missing
+  local c
+  for c in "${PYTHON312:-}" python3.12 $(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV) \
+           /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    if [ -n "$c" ] && "$c" -c 'import sys, venv; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      command -v "$c"
+      return 0
+    fi
+  done
+  return 1
+}
+
+case " $LEGS " in *" 0.16 "*|*" 0.13 "*)
+  start=$SECONDS
+  pip_quiet python torch==2.13.0
+  pip_quiet python -e '.[test]'
+  python -c "import chatlearn_mem, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" # fail early if the install did not work
+  echo "== installed for Python 3.11 in $((SECONDS - start)) s"
+esac
+case " $LEGS " in *" 0.16 "*) run_leg 0.16 python "" "$@" ;; esac
+case " $LEGS " in *" 0.13 "*)
+  if [ ! -f .mcore013/megatron/core/package_info.py ]; then
+    pip_quiet python --no-deps --target .mcore013 megatron-core==0.13.1
+  fi
+  run_leg 0.13 python "$PWD/.mcore013" "$@"
+esac
+case " $LEGS " in *" 0.19 "*)
+  if ! py312="$(find_python312)"; then
+    echo "error: the Python 3.12 leg needs a Python 3.12 interpreter and none was found (looked at \$PYTHON312," \
+         "python3.12 on PATH, ~/.pyenv/versions/3.12*/bin, /usr/local/bin, /usr/bin). Install one" \
+         "(e.g. 'pyenv install 3.12') and/or set PYTHON312=/path/to/python3.12, or run the other legs with" \
+         "LEGS='0.16 0.13'." >&2
+    exit 1
+  fi
+  start=$SECONDS
+  [ -x .venv312/bin/python ] || "$py312" -m venv .venv312
+  pip_quiet .venv312/bin/python torch==2.13.0
+  pip_quiet .venv312/bin/python -e '.[test]' megatron-core==0.19.2
+  .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core"
+  echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
+  run_leg 0.19 .venv312/bin/python "" "$@"
+esac
 if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then
   bash scripts/wheel_check.sh
 fi
+printf '%s\n' "${summary[@]}"

@@ -54,7 +54,9 @@ def megatron_core_version() -> str:
         from megatron.core.package_info import __version__
     except ImportError as e:
         raise UnsupportedLayoutError(f"megatron-core is not installed; install it with: {INSTALL_HINT}") from e
-    return __version__
+    # 0.19 appends the short hash of the git checkout in the *current directory* ("0.19.2+41a04a1"),
+    # which names the user's repository, not megatron's build
+    return __version__.split("+")[0]
 
 
 def check_supported_version(version: Optional[str] = None) -> str:

@@ -230,6 +230,14 @@ def test_unsupported_megatron_version_is_refused(trained, monkeypatch):
         TrainerMemoryManager(trainer.model, trainer.optimizer)
 
 
+def test_version_ignores_the_git_hash_megatron_appends(monkeypatch):
+    """megatron-core 0.19 appends ``git rev-parse --short HEAD`` of the current directory to its
+    version ("0.19.2+41a04a1"): the repository the user runs from, not megatron's build."""
+    from megatron.core import package_info
+    monkeypatch.setattr(package_info, "__version__", "0.19.2+41a04a1")
+    assert layout.megatron_core_version() == "0.19.2"
+
+
 def test_wrong_argument_types_are_refused(trained):
     _, trainer = trained
     with pytest.raises(TypeError, match="not megatron.core.distributed.DistributedDataParallel"):

@@ -1,0 +1,96 @@
+"""Changes made to a manager's memory behind its back, for example by megatron-core's own offload calls.
+
+megatron-core ships its own offload (``DistributedDataParallel.offload_grad_buffers`` /
+``restore_grad_buffers``, ``_ParamAndGradBuffer.offload_to_cpu`` / ``reload_from_cpu``,
+``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu``). They release the same storages the
+manager releases, or rebind tensors to the host, without telling it. A manager that went on
+regardless would restore stale bytes, copy from released memory or report a clean audit of a
+broken trainer. After each of its calls the manager records, per part, which storages it left
+resident and which tensors lived on its device (:class:`Placement`); before the next call it
+compares (:func:`changes`) and refuses with :class:`ExternalChangeError` if anything moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Optional
+
+import torch
+
+from chatlearn_mem.errors import ExternalChangeError
+from chatlearn_mem.storage import extent
+
+__all__ = ["ExternalChangeError", "Placement", "changes"]
+
+_BUILT_IN_RELEASE = ("megatron-core's own offload released it (DistributedDataParallel.offload_grad_buffers() "
+                     "or _ParamAndGradBuffer.offload_to_cpu())")
+_BUILT_IN_RELOAD = ("megatron-core's own reload regrew it (restore_grad_buffers() or "
+                    "_ParamAndGradBuffer.reload_from_cpu(), which copies megatron's own, possibly stale, host copy)")
+_BUILT_IN_MOVE = ("megatron-core's MegatronOptimizer.offload_to_cpu() moves main weights and optimizer "
+                  "states this way; restore_from_cpu() moves them back as new tensors")
+
+
+@dataclass
+class Placement:
+    """Where one part's tensors were when the manager last touched the part.
+
+    Attributes:
+        on_device: slot -> True for every tensor slot (a tensor, or an optimizer state entry) that
+            held device memory of the manager's device.
+    """
+
+    on_device: dict[Hashable, bool] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, slots: Iterable[tuple[Hashable, torch.Tensor]], device: torch.device) -> "Placement":
+        """Record the slots whose tensor lives on ``device``."""
+        return cls({slot: True for slot, t in slots if t.device == device})
+
+
+def _short_of_storage(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is smaller than ``t`` needs (released by ``resize_(0)``)."""
+    need = (t.storage_offset() + extent(t)) * t.element_size()
+    return t.untyped_storage().nbytes() < need
+
+
+def changes(part: str, offloaded: bool, released: list[tuple[torch.UntypedStorage, int]],
+            slots: Iterable[tuple[Hashable, torch.Tensor]], device: torch.device,
+            before: Optional[Placement]) -> list[str]:
+    """One sentence per kind of change made to ``part`` since the manager last touched it.
+
+    Args:
+        part: The part's name, for the messages.
+        offloaded: Whether the manager holds the part offloaded.
+        released: The storages the manager released when it offloaded the part.
+        slots: ``(slot, tensor)`` for every tensor of the part now.
+        device: The manager's device.
+        before: What :meth:`Placement.of` recorded after the manager's last call on the part.
+    """
+    out = []
+    if offloaded:
+        regrown = [(s, n) for s, n in released if s.nbytes() != 0]
+        if regrown:
+            nbytes = sum(s.nbytes() for s, _ in regrown)
+            out.append(f"{part}: {len(regrown)} storage(s) the manager released hold {nbytes} bytes on the "
+                       f"device again although the part is offloaded; {_BUILT_IN_RELOAD}. The manager's host "
+                       "copy is the current one: release them again the same way (offload_grad_buffers() / "
+                       "offload_to_cpu()) and call onload(), and use one offload mechanism per trainer")
+        return out
+    short = moved = 0
+    for slot, t in slots:
+        if t.device == device:
+            if t.numel() and _short_of_storage(t):
+                short += 1
+        elif before is not None and before.on_device.get(slot):
+            moved += 1
+    if short:
+        out.append(f"{part}: {short} tensor(s) have no device memory although the manager did not offload "
+                   f"the part; {_BUILT_IN_RELEASE}. Bring them back with the matching megatron call "
+                   "(restore_grad_buffers() / reload_from_cpu()) before using the manager, and use one "
+                   "offload mechanism per trainer")
+    if moved:
+        out.append(f"{part}: {moved} tensor(s) the manager saw on {device} now live elsewhere (p.data or an "
+                   f"optimizer state rebound to the host); {_BUILT_IN_MOVE}, which breaks the views the "
+                   "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), "
+                   "check audit(), and use one offload mechanism per trainer")
+    return out
