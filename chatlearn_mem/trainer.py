@@ -35,7 +35,8 @@ class TrainerMemoryManager(MemoryManagerBase):
     Parts:
         weights: every DDP param buffer, parameters outside the buffers (frozen ones) and module
             buffers on the device. Copied to the host.
-        grads: the DDP grad buffers (and a param buffer sharing their storage). Dropped, never
+        grads: the DDP grad buffers (and a param buffer sharing their storage, and the separate
+            fp32 ``main_grad`` s of fp32 local accumulation, megatron-core 0.17+). Dropped, never
             copied; rebuilt zeroed. Dropping them also drops the ``.grad`` tensors derived from
             them and the activation the pipeline schedule left on each chunk (its last micro
             batch's input from the previous stage, reset before every forward).
@@ -101,6 +102,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             grads = self._grad_storage_keys()
             for b in self._buffers:
                 yield b.grad_data
+                yield from b.extra_main_grads
                 if b.param_data is not None and storage_key(b.param_data) in grads:
                     yield b.param_data
         elif part is Part.MAIN_WEIGHTS:
@@ -344,7 +346,8 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _check_grads_consumed(self) -> None:
         if not self._forward_since_step:
             return
-        dirty = [b.label for b in self._buffers if b.grad_data.numel() and bool(b.grad_data.any())]
+        dirty = [b.label for b in self._buffers
+                 if any(g.numel() and bool(g.any()) for g in (b.grad_data, *b.extra_main_grads))]
         if dirty:
             raise ChatlearnMemError(
                 f"refusing to free grad buffers {', '.join(dirty)}: they hold gradients that no "

@@ -59,8 +59,15 @@ def check_buffers(report: AuditReport, buffers: Sequence[layout.BufferLayout],
             if b.param_data is not None:
                 check_view(report, f"param {name} .data", p, b.param_data, start, end - start,
                            f"{b.label}.param_data")
-            check_view(report, f"param {name} .main_grad", getattr(p, "main_grad", None),
+            local = layout.local_main_grad(p)
+            view_name = ".main_grad_copy_in_grad_buffer" if local is not None else ".main_grad"
+            check_view(report, f"param {name} {view_name}", layout.grad_buffer_view(p),
                        b.grad_data, start, end - start, f"{b.label}.grad_data")
+            if local is not None:
+                report.checked += 1
+                if not any(local is g for g in b.extra_main_grads) or local.shape != p.shape:
+                    report.add(f"param {name} .main_grad (fp32 local accumulation) is not the tensor "
+                               f"{b.label}.extra_main_grads holds for it: megatron would scale and zero another one")
         for label, view, base, offset in layout.bucket_views(b):
             check_view(report, label, view, base, offset, view.numel(), b.label)
     for g in layout.bucket_groups(chunks, optimizer):

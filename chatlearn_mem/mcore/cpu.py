@@ -22,6 +22,9 @@ def patch_for_cpu(get_rng_state: Callable[..., torch.Tensor], set_rng_state: Cal
       Transformer Engine imports, but the MoE router's gating GEMM tests ``te_general_gemm is not
       None`` unconditionally, so without TE every MoE forward dies with a NameError. ``None``
       makes it take its plain ``torch.mm`` path.
+    * ``models.hybrid.hybrid_block.TENorm`` (0.18+): ``HybridStack`` builds its final norm with
+      Transformer Engine's ``TENorm`` whatever the layer spec says; without TE that raises, so
+      it becomes megatron's ``WrappedTorchNorm``, the norm of the local spec.
 
     Does nothing when megatron-core is not installed (the library's CPU-only users need not have it).
     """
@@ -35,3 +38,12 @@ def patch_for_cpu(get_rng_state: Callable[..., torch.Tensor], set_rng_state: Cal
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    try:
+        from megatron.core.models.hybrid import hybrid_block  # 0.18+
+    except ImportError:
+        return
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    if not HAVE_TE:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        hybrid_block.TENorm = WrappedTorchNorm

@@ -12,7 +12,9 @@ true for all of them:
   ``_ParamAndGradBuffer`` per (param dtype, grad dtype). ``grad_data`` is always allocated;
   ``param_data`` only with the distributed optimizer. ``param_index_map[param]`` is
   ``(start, end, bucket_id)`` in elements; ``param.data`` (when ``param_data`` exists) and
-  ``param.main_grad`` are views at ``start``.
+  ``param.main_grad`` are views at ``start``. With fp32 local accumulation (0.17+) a matching
+  param's ``main_grad`` is a separate fp32 tensor kept in the buffer's ``extra_main_grads`` and its
+  view at ``start`` is ``main_grad_copy_in_grad_buffer``.
 * Buckets hold ``param_data`` / ``grad_data`` views at ``bucket.offset``. Bucket groups (0.14+)
   cache shard views in ``cached_param_buffer_shard_list`` / ``cached_grad_buffer_shard_list``.
 * DDP registers one hook per trainable parameter on ``param.expand_as(param).grad_fn
@@ -25,7 +27,7 @@ true for all of them:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 import torch
@@ -34,7 +36,7 @@ from chatlearn_mem.errors import UnsupportedLayoutError
 
 __all__ = [
     "SUPPORTED_VERSIONS", "TESTED_VERSIONS", "INSTALL_HINT", "BufferLayout", "ShardView",
-    "check_supported_version", "ddp_chunks",
+    "check_supported_version", "ddp_chunks", "grad_buffer_view", "local_main_grad",
     "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
     "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
@@ -98,6 +100,7 @@ class BufferLayout:
     grad_data: torch.Tensor
     param_offsets: dict  # param -> (start, end) in elements
     buffer: Any
+    extra_main_grads: list = field(default_factory=list)  # fp32 main_grads outside grad_data (0.17+)
 
 
 def ddp_buffers(chunk: torch.nn.Module, chunk_index: int = 0) -> list[BufferLayout]:
@@ -107,8 +110,27 @@ def ddp_buffers(chunk: torch.nn.Module, chunk_index: int = 0) -> list[BufferLayo
         for i, buf in enumerate(getattr(chunk, kind, None) or []):
             offsets = {p: (int(v[0]), int(v[1])) for p, v in buf.param_index_map.items()}
             label = f"chunk{chunk_index}.{kind}[{i}]({_dtype_name(buf.param_dtype)}/{_dtype_name(buf.grad_dtype)})"
-            out.append(BufferLayout(label, buf.param_data, buf.grad_data, offsets, buf))
+            out.append(BufferLayout(label, buf.param_data, buf.grad_data, offsets, buf,
+                                    list(getattr(buf, "extra_main_grads", None) or [])))
     return out
+
+
+def grad_buffer_view(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The view of the grad buffer a param's gradient is reduced in.
+
+    Usually ``param.main_grad``. With DDP's ``param_name_patterns_for_fp32_local_accumulation``
+    (0.17+) a matching param accumulates into a separate fp32 ``main_grad`` (listed in the
+    buffer's ``extra_main_grads``) and its buffer view is ``main_grad_copy_in_grad_buffer``.
+    """
+    view = getattr(param, "main_grad_copy_in_grad_buffer", None)
+    return view if view is not None else getattr(param, "main_grad", None)
+
+
+def local_main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The separate fp32 ``main_grad`` of a param with fp32 local accumulation (0.17+), else None."""
+    if getattr(param, "main_grad_copy_in_grad_buffer", None) is None:
+        return None
+    return getattr(param, "main_grad", None)
 
 
 def bucket_views(buf: BufferLayout) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:

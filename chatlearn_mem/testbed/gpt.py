@@ -67,6 +67,13 @@ class GPTTrainerConfig(BaseModel):
     DDP wraps the model (they stay outside the DDP buffers and the optimizer)."""
     num_microbatches: int = Field(1, ge=1)
     """Micro batches per step in :class:`GPTPipelineTrainer` (the batch is split evenly)."""
+    model_class: Literal["gpt", "hybrid"] = "gpt"
+    """``gpt``: megatron's ``GPTModel``. ``hybrid``: ``HybridModel`` (megatron-core 0.18+, which
+    recommends it over GPTModel), attention and MLP layers alternating (pattern ``*-*-``... of
+    ``num_layers`` symbols). Both use megatron's local (non Transformer Engine) modules."""
+    fp32_accumulation_params: tuple[str, ...] = ()
+    """DDP's ``param_name_patterns_for_fp32_local_accumulation`` (megatron-core 0.17+): matching
+    params accumulate into a separate fp32 ``main_grad`` (needs ``grad_reduce_in_fp32=False``)."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTTrainerConfig":
@@ -75,6 +82,10 @@ class GPTTrainerConfig(BaseModel):
                              f"hidden_size ({self.hidden_size})")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather needs use_distributed_optimizer=True")
+        if self.model_class == "hybrid" and self.num_moe_experts is not None:
+            raise ValueError("the hybrid testbed model has dense MLP layers only: drop num_moe_experts")
+        if self.fp32_accumulation_params and self.grad_reduce_in_fp32:
+            raise ValueError("fp32_accumulation_params needs grad_reduce_in_fp32=False (megatron's rule)")
         return self
 
 
@@ -249,6 +260,28 @@ def _transformer_config(config: GPTTrainerConfig):
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(), **extra)
 
 
+def _hybrid_model(config: GPTTrainerConfig, common: dict) -> torch.nn.Module:
+    """megatron's HybridModel with attention ("*") and MLP ("-") layers built from the local GPT layer spec."""
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        from megatron.core.ssm.mlp_layer import MLPLayer
+    except ImportError as e:
+        raise ImportError("model_class='hybrid' needs megatron-core 0.18 or newer (HybridModel)") from e
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    local = get_gpt_layer_local_spec().submodules
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=local.self_attn_bda))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda))
+    stack = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp))
+    pattern = ("*-" * config.num_layers)[:config.num_layers]
+    return HybridModel(hybrid_stack_spec=stack, hybrid_layer_pattern=pattern, **common)
+
+
 def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_head: bool) -> torch.nn.Module:
     """One model chunk (pipeline stage ``vp_stage``), on the device, in its dtype, frozen params set."""
     from megatron.core import parallel_state
@@ -258,12 +291,14 @@ def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_he
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if value_head and not last:
         raise ValueError("a value head needs the last pipeline stage; pipeline-parallel critics are not supported")
-    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
-                     vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
-                     position_embedding_type="learned_absolute",
-                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                     post_process=last and not value_head,
-                     **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+    common = dict(config=tcfg, vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
+                  position_embedding_type="learned_absolute",
+                  pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                  post_process=last and not value_head, **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+    if config.model_class == "hybrid":
+        model = _hybrid_model(config, common)
+    else:
+        model = GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts), **common)
     if value_head:
         model = GPTValueModel(model, config.hidden_size, tcfg.params_dtype)
     if torch.cuda.is_available():
@@ -288,6 +323,8 @@ def _build_chunks_and_optimizer(config: GPTTrainerConfig, value_head: bool = Fal
     tcfg = _transformer_config(config)
     models = [_gpt_chunk(config, tcfg, stage if vpp is not None else None, value_head) for stage in range(vpp or 1)]
     ddp_extra = {"bucket_size": config.ddp_bucket_size} if config.ddp_bucket_size is not None else {}
+    if config.fp32_accumulation_params:
+        ddp_extra["param_name_patterns_for_fp32_local_accumulation"] = config.fp32_accumulation_params
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=config.use_distributed_optimizer,
                                                grad_reduce_in_fp32=config.grad_reduce_in_fp32,
                                                overlap_grad_reduce=config.overlap_grad_reduce,
