@@ -20,7 +20,7 @@ PRESETS = resources.files("chatlearn_mem_bench.presets")
 DEFAULT_PRESET = "cpu"
 """What ``chatlearn-mem bench`` runs without ``--config`` (about 135 M parameters, minutes on 2 cores)."""
 
-METHODS = ("manager", "ceiling", "per_tensor_new_host", "fresh_host_alloc", "replace_rebuild")
+METHODS = ("manager", "ceiling", "per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin")
 """Every method the benchmark can time; ``manager`` and ``ceiling`` are always run."""
 
 FULL = "full"
@@ -55,9 +55,10 @@ class BenchConfig(BaseModel):
     """Untimed repeats first (the manager allocates its host store on the first offload)."""
     cycles: int = Field(20, ge=2)
     """Full offload/onload cycles of the manager for the time-flat / no-growth check."""
-    methods: list[Literal["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild"]] = Field(
-        default_factory=lambda: ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild"])
-    """Alternatives to time against the manager."""
+    methods: list[Literal["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]] = Field(
+        default_factory=lambda: ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"])
+    """Alternatives to time against the manager (``megatron_builtin`` runs on the parts megatron-core's
+    own offload covers, where the installed release has it)."""
     threads: Optional[int] = Field(None, ge=1)
     """``torch.set_num_threads`` for the run; None keeps torch's default (one per core)."""
     rss_tolerance_mb: float = Field(64.0, ge=0)

@@ -27,6 +27,15 @@ one process on one trainer, interleaved repeat by repeat.
   bucket views, cached bucket-group shards, distributed-optimizer shards) by reassigning
   ``.data``. After timing, the benchmark (untimed) moves everything back onto the original
   storages so the next method finds the trainer unchanged.
+* ``megatron_builtin`` (alternative, megatron-core 0.16+): megatron-core's own calls. Weights:
+  ``_ParamAndGradBuffer.offload_to_cpu(move_params=True)`` (one flat copy of each param buffer
+  into a pinned host copy allocated on the first call and kept), ``reload_from_cpu``; grads:
+  ``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers`` (dropped, rebuilt
+  zeroed); the full trainer adds ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu``
+  (main weights and optimizer states together, per tensor, into new pageable host tensors,
+  moved back as new device tensors). That last call acts on CUDA tensors only, so on CPU the
+  method covers weights and grads alone. Parameters outside the DDP buffers (frozen ones) and
+  module buffers stay on the device.
 """
 
 from __future__ import annotations
@@ -37,11 +46,12 @@ import torch
 
 from chatlearn_mem import Part
 from chatlearn_mem.mcore import layout
-from chatlearn_mem_bench.config import FULL
+from chatlearn_mem_bench.config import COPY_PARTS, FULL
 from chatlearn_mem.storage import advise_huge_pages
 
 __all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
-           "ReplaceRebuild", "ReleaseBound", "LABELS", "sync", "part_storages", "logical_tensors"]
+           "ReplaceRebuild", "MegatronBuiltin", "ReleaseBound", "LABELS", "sync", "part_storages",
+           "logical_tensors"]
 
 LABELS = {
     "manager": "chatlearn-mem manager (reused host store, in-place release)",
@@ -50,6 +60,7 @@ LABELS = {
     "per_tensor_new_host": "alternative: per-tensor copy into new host tensors",
     "fresh_host_alloc": "alternative: fresh host allocation every offload",
     "replace_rebuild": "alternative: replace .data, then rebuild views",
+    "megatron_builtin": "alternative: megatron-core's own offload calls",
 }
 
 
@@ -120,6 +131,10 @@ class Method:
     def __init__(self, mm, trainer, pin: bool):
         self.mm, self.trainer, self.pin = mm, trainer, pin
         self.device = mm.device
+
+    def parts(self) -> tuple[str, ...]:
+        """The parts this method can move (an alternative: the parts whose bytes are copied)."""
+        return COPY_PARTS
 
     def offload(self, part: str) -> int:
         raise NotImplementedError
@@ -385,4 +400,78 @@ class ReplaceRebuild(Method):
         return sum(h.numel() * h.element_size() for h in self._state["hosts"]), 0
 
 
-ALTERNATIVES = {m.name: m for m in (PerTensorNewHost, FreshHostAlloc, ReplaceRebuild)}
+class MegatronBuiltin(Method):
+    name = "megatron_builtin"
+
+    def __init__(self, mm, trainer, pin: bool):
+        super().__init__(mm, trainer, pin)
+        self.chunks = layout.ddp_chunks(trainer.model)
+        self.buffers = [b.buffer for i, c in enumerate(self.chunks) for b in layout.ddp_buffers(c, i)]
+        self.available = all(hasattr(c, "offload_grad_buffers") for c in self.chunks)
+
+    def parts(self) -> tuple[str, ...]:
+        if not self.available:
+            return ()
+        # the optimizer's offload moves main weights and states together, and only CUDA tensors
+        return (Part.WEIGHTS, Part.GRADS) + ((FULL,) if self.device.type == "cuda" else ())
+
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def offload(self, part: str) -> int:
+        copied = 0
+        if part in (Part.WEIGHTS, FULL):
+            for b in self.buffers:
+                if b.param_data is not None:
+                    copied += b.param_data.numel() * b.param_data.element_size()
+                    b.offload_to_cpu(move_params=True, move_grads=False)
+        if part in (Part.GRADS, FULL):
+            for c in self.chunks:
+                c.offload_grad_buffers(synchronize=self._cuda(), empty_cache=False)
+        if part == FULL:
+            copied += _optimizer_bytes(self.trainer.optimizer, self.device)
+            self.trainer.optimizer.offload_to_cpu()  # empties the CUDA cache itself
+        elif self._cuda() and self.mm.config.empty_cache:
+            torch.cuda.empty_cache()  # as the manager does after an offload
+        sync(self.device)
+        return copied
+
+    def onload(self, part: str) -> int:
+        copied = 0
+        if part == FULL:
+            self.trainer.optimizer.restore_from_cpu()
+            copied += _optimizer_bytes(self.trainer.optimizer, self.device)
+        if part in (Part.WEIGHTS, FULL):
+            for b in self.buffers:
+                if b.param_data is not None:
+                    b.reload_from_cpu(move_params=True, move_grads=False)
+                    copied += b.param_data.numel() * b.param_data.element_size()
+        if part in (Part.GRADS, FULL):
+            for c in self.chunks:
+                c.restore_grad_buffers(synchronize=False)
+        sync(self.device)
+        return copied
+
+    def device_bytes(self, part: str) -> int:
+        if part != FULL:
+            return super().device_bytes(part)
+        return sum(super(MegatronBuiltin, self).device_bytes(p) for p in Part)
+
+    def host_bytes(self) -> tuple[int, int]:
+        kept = sum(b.param_data_cpu.numel() * b.param_data_cpu.element_size()
+                   for b in self.buffers if getattr(b, "param_data_cpu", None) is not None)
+        return kept, kept if self._cuda() else 0
+
+
+def _optimizer_bytes(optimizer, device: torch.device) -> int:
+    """Bytes ``MegatronOptimizer.offload_to_cpu`` moves: param-group and state tensors on the device."""
+    n = 0
+    for leaf in layout.leaf_optimizers(optimizer):
+        opt = layout.torch_optimizer(leaf)
+        tensors = [p for g in opt.param_groups for p in g["params"]]
+        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        n += sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
+    return n
+
+
+ALTERNATIVES = {m.name: m for m in (PerTensorNewHost, FreshHostAlloc, ReplaceRebuild, MegatronBuiltin)}

@@ -87,7 +87,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
     alternatives = [ALTERNATIVES[name](mm, trainer, pin) for name in cfg.methods]
     timings, memory = [], []
     for part in PARTS:
-        methods = [manager, ceiling, bound] + (alternatives if part in COPY_PARTS else [])
+        methods = [manager, ceiling, bound] + [a for a in alternatives if part in a.parts()]
         ceiling.prepare(nbytes[part])
         bound.prepare(nbytes[part])
         samples = {(m.name, d): [] for m in methods for d in ("offload", "onload")}
@@ -156,6 +156,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "") -> dict:
         "hardware": hw,
         "model": {"parameters": n_params, "bytes_per_part": nbytes, "pinned_host": pin},
         "methods": {k: LABELS[k] for k in ["manager", "ceiling", "release_bound"] + list(cfg.methods)},
+        "method_parts": {m.name: [str(p) for p in m.parts()] for m in alternatives},
         "timings": timings,
         "memory": memory,
         "cycles": cycles,

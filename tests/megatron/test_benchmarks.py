@@ -66,6 +66,21 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert all(c["device_bytes_after_offload"] == 0 for c in cycles)
     assert res["integrity"]["tensors_bit_identical_after_all_methods"] and res["integrity"]["audit_ok"]
 
+    # megatron-core's own offload (0.16+): weights and grads on CPU (its optimizer offload acts on
+    # CUDA tensors only), with the same bytes as the manager and the device really released
+    builtin = res["method_parts"]["megatron_builtin"]
+    if res["versions"]["megatron-core"] < "0.16":
+        assert builtin == []
+    else:
+        assert builtin == ["weights", "grads"]
+        for part in builtin:
+            assert stages[(part, "megatron_builtin", "after_offload")]["device_bytes"] == 0
+            for d in ("offload", "onload"):
+                r = rows[(part, "megatron_builtin", d)]
+                assert r["manager_is"] in ("faster", "slower", "noise")
+                assert r["bytes_copied"] == (res["model"]["bytes_per_part"]["weights"] if part == "weights" else 0)
+        assert any("manager no slower (beyond spread) than megatron_builtin" in t["name"] for t in res["targets"])
+
     names = [t["name"] for t in res["targets"]]
     assert any("weights offload: manager >= 0.8 of ceiling" in n for n in names)
     assert any("optimizer_states onload: manager >= 0.8 of ceiling" in n for n in names)
