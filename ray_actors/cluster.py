@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ActorFailedError, ClusterConnectionError, PhaseTimeoutError, ResourceError
 
-__all__ = ["ClusterTarget", "Colocation", "check_resources", "init_kwargs", "join_environment", "probe_address",
-           "resolve_address"]
+__all__ = ["ClusterTarget", "Colocation", "check_resources", "current_cluster_file", "init_kwargs", "join_environment",
+           "probe_address", "resolve_address"]
 
 logger = logging.getLogger("chatlearn_mem_ray")
 
@@ -314,9 +314,13 @@ def check_resources(cfg: RunConfig, cpus: float, gpus: float, where: str) -> boo
 class Colocation:
     """Every actor of a PPO run on one set of placement-group bundles.
 
-    Use as a context manager: entering starts (or joins) Ray, checks resources, creates the
-    placement group and the actors and sets them up; leaving kills the actors and, when this
-    object started Ray, stops it.
+    Use as a context manager: entering starts (or joins, see :func:`resolve_address`) Ray, checks
+    resources, creates the placement group and the actors and sets them up; leaving kills the
+    actors and, when this object started or joined Ray, shuts this driver's Ray down.
+
+    Args:
+        cfg: The run config.
+        progress: Receives the line saying which cluster was joined (default: the logger).
 
     Attributes:
         policy, critic: The trainer actors, one per rank.
