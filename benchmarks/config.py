@@ -68,6 +68,10 @@ class BenchConfig(BaseModel):
     results under ``benchmarks/results`` are written only when asked for explicitly."""
     name: Optional[str] = None
     """File stem; default ``<date>_<hardware>`` (e.g. ``2026-11-22_cpu-2core-...``)."""
+    overwrite: bool = False
+    """Replace results of the same stem (a run of the same day and hardware, or the same
+    ``name``). False writes ``<stem>_2.*`` (``_3``, ...) instead and says so: a run never
+    silently replaces another, committed results included."""
     plot: bool = True
     """Write the PNG plot (matplotlib)."""
 

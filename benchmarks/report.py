@@ -8,7 +8,7 @@ from typing import Callable
 
 from chatlearn_mem_bench.config import PARTS
 
-__all__ = ["write_outputs", "markdown", "plot", "print_targets"]
+__all__ = ["SUFFIXES", "free_stem", "markdown", "plot", "print_targets", "write_outputs"]
 
 MiB = 2**20
 
@@ -28,7 +28,7 @@ def markdown(res: dict) -> str:
         "",
         f"- device: {hw['device']}, {dev}; host memory {hw['memory_total_bytes'] / 2**30:.1f} GiB; "
         f"load average at start {', '.join(f'{x:.2f}' for x in hw['load_average_at_start'] or [])}",
-        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- trainer: {m['parameters'] / 1e6:.1f} M parameters, {res['config']['trainer']['precision']}, "
         f"distributed optimizer {res['config']['trainer']['use_distributed_optimizer']}; pinned host buffers "
         f"{m['pinned_host']}; bytes per part: "
@@ -148,7 +148,25 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+SUFFIXES = (".json", ".md", ".png")
+"""The files one run writes: ``<stem>.json``, ``<stem>.md``, ``<stem>.png``."""
+
+
+def free_stem(out_dir: Path, stem: str, overwrite: bool = False) -> str:
+    """``stem``, or with ``overwrite`` false and files of that stem in ``out_dir`` already, the
+    first of ``stem_2``, ``stem_3``, ... that names no file."""
+    if overwrite:
+        return stem
+    candidate, n = stem, 1
+    while any((Path(out_dir) / f"{candidate}{suffix}").exists() for suffix in SUFFIXES):
+        n += 1
+        candidate = f"{stem}_{n}"
+    return candidate
+
+
 def write_outputs(res: dict, out_dir: Path, stem: str, plot: bool = True, quiet: bool = False) -> list[Path]:
+    """Write ``<stem>.json``, ``.md`` and (with ``plot``) ``.png`` to ``out_dir``; return the paths.
+    Replaces files of that stem: pick the stem with :func:`free_stem`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     paths[0].write_text(json.dumps(res, indent=1) + "\n")

@@ -18,7 +18,7 @@ from chatlearn_mem_bench.measure import (compare, git_revision, hardware, hardwa
 from chatlearn_mem_bench.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound, logical_tensors,
                                 part_storages)
 
-__all__ = ["PARTS", "run_and_report", "run_benchmark"]
+__all__ = ["PARTS", "check_writable", "run_and_report", "run_benchmark"]
 
 
 log = logging.getLogger("benchmarks")
@@ -244,6 +244,21 @@ def check_targets(res: dict) -> list[dict]:
     return out
 
 
+def check_writable(out_dir: Path) -> None:
+    """Create ``out_dir`` and write (then remove) a file in it.
+
+    Raises:
+        OSError: Saying which directory and why (the command prints it as one ``error:`` line).
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"output_dir {out_dir} is not writable ({e.strerror or e}); choose another "
+                               "output_dir") from None
+
+
 def run_and_report(cfg: BenchConfig, command: str = "", quiet: bool = False,
                    echo: Callable[[str], None] = print) -> list[Path]:
     """Run the benchmark ``cfg`` describes, write its JSON, markdown and PNG, print the targets last.
@@ -256,15 +271,18 @@ def run_and_report(cfg: BenchConfig, command: str = "", quiet: bool = False,
     Returns:
         The paths written (under ``cfg.output_dir``).
     """
-    from chatlearn_mem_bench.report import print_targets, write_outputs
+    from chatlearn_mem_bench.report import free_stem, print_targets, write_outputs
 
     logging.basicConfig(level=logging.WARNING, format="[bench] %(message)s")  # megatron's INFO is long
     log.setLevel(logging.WARNING if quiet else logging.INFO)
     echo(f"command: {command}")
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)  # fail before minutes of measuring, not after
+    check_writable(out_dir)  # fail before minutes of measuring, not after
     res = run_benchmark(cfg, command)
-    stem = cfg.name or f"{res['date']}_{hardware_slug(res['hardware'])}"
+    wanted = cfg.name or f"{res['date']}_{hardware_slug(res['hardware'])}"
+    stem = free_stem(out_dir, wanted, cfg.overwrite)
+    if stem != wanted:
+        echo(f"{out_dir / wanted}.* exist (set overwrite=true to replace them); writing {stem}.* instead")
     paths = write_outputs(res, out_dir, stem, plot=cfg.plot, quiet=quiet)
     for p in paths:
         echo(f"wrote {p}")

@@ -4,7 +4,8 @@ Both subcommands read their config the same way, through the project's one loade
 (:func:`chatlearn_mem.config.load_config`): ``--config`` takes a preset name or the path of a YAML
 file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the shipped
 presets. A bad config prints ``error: ...`` (every problem, with its key) and exits 2; a run that
-fails prints ``error: ...`` and exits 1.
+fails prints ``error: ...`` and exits 1; Ctrl-C prints how far the run got and where its log is,
+and exits 130.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def _guarded(work: Callable[[], T]) -> T:
         raise _fail(f"{e}{hint}", 1) from None
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
         raise _fail(f"{type(e).__name__}: {e}", 1) from None
+    except KeyboardInterrupt as e:  # RunInterrupted says how far the run got and where its log is
+        typer.echo(str(e) or "stopped by Ctrl-C", err=True)
+        raise typer.Exit(130) from None
 
 
 @app.command()

@@ -32,10 +32,23 @@ class RayConfig(_Strict):
     """Where the actors run."""
 
     address: Optional[str] = None
-    """Address of an existing Ray cluster (``"auto"``, ``"ray://host:10001"``, ...). None starts
-    a local cluster for the run and stops it afterwards."""
+    """Which Ray cluster the run uses (see :func:`chatlearn_mem_ray.cluster.resolve_address`):
+
+    - None (default): the cluster in ``RAY_ADDRESS`` when that is set (as ``ray job submit``
+      does), else a new local cluster started for the run and stopped afterwards; a head
+      started with ``ray start`` on this machine is not joined.
+    - ``"local"``: always a new local cluster, whatever ``RAY_ADDRESS`` says.
+    - ``"auto"``: ``RAY_ADDRESS``, else the head the latest ``ray start`` on this machine recorded;
+      an error when there is none.
+    - ``"host:port"`` (a head's GCS port, 6379 by default) or ``"ray://host:10001"`` (Ray client).
+
+    Joining never passes resource counts (``num_cpus``); the cluster's own resources are checked."""
     num_cpus: Optional[int] = Field(None, ge=1)
-    """CPUs of the local cluster (default: all of this machine). Ignored with ``address``."""
+    """CPUs of a local cluster (default: all of this machine). Ignored, with a note, when the run
+    joins an existing cluster."""
+    connect_timeout_s: float = Field(20.0, gt=0)
+    """Longest wait to reach an existing cluster's address before the run stops with an error
+    naming it (a wrong address otherwise retries for many minutes)."""
     cpus_per_rank: float = Field(1.0, gt=0)
     """CPUs in each placement-group bundle (one bundle per trainer rank); the actors colocated
     on a bundle share them."""
@@ -116,6 +129,15 @@ class PPOConfig(_Strict):
     seed: int = 0
     """Seed of prompts and sampling."""
 
+    @model_validator(mode="after")
+    def _whitening_defined(self) -> "PPOConfig":
+        n = self.prompts_per_iteration * self.response_length
+        if n < 2:
+            raise ValueError(f"ppo.prompts_per_iteration x ppo.response_length must be >= 2, got "
+                             f"{self.prompts_per_iteration} x {self.response_length}: advantages are "
+                             "whitened by their standard deviation, which one advantage does not have")
+        return self
+
 
 class MemoryPolicy(_Strict):
     """What the memory manager does between phases."""
@@ -157,7 +179,11 @@ class RunConfig(_Strict):
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
     ray: RayConfig = Field(default_factory=RayConfig)
     output_dir: Path = Path("runs/ppo")
-    """Where the JSON log and the memory timeline PNG go."""
+    """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
+    ``log.json`` is rewritten (atomically) after every iteration."""
+    output_dir_exists: Literal["error", "overwrite"] = "error"
+    """When ``output_dir`` already holds another run's ``log.json`` with at least one iteration:
+    ``error`` stops before anything starts; ``overwrite`` replaces that run's log and picture."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

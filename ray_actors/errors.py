@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from chatlearn_mem import ChatlearnMemError
 
-__all__ = ["ActorFailedError", "AuditFailedError", "PhaseTimeoutError", "ResourceError", "RunError",
-           "WeightSyncError"]
+__all__ = ["ActorFailedError", "AuditFailedError", "ClusterConnectionError", "NonFiniteLossError", "OutputDirError",
+           "PhaseTimeoutError", "ResourceError", "RunError", "RunInterrupted", "WeightSyncError"]
 
 
 class RunError(ChatlearnMemError):
@@ -16,6 +16,16 @@ class RunError(ChatlearnMemError):
 
 class ResourceError(RunError):
     """The run asks for more CPUs or GPUs than the machine or cluster has."""
+
+
+class ClusterConnectionError(RunError):
+    """The Ray cluster to join cannot be found or reached, or refuses the connection; the message
+    names the address, where it came from (``ray.address``, ``RAY_ADDRESS``, the latest
+    ``ray start``) and what to set."""
+
+
+class OutputDirError(RunError):
+    """``output_dir`` cannot be written, or holds another run's results (checked before Ray starts)."""
 
 
 class ActorFailedError(RunError):
@@ -36,3 +46,28 @@ class AuditFailedError(RunError):
 
 class WeightSyncError(RunError):
     """The rollout model's weights differ from the policy's after a weight sync (by SHA-256)."""
+
+
+class NonFiniteLossError(RunError):
+    """A loss or gradient norm came back NaN or infinite; the message names the iteration and phase."""
+
+    def __init__(self, iteration: int, phase: str, values: dict):
+        bad = ", ".join(f"{k}={v}" for k, v in values.items())
+        super().__init__(f"iteration {iteration + 1}, phase {phase!r}: non-finite {bad}; the run stopped "
+                         "(lower the learning rate, or check the config and the reward)")
+        self.iteration, self.phase = iteration, phase
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run after its log was written. A :class:`KeyboardInterrupt`, so code that
+    catches that still does; ``str()`` is the line the command prints.
+
+    Attributes:
+        iterations: Iterations completed (all of them are in the log).
+        log_path: The ``log.json`` written.
+    """
+
+    def __init__(self, iterations: int, log_path):
+        plural = "" if iterations == 1 else "s"
+        super().__init__(f"stopped by Ctrl-C after {iterations} iteration{plural}; log: {log_path}")
+        self.iterations, self.log_path = iterations, log_path

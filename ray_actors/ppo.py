@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -37,11 +39,12 @@ import torch
 from chatlearn_mem import Part
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
-from chatlearn_mem_ray.errors import AuditFailedError, WeightSyncError
+from chatlearn_mem_ray.errors import (AuditFailedError, NonFiniteLossError, OutputDirError, RunInterrupted,
+                                      WeightSyncError)
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
-__all__ = ["PPORun", "TASKS", "gae", "policy_loss", "run_ppo", "token_range_reward",
-           "value_loss", "weight_sync_mismatch"]
+__all__ = ["PPORun", "TASKS", "check_finite", "gae", "policy_loss", "prepare_output_dir", "run_ppo",
+           "token_range_reward", "value_loss", "weight_sync_mismatch", "write_json_atomic"]
 
 
 # -- the task ------------------------------------------------------------------------------
@@ -94,6 +97,17 @@ def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) 
     if len(policy_digests) != len(rollout_digests) or bad:
         return f"tensor-parallel shard(s) {bad or 'count'} differ after the weight sync"
     return None
+
+
+def check_finite(iteration: int, phase: str, metrics: dict) -> None:
+    """Stop the run when a phase's loss (or any other metric) is NaN or infinite.
+
+    Raises:
+        NonFiniteLossError: Naming the iteration, the phase and the values.
+    """
+    bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise NonFiniteLossError(iteration, phase, bad)
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -236,10 +250,12 @@ class PPORun:
                              lambda: self._train("train_critic", c.critic, {
                                  "tokens": tokens, "old_values": old_values, "returns": returns},
                                  self._value_loss, iteration))
+        check_finite(iteration, "train_critic", critic)
         policy = self._phase(iteration, "train_policy", {a: tuple(Part) for a in c.policy},
                              lambda: self._train("train_policy", c.policy, {
                                  "tokens": tokens, "old_logprobs": old, "advantages": advantages},
                                  self._policy_loss, iteration))
+        check_finite(iteration, "train_policy", policy)
 
         phases = [r for r in self.timeline.records if r.iteration == iteration and r.manager_on == self.manager_on]
         out = {"iteration": iteration, "manager_on": self.manager_on, "reward": score.mean().item(),
@@ -261,17 +277,105 @@ def _progress_line(m: dict, total: int) -> str:
 
 
 def _versions() -> dict:
-    import megatron.core
-    import ray
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"torch": torch.__version__, "megatron-core": megatron.core.__version__, "ray": ray.__version__,
+    def of(dist: str) -> Optional[str]:
+        try:
+            return version(dist)  # without importing it (megatron takes seconds)
+        except PackageNotFoundError:
+            return None
+
+    return {"torch": torch.__version__, "megatron-core": of("megatron-core"), "ray": of("ray"),
             "python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file and ``os.replace``: a reader (or
+    a run killed while writing) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left when the dump failed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def prepare_output_dir(cfg: RunConfig) -> Path:
+    """Check ``cfg.output_dir`` before anything starts; return the path of its ``log.json``.
+
+    Creates the directory and writes a first ``log.json`` (status ``starting``, no iterations):
+    the write itself proves the directory writable. With ``output_dir_exists=error`` (the
+    default) a ``log.json`` that holds iterations of another run, or that a live run on this
+    machine is writing, stops the run instead; a log with no iterations (a run that failed
+    to start) is replaced. With ``overwrite`` the old log and picture are replaced.
+
+    Raises:
+        OutputDirError: The directory cannot be created or written, or holds another run's results.
+    """
+    out = Path(cfg.output_dir)
+    log_path = out / "log.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputDirError(f"cannot create output_dir {out}: {e.strerror or e}; choose another output_dir") from None
+    if cfg.output_dir_exists == "error" and log_path.exists():
+        try:
+            old = json.loads(log_path.read_text())
+            done, status = len(old["iterations"]), old.get("status", "completed")
+            pid, node = old.get("pid"), old.get("versions", {}).get("node")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise OutputDirError(f"output_dir {out} holds a log.json that is not a PPO run's log ({type(e).__name__}); "
+                                 "choose another output_dir or set output_dir_exists=overwrite") from None
+        if status in ("starting", "running") and pid and node == platform.node() and _pid_alive(pid):
+            raise OutputDirError(f"another run (pid {pid}) is writing to output_dir {out}; choose another output_dir")
+        if done:
+            raise OutputDirError(f"output_dir {out} already holds the log of another run ({done} iteration(s), "
+                                 f"{status}); choose another output_dir, or set output_dir_exists=overwrite "
+                                 "to replace it")
+    try:
+        write_json_atomic(log_path, {"status": "starting", "pid": os.getpid(), "versions": {"node": platform.node()},
+                                     "config": json.loads(cfg.model_dump_json()), "iterations": []})
+    except OSError as e:
+        raise OutputDirError(f"cannot write {log_path}: {e.strerror or e}; choose a writable output_dir") from None
+    (out / "memory_timeline.png").unlink(missing_ok=True)  # another run's picture must not pass for this one's
+    return log_path
+
+
+def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, seconds: float,
+         error: Optional[str] = None) -> dict:
+    timeline = run.timeline if run is not None else MemoryTimeline()
+    return {"status": status, "error": error, "pid": os.getpid(),
+            "config": json.loads(cfg.model_dump_json()), "versions": versions,
+            "iterations": run.iterations if run is not None else [], "memory_timeline": timeline.to_json(),
+            "sync_checks": run.sync_checks if run is not None else [],
+            "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
+            "summary": {"memory_manager_on": timeline.summary(True), "memory_manager_off": timeline.summary(False),
+                        "seconds": seconds}}
 
 
 def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
             on_iteration: Optional[Callable[[PPORun, int], None]] = None) -> dict:
     """Run PPO as ``cfg`` says; write ``log.json`` and ``memory_timeline.png`` to ``cfg.output_dir``.
+
+    ``output_dir`` is checked (see :func:`prepare_output_dir`) before Ray starts. ``log.json`` is
+    rewritten atomically after every iteration (``status``: ``running``), so a run that fails or
+    is interrupted keeps every iteration it completed; at the end ``status`` is ``completed``,
+    ``failed`` (with ``error``) or ``interrupted``.
 
     Args:
         progress: Receives one line per iteration and a summary.
@@ -280,34 +384,51 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
 
     Returns:
         The log (also written as JSON): config, versions, iterations, memory timeline, summary.
+
+    Raises:
+        RunError: A subclass saying why the run stopped (the log is written first).
+        RunInterrupted: Ctrl-C (a ``KeyboardInterrupt``), after the log was written and Ray shut down.
     """
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = prepare_output_dir(cfg)
+    out_dir = log_path.parent
     t0 = time.perf_counter()
-    with Colocation(cfg) as colo:
-        progress(f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
-                 f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t0:.1f}s; "
-                 f"memory manager {'on' if cfg.memory.enabled else 'off'}")
-        run = PPORun(cfg, colo, progress)
-        if cfg.memory.enabled:
-            run.sleep_all()
-        total = cfg.ppo.iterations
-        extra = cfg.memory.compare_iterations if cfg.memory.enabled else 0
-        for it in range(total + extra):
-            if it == total:
-                progress(f"comparison: {extra} more iteration(s) with the memory manager off")
-                run.wake_all()
-            m = run.iteration(it)
-            progress(_progress_line(m, total + extra))
-            if on_iteration is not None:
-                on_iteration(run, it)
-    log = {"config": json.loads(cfg.model_dump_json()), "versions": _versions(),
-           "iterations": run.iterations, "memory_timeline": run.timeline.to_json(),
-           "sync_checks": run.sync_checks, "audits": run.audits,
-           "summary": {"memory_manager_on": run.timeline.summary(True),
-                       "memory_manager_off": run.timeline.summary(False),
-                       "seconds": time.perf_counter() - t0}}
-    (out_dir / "log.json").write_text(json.dumps(log, indent=1))
+    versions = _versions()
+    run: Optional[PPORun] = None
+
+    def write(status: str, error: Optional[str] = None) -> dict:
+        log = _log(cfg, run, versions, status, time.perf_counter() - t0, error)
+        write_json_atomic(log_path, log)
+        return log
+
+    try:
+        with Colocation(cfg, progress) as colo:
+            progress(f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
+                     f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t0:.1f}s; "
+                     f"memory manager {'on' if cfg.memory.enabled else 'off'}")
+            run = PPORun(cfg, colo, progress)
+            if cfg.memory.enabled:
+                run.sleep_all()
+            total = cfg.ppo.iterations
+            extra = cfg.memory.compare_iterations if cfg.memory.enabled else 0
+            for it in range(total + extra):
+                if it == total:
+                    progress(f"comparison: {extra} more iteration(s) with the memory manager off")
+                    run.wake_all()
+                m = run.iteration(it)
+                write("running")
+                progress(_progress_line(m, total + extra))
+                if on_iteration is not None:
+                    on_iteration(run, it)
+    except KeyboardInterrupt:
+        done = len(run.iterations) if run is not None else 0
+        _write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")
+        raise RunInterrupted(done, log_path) from None
+    except BaseException as e:
+        done = len(run.iterations) if run is not None else 0
+        if _write_quietly(write, progress, "failed", f"{type(e).__name__}: {e}") and done:
+            progress(f"the run stopped; log of its {done} completed iteration(s): {log_path}")
+        raise
+    log = write("completed")
     plot_timeline(run.timeline, out_dir / "memory_timeline.png",
                   f"colocated PPO, {cfg.parallel.world_size} rank(s), {len(run.iterations)} iterations")
     for key, s in log["summary"].items():
@@ -315,5 +436,15 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
             progress(f"{key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**20:.2f} MiB "
                      f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**20:.2f} MiB "
                      f"({s['largest_phase']}) = {s['ratio']:.3f}")
-    progress(f"wrote {out_dir / 'log.json'} and {out_dir / 'memory_timeline.png'}")
+    progress(f"wrote {log_path} and {out_dir / 'memory_timeline.png'}")
     return log
+
+
+def _write_quietly(write: Callable, progress: Callable[[str], None], status: str, error: str) -> bool:
+    """Write the final log of a stopped run; a failure to write must not hide why it stopped."""
+    try:
+        write(status, error)
+        return True
+    except Exception as e:  # a full disk, an unserialisable metric
+        progress(f"warning: could not write the log ({type(e).__name__}: {e})")
+        return False

@@ -1,10 +1,13 @@
 """The colocated PPO loop end to end through a real local Ray cluster (CPU, gloo, megatron-core)."""
 
+import functools
 import json
+import math
 
 import pytest
 
-from chatlearn_mem_ray import ActorFailedError, load_config, run_ppo
+from chatlearn_mem_ray import ActorFailedError, NonFiniteLossError, load_config, run_ppo
+from chatlearn_mem_ray.ppo import value_loss
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -66,6 +69,25 @@ def test_a_dead_actor_stops_the_run_naming_actor_and_phase(local_ray, tmp_path):
     assert e.value.actor == "critic_0"
     assert e.value.phase == "generate"  # the first phase of iteration 1 asks every actor for residency
     assert "critic_0" in str(e.value) and "died" in str(e.value)
+    log = json.loads((tmp_path / "log.json").read_text())  # what the run did before is kept
+    assert log["status"] == "failed" and "critic_0" in log["error"]
+    assert [m["iteration"] for m in log["iterations"]] == [0]
+
+
+def test_a_nan_loss_stops_the_run_naming_iteration_and_phase(local_ray, tmp_path):
+    cfg = load_config(CONFIG, ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}"])
+
+    def poison_value_loss(run, iteration):
+        if iteration == 0:  # a NaN clip range: the critic's loss (and grads) of iteration 2 are NaN
+            run._value_loss = functools.partial(value_loss, prompt_length=cfg.ppo.prompt_length, value_clip=math.nan)
+
+    with pytest.raises(NonFiniteLossError) as e:
+        run_ppo(cfg, progress=lambda line: None, on_iteration=poison_value_loss)
+    assert (e.value.iteration, e.value.phase) == (1, "train_critic")
+    assert str(e.value).startswith("iteration 2, phase 'train_critic': non-finite ")
+    assert "loss=nan" in str(e.value)
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["status"] == "failed" and [m["iteration"] for m in log["iterations"]] == [0]
 
 
 @pytest.mark.slow

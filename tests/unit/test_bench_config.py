@@ -43,3 +43,50 @@ def test_a_file_named_like_a_preset_is_read_as_the_file_and_recorded_as_custom(t
     monkeypatch.chdir(tmp_path)
     cfg = load_config("tiny")
     assert cfg.repeats == 7 and cfg.preset == "custom"  # the file, not the preset, and labelled so
+
+
+# -- where results go ------------------------------------------------------------------------
+def _stub_run(monkeypatch, calls):
+    """run_and_report with the measuring and the writing stubbed: what it decides is real."""
+    import chatlearn_mem_bench.report as report
+    import chatlearn_mem_bench.run as run
+
+    monkeypatch.setattr(run, "run_benchmark", lambda cfg, command: calls.append("measured") or {"targets": []})
+    def write_outputs(res, out_dir, stem, plot, quiet):
+        (out_dir / f"{stem}.json").write_text("new")
+        return [out_dir / f"{stem}.json"]
+
+    monkeypatch.setattr(report, "write_outputs", write_outputs)
+    monkeypatch.setattr(report, "print_targets", lambda res, echo: None)
+    return run.run_and_report
+
+
+def test_the_default_output_dir_is_not_the_committed_results():
+    assert load_config("cpu").output_dir == "runs/bench" and not load_config("cpu").overwrite
+
+
+def test_results_of_the_same_name_are_never_replaced_unless_asked(tmp_path, monkeypatch):
+    """Before: a run of the same day and hardware replaced them (committed results included)."""
+    calls, lines = [], []
+    run_and_report = _stub_run(monkeypatch, calls)
+    stem = "2026-11-22_cpu-2core"
+    (tmp_path / f"{stem}.json").write_text("committed")
+    (tmp_path / f"{stem}_2.png").write_text("committed")
+    cfg = load_config("tiny", [f"output_dir={tmp_path}", f"name={stem}"])
+    paths = run_and_report(cfg, echo=lines.append)
+    assert paths == [tmp_path / f"{stem}_3.json"]
+    assert (tmp_path / f"{stem}.json").read_text() == "committed"
+    assert f"{tmp_path / stem}.* exist (set overwrite=true to replace them); writing {stem}_3.* instead" in lines
+
+    paths = run_and_report(load_config("tiny", [f"output_dir={tmp_path}", f"name={stem}", "overwrite=true"]),
+                           echo=lines.append)
+    assert paths == [tmp_path / f"{stem}.json"] and paths[0].read_text() == "new"
+
+
+def test_an_unwritable_output_dir_fails_before_measuring(tmp_path, monkeypatch):
+    calls = []
+    run_and_report = _stub_run(monkeypatch, calls)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match=r"output_dir .*file/bench is not writable \(Not a directory\); choose another"):
+        run_and_report(load_config("tiny", [f"output_dir={tmp_path / 'file' / 'bench'}"]), echo=lambda line: None)
+    assert calls == []

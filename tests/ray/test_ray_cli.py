@@ -1,0 +1,134 @@
+"""Ray as a user meets it, in subprocesses: joining a head started with `ray start` (token
+authentication on, as Ray 2.5x+ does when a token exists), and Ctrl-C in the middle of a run. Each test starts its own Ray processes and ends them (by pid, never `ray stop`: other Ray
+clusters on the machine are not ours)."""
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+RUN = [sys.executable, "-m", "chatlearn_mem_ray", "ppo", "memory.compare_iterations=0", "ray.phase_timeout_s=300"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # no RAY_ADDRESS, no auth mode
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_processes_naming(text: str) -> None:
+    """End every process whose command line names ``text`` (this test's own Ray temp dir)."""
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(text in arg for arg in p.info["cmdline"] or []):
+                procs.append(p)
+                p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=3)
+    for p in alive:
+        p.kill()
+
+
+@pytest.fixture
+def ray_start_head():
+    """`ray start --head` with token authentication, its own temp dir, port and token file."""
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    token = Path(temp) / "auth_token"
+    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    port = _free_port()
+    try:
+        ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+        out = subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
+                              "--include-dashboard=false", "--disable-usage-stats"],
+                             env=_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        yield f"127.0.0.1:{port}", token
+    finally:
+        _kill_processes_naming(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+JOIN = """
+import sys
+import ray
+from chatlearn_mem_ray.cluster import Colocation
+from chatlearn_mem_ray.config import load_config
+
+colo = Colocation(load_config("cpu_tiny", sys.argv[1:]), progress=print)
+colo._place = lambda: None  # the actors are placed as on any cluster (tests/ray/test_ppo_ray.py)
+with colo:
+    print("cpus", ray.cluster_resources()["CPU"])
+    print("task", ray.get(ray.remote(lambda: 6 * 7).remote()))  # a worker of the head runs it
+print("connected after", ray.is_initialized())
+"""
+
+
+def test_joining_a_ray_start_head_with_token_auth(ray_start_head):
+    """The shipped config (it sets ray.num_cpus) joins by RAY_ADDRESS (as `ray job submit` sets it)
+    and by ray.address. Before: "num_cpus and num_gpus must not be provided", and without
+    RAY_AUTH_MODE=token a bare traceback after retrying for minutes. The whole PPO run on a
+    joined cluster is the same as on the local one (tests/ray/test_ppo_ray.py)."""
+    address, token = ray_start_head
+    for args, env, source in (([], {"RAY_ADDRESS": address}, "RAY_ADDRESS"),
+                              ([f"ray.address={address}"], {}, "ray.address")):
+        out = subprocess.run([sys.executable, "-c", JOIN, *args], env=_env(RAY_AUTH_TOKEN_PATH=str(token), **env),
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.splitlines() == [
+            f"joined the Ray cluster at {address} (from {source}); ray.num_cpus=2 ignored (it sizes a local cluster)",
+            "cpus 2.0", "task 42", "connected after False"], out.stdout + out.stderr
+
+
+def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
+    # A new session, signalled as a whole: what a terminal's Ctrl-C does to the foreground group.
+    proc = subprocess.Popen([*RUN, "ppo.iterations=50", f"output_dir={tmp_path}"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
+            if line.startswith("iter   1/50"):
+                break
+        ray_processes = psutil.Process(proc.pid).children(recursive=True)
+        assert ray_processes  # the local cluster: GCS, raylet, workers
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped by Ctrl-C after ") and last.endswith(f"; log: {tmp_path / 'log.json'}"), err
+    assert "Traceback" not in err, err
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["status"] == "interrupted" and len(log["iterations"]) >= 1
+    done = len(log["iterations"])
+    assert last.startswith(f"stopped by Ctrl-C after {done} iteration")
+    _, alive = psutil.wait_procs(ray_processes, timeout=30)
+    assert not alive, [p.info if hasattr(p, "info") else p.pid for p in alive]  # Ray was shut down

@@ -1,0 +1,223 @@
+"""What a PPO run leaves behind, without Ray: output_dir checked first, log.json rewritten
+atomically after every iteration, kept on failure, NaN and Ctrl-C.
+
+The actors are replaced by a stand-in colocation and a scripted ``PPORun.iteration``; the loop,
+the log writing and the error handling are the real ones. The real loop's NaN check and Ctrl-C
+through Ray are in tests/ray/.
+"""
+
+import json
+import math
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from chatlearn_mem import ConfigError
+from chatlearn_mem_ray import ppo
+from chatlearn_mem_ray.cli import app
+from chatlearn_mem_ray.config import load_config
+from chatlearn_mem_ray.errors import ActorFailedError, NonFiniteLossError, OutputDirError, RunInterrupted
+from chatlearn_mem_ray.ppo import PPORun, check_finite, prepare_output_dir, run_ppo, write_json_atomic
+
+
+class FakeColocation:
+    """Stands in for :class:`Colocation`: no Ray, no actors; records whether it was closed."""
+
+    made: list = []
+
+    def __init__(self, cfg, progress=None):
+        self.cfg, self.closed, self.all_actors, self.use_gpu = cfg, False, [], False
+        FakeColocation.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.closed = True
+
+    def call(self, phase, refs, timeout_s=None):
+        return {}
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """Scripted iterations: ``script[i]`` is raised at iteration ``i`` (a callable is called)."""
+    FakeColocation.made = []
+    script: dict = {}
+
+    def iteration(self, it):
+        action = script.get(it)
+        if callable(action):
+            action(self, it)
+        elif action is not None:
+            raise action
+        m = {"iteration": it, "manager_on": self.manager_on, "reward": 0.25 + it / 100, "kl": 0.0,
+             "policy_loss": -0.1, "value_loss": 0.5, "phase_seconds": {}, "phase_colocated_bytes": {}}
+        self.iterations.append(m)
+        return m
+
+    monkeypatch.setattr(ppo, "Colocation", FakeColocation)
+    monkeypatch.setattr(PPORun, "iteration", iteration)
+    monkeypatch.setattr(ppo, "plot_timeline", lambda timeline, path, title: path.write_bytes(b"\x89PNG fake"))
+    return script
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config("cpu_tiny", ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}",
+                                    *overrides])
+
+
+def _log(tmp_path) -> dict:
+    return json.loads((tmp_path / "log.json").read_text())
+
+
+def test_log_json_is_rewritten_after_every_iteration(fake_run, tmp_path):
+    seen = []
+    fake_run.update({i: (lambda run, it: seen.append(_log(tmp_path))) for i in range(3)})
+    log = run_ppo(_cfg(tmp_path), progress=lambda line: None)
+    # Before iteration i the log on disk holds the i iterations completed so far.
+    assert [len(s["iterations"]) for s in seen] == [0, 1, 2]
+    assert [s["status"] for s in seen] == ["starting", "running", "running"]
+    on_disk = _log(tmp_path)
+    assert on_disk["status"] == "completed" and on_disk == json.loads(json.dumps(log))
+    assert [m["iteration"] for m in on_disk["iterations"]] == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.json", "memory_timeline.png"]  # no temp file left
+    assert FakeColocation.made[0].closed
+
+
+@pytest.mark.parametrize("error, status", [
+    (ActorFailedError("critic_0", "generate", "the actor process died (RayActorError)"), "failed"),
+    (NonFiniteLossError(2, "train_policy", {"loss": math.nan}), "failed"),
+])
+def test_a_failed_run_keeps_the_iterations_it_completed(fake_run, tmp_path, error, status):
+    fake_run[2] = error
+    lines = []
+    with pytest.raises(type(error)):
+        run_ppo(_cfg(tmp_path), progress=lines.append)
+    log = _log(tmp_path)
+    assert log["status"] == status and log["error"] == f"{type(error).__name__}: {error}"
+    assert [m["iteration"] for m in log["iterations"]] == [0, 1]
+    assert lines[-1] == f"the run stopped; log of its 2 completed iteration(s): {tmp_path / 'log.json'}"
+    assert FakeColocation.made[0].closed
+
+
+def test_ctrl_c_writes_the_log_and_says_where(fake_run, tmp_path):
+    fake_run[2] = KeyboardInterrupt()
+    with pytest.raises(RunInterrupted) as e:
+        run_ppo(_cfg(tmp_path), progress=lambda line: None)
+    assert isinstance(e.value, KeyboardInterrupt)  # code that catches KeyboardInterrupt still does
+    assert str(e.value) == f"stopped by Ctrl-C after 2 iterations; log: {tmp_path / 'log.json'}"
+    assert e.value.iterations == 2
+    log = _log(tmp_path)
+    assert log["status"] == "interrupted" and len(log["iterations"]) == 2
+    assert FakeColocation.made[0].closed  # Ray shut down before the message
+
+
+def test_ctrl_c_through_the_command_exits_130_with_one_line(fake_run, tmp_path):
+    fake_run[1] = KeyboardInterrupt()
+    result = CliRunner().invoke(app, ["ppo", "ppo.iterations=3", "memory.compare_iterations=0",
+                                      f"output_dir={tmp_path}"])
+    assert result.exit_code == 130, result.output
+    assert result.output.strip().splitlines()[-1] == f"stopped by Ctrl-C after 1 iteration; log: {tmp_path / 'log.json'}"
+    assert "Traceback" not in result.output
+
+
+# -- output_dir ----------------------------------------------------------------------------
+def test_another_runs_results_are_not_overwritten_unless_asked(fake_run, tmp_path):
+    run_ppo(_cfg(tmp_path), progress=lambda line: None)
+    before = (tmp_path / "log.json").read_text()
+    with pytest.raises(OutputDirError) as e:
+        run_ppo(_cfg(tmp_path), progress=lambda line: None)
+    assert str(e.value) == (f"output_dir {tmp_path} already holds the log of another run (3 iteration(s), "
+                            "completed); choose another output_dir, or set output_dir_exists=overwrite to replace it")
+    assert (tmp_path / "log.json").read_text() == before
+    assert len(FakeColocation.made) == 1  # refused before Ray
+
+    fake_run[0] = ActorFailedError("policy_0", "generate", "boom")
+    with pytest.raises(ActorFailedError):
+        run_ppo(_cfg(tmp_path, "output_dir_exists=overwrite"), progress=lambda line: None)
+    assert _log(tmp_path)["status"] == "failed"
+    assert not (tmp_path / "memory_timeline.png").exists()  # the old run's picture went with its log
+
+
+def test_a_log_without_iterations_is_replaced(fake_run, tmp_path):
+    """A run that failed before its first iteration (no Ray, a bad address) holds no results."""
+    fake_run[0] = ActorFailedError("policy_0", "setup", "boom")
+    with pytest.raises(ActorFailedError):
+        run_ppo(_cfg(tmp_path), progress=lambda line: None)
+    fake_run.clear()
+    assert run_ppo(_cfg(tmp_path), progress=lambda line: None)["status"] == "completed"
+
+
+def test_a_live_run_in_the_same_output_dir_is_refused(tmp_path):
+    cfg = _cfg(tmp_path)
+    prepare_output_dir(cfg)  # this process: "starting", and alive
+    with pytest.raises(OutputDirError, match=f"another run \\(pid {os.getpid()}\\) is writing to output_dir"):
+        prepare_output_dir(cfg)
+
+
+def test_a_foreign_log_json_is_not_replaced(tmp_path):
+    (tmp_path / "log.json").write_text("not json")
+    with pytest.raises(OutputDirError, match="holds a log.json that is not a PPO run's log"):
+        prepare_output_dir(_cfg(tmp_path))
+    assert (tmp_path / "log.json").read_text() == "not json"
+
+
+def test_an_output_dir_that_cannot_be_created_fails_before_ray_with_one_line(fake_run, tmp_path):
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(app, ["ppo", f"output_dir={tmp_path / 'file' / 'run'}"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (f"error: cannot create output_dir {tmp_path / 'file' / 'run'}: Not a directory; "
+                                      "choose another output_dir")
+    assert FakeColocation.made == []
+
+
+def test_an_output_dir_that_cannot_be_written_fails_before_ray(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ppo, "write_json_atomic", read_only)  # root ignores chmod: fail the write itself
+    with pytest.raises(OutputDirError, match="cannot write .*log.json: Permission denied; choose a writable output_dir"):
+        prepare_output_dir(_cfg(tmp_path))
+
+
+def test_log_write_is_atomic(tmp_path):
+    path = tmp_path / "log.json"
+    write_json_atomic(path, {"iterations": [1]})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"iterations": [1, 2], "bad": object()})  # fails half way through the dump
+    assert json.loads(path.read_text()) == {"iterations": [1]}
+    assert [p.name for p in tmp_path.iterdir()] == ["log.json"]
+
+
+# -- NaN -----------------------------------------------------------------------------------
+def test_a_non_finite_loss_names_iteration_and_phase():
+    check_finite(0, "train_policy", {"loss": 0.5, "grad_norm": 1.0})
+    with pytest.raises(NonFiniteLossError) as e:
+        check_finite(4, "train_critic", {"loss": math.nan, "grad_norm": math.inf, "value_mean": 0.1})
+    assert (e.value.iteration, e.value.phase) == (4, "train_critic")
+    assert str(e.value).startswith("iteration 5, phase 'train_critic': non-finite loss=nan, grad_norm=inf")
+
+
+# -- config --------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [
+    ["ppo.prompts_per_iteration=1", "ppo.minibatch_size=1", "ppo.response_length=1"],
+])
+def test_a_config_whose_advantage_whitening_is_undefined_is_rejected(overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config("cpu_tiny", overrides)
+    assert "ppo.prompts_per_iteration x ppo.response_length must be >= 2, got 1 x 1" in str(e.value)
+    assert "standard deviation" in str(e.value)
+    load_config("cpu_tiny", ["ppo.prompts_per_iteration=1", "ppo.minibatch_size=1"])  # 8 advantages: defined
+
+
+def test_the_whitening_rule_matches_the_math():
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about the degrees of freedom
+        assert torch.isnan(torch.randn(1, 1).std())  # one advantage: what the rule rejects
+    assert torch.isfinite(torch.randn(1, 2).std())  # two: what it allows
