@@ -67,6 +67,10 @@ class GPTTrainerConfig(BaseModel):
     DDP wraps the model (they stay outside the DDP buffers and the optimizer)."""
     num_microbatches: int = Field(1, ge=1)
     """Micro batches per step in :class:`GPTPipelineTrainer` (the batch is split evenly)."""
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    """megatron-core's layer spec: ``local`` (megatron's own modules, runs on the CPU backend) or
+    ``transformer_engine`` (``get_gpt_layer_with_transformer_engine_spec``: TE's fused modules;
+    needs CUDA and ``transformer_engine``)."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTTrainerConfig":
@@ -249,16 +253,33 @@ def _transformer_config(config: GPTTrainerConfig):
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(), **extra)
 
 
+def _layer_spec(config: GPTTrainerConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if config.layer_spec == "local":
+        return get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
+    if not torch.cuda.is_available():
+        raise ValueError("layer_spec='transformer_engine' needs CUDA (Transformer Engine has no CPU kernels); "
+                         "use layer_spec='local' on this machine")
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as e:
+        raise ImportError("layer_spec='transformer_engine' needs Transformer Engine: pip install "
+                          "transformer-engine[pytorch] (or use layer_spec='local')") from e
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts)
+
+
 def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_head: bool) -> torch.nn.Module:
     """One model chunk (pipeline stage ``vp_stage``), on the device, in its dtype, frozen params set."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if value_head and not last:
         raise ValueError("a value head needs the last pipeline stage; pipeline-parallel critics are not supported")
-    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
+    model = GPTModel(config=tcfg, transformer_layer_spec=_layer_spec(config),
                      vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
                      position_embedding_type="learned_absolute",
                      pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
