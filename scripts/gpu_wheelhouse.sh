@@ -8,7 +8,7 @@
 # So: megatron-core 0.19.2, pydantic and its three helpers, jsonschema and its three helpers (cp312,
 # manylinux x86-64 wheels), this checkout's own wheel, and Ray repacked: its cp312 wheel is 79 MB,
 # so the Java jars, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web client (none used
-# by the PPO run) are left out and the rest compressed with xz (28 MB). Ends with
+# by the PPO run) are left out and the rest compressed with xz (26 MB). Ends with
 # `gpu_validate.py --dry-run --wheelhouse .whl`, which checks the result.
 #
 # Then, with the device tool (one call, at most 10 minutes; the command is under 2000 characters):
