@@ -62,8 +62,9 @@ def test_policy_and_critic_share_the_gpu_each_asleep_while_the_other_trains(dist
     assert (lp, lc) == (base_p[0], base_c[0])
     assert bit_equal(snapshot(policy), base_p[1]) and bit_equal(snapshot(critic), base_c[1])
     assert mp.audit().ok and mc.audit().ok
-    # One trainer resident at a time: the peak is one trainer plus activations, not both.
-    assert peak < 0.75 * managed, f"peak {peak} bytes with both trainers managing {managed}"
+    # One trainer resident at a time: the peak is one trainer plus its activations and optimizer
+    # temporaries, less than the two trainers' state together.
+    assert peak < managed, f"peak {peak} bytes; the two trainers' state together is {managed}"
 
 
 def _allocate_blocker(leave: int) -> torch.Tensor:

@@ -28,9 +28,12 @@ def _trainer(config: MemoryConfig):
 @pytest.mark.parametrize("empty_cache", [True, False], ids=["empty_cache", "no_empty_cache"])
 def test_full_offload_frees_allocated_and_reserved(dist1, empty_cache):
     trainer, mm = _trainer(MemoryConfig(empty_cache=empty_cache))
-    if EXPANDABLE:  # the child process of the test below: the setting really took effect
-        assert any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())
-    managed = mm.residency().device_bytes
+    segments = torch.cuda.memory_snapshot()
+    if EXPANDABLE and segments and "is_expandable" in segments[0]:  # the child of the test below
+        assert any(seg["is_expandable"] for seg in segments), "expandable_segments did not take effect"
+    resident = mm.residency()
+    managed = resident.device_bytes
+    restorable = managed - resident.by_category["other"]  # derived .grad tensors are dropped, not restored
     alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     mm.offload()
     alloc1, res1 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -42,7 +45,7 @@ def test_full_offload_frees_allocated_and_reserved(dist1, empty_cache):
         torch.cuda.empty_cache()
         assert res0 - torch.cuda.memory_reserved() >= 0.9 * managed
     mm.onload()
-    assert torch.cuda.memory_allocated() - alloc1 >= 0.99 * managed
+    assert torch.cuda.memory_allocated() - alloc1 >= 0.99 * restorable
     assert mm.audit().ok
 
 
