@@ -8,6 +8,7 @@ Public API::
     mm.onload([Part.WEIGHTS])       # a forward-only phase needs the weights alone
     mm.onload()
     assert mm.audit().ok
+    print(device_report(model, optimizer, managers=[mm]))   # what stays on the device, who holds it
 
 Beside the managers: :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
 names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exercise the manager).
@@ -15,6 +16,7 @@ names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exerc
 
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig, load_config
+from chatlearn_mem.device_report import DeviceReport, device_report
 from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, OffloadedError,
                                   UnsupportedLayoutError)
 from chatlearn_mem.inference import InferenceMemoryManager
@@ -24,7 +26,8 @@ from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
 
 __all__ = [
-    "AuditReport", "ChatlearnMemError", "ConfigError", "ExternalChangeError", "InferenceMemoryManager",
-    "MemoryConfig", "OffloadedError", "Part", "Residency", "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError", "load_config",
+    "AuditReport", "ChatlearnMemError", "ConfigError", "DeviceReport", "ExternalChangeError",
+    "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "TrainerMemoryManager",
+    "TransferStats", "UnsupportedLayoutError", "device_report", "load_config",
 ]
 __version__ = "0.1.0"

@@ -128,53 +128,37 @@ def full_cycle(mm, trainer, step):
     assert report.ok, str(report)
 
 
+def assert_exact(cfg, steps: int, between: Callable, base=None, rank: int = 0):
+    """Train ``cfg`` with ``between`` after every step and require the same losses and bits as a run
+    without it (``base``: a :func:`train` result, made here when None). On a mismatch the baseline
+    is run again: if it does not reproduce itself, the device is not deterministic and the
+    failure says so instead of blaming the manager. Returns the run's :func:`train` result."""
+    base = base or train(cfg, steps=steps, rank=rank)
+    got = train(cfg, steps=steps, between=between, rank=rank)
+    if got[0] != base[0] or not bit_equal(got[1], base[1]):
+        again = train(cfg, steps=steps, rank=rank)
+        assert again[0] == base[0] and bit_equal(again[1], base[1]), (
+            "two runs without offload differ: this device is not deterministic for this model, so "
+            f"exactness cannot be judged (losses {base[0]} vs {again[0]})")
+    assert got[0] == base[0], f"losses differ: {got[0]} vs {base[0]}"
+    assert bit_equal(got[1], base[1]), "weights, main weights or optimizer states differ"
+    return got
+
+
 def reachable_storages(*roots) -> dict[int, tuple[str, torch.UntypedStorage]]:
     """Every tensor storage reachable from ``roots`` through attributes, containers and modules.
 
     An independent view of what a trainer holds (the manager's residency() counts only the
-    tensors it knows about): ``{storage id: (first path found, storage)}``.
+    tensors it knows about): ``{storage id: (first path found, storage)}``. The walk is the
+    library's (``chatlearn_mem.device_report.reachable_tensors``, which the device report uses).
     """
-    import types
+    from chatlearn_mem.device_report import reachable_tensors
 
-    seen_objs: set[int] = set()
     out: dict[int, tuple[str, torch.UntypedStorage]] = {}
-    stack = [(f"root{i}", r) for i, r in enumerate(roots)]
-    from chatlearn_mem.manager import MemoryManagerBase
-
-    # The manager is reached through its hooks; what it holds is its host store (host memory).
-    skip = (str, bytes, int, float, bool, type(None), types.FunctionType, types.BuiltinFunctionType,
-            types.ModuleType, type, torch.dtype, torch.device, torch.distributed.ProcessGroup,
-            MemoryManagerBase)
-    while stack:
-        path, obj = stack.pop()
-        if isinstance(obj, skip) or id(obj) in seen_objs:
-            continue
-        seen_objs.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "meta":
-                s = obj.untyped_storage()
-                out.setdefault(s._cdata, (path, s))
-            for attr in ("main_grad", "grad"):
-                t = getattr(obj, attr, None) if attr != "grad" or obj.is_leaf else None
-                if isinstance(t, torch.Tensor):
-                    stack.append((f"{path}.{attr}", t))
-            continue
-        if isinstance(obj, types.MethodType):
-            stack.append((f"{path}.__self__", obj.__self__))
-            continue
-        if isinstance(obj, dict):
-            for i, (k, v) in enumerate(obj.items()):
-                key = repr(k)[:40] if isinstance(k, (str, int)) else f"<{type(k).__name__} #{i}>"
-                stack.append((f"{path}[{key}]", v))
-                if isinstance(k, torch.Tensor):
-                    stack.append((f"{path}.keys()[{i}]", k))
-            continue
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
-            continue
-        d = getattr(obj, "__dict__", None)
-        if isinstance(d, dict):
-            stack.extend((f"{path}.{k}", v) for k, v in d.items())
+    for path, t, _ in reachable_tensors(*roots):
+        if t.device.type != "meta":
+            s = t.untyped_storage()
+            out.setdefault(s._cdata, (path, s))
     return out
 
 

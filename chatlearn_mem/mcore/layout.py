@@ -40,7 +40,8 @@ __all__ = [
     "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
     "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
-    "pipeline_input_tensors", "clear_pipeline_input_tensors",
+    "pipeline_input_tensors", "clear_pipeline_input_tensors", "global_memory_buffer_tensors",
+    "is_moe_token_dispatcher", "is_transformer_engine_module", "transformer_engine_global_tensors",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 19))
@@ -299,6 +300,63 @@ def clear_pipeline_input_tensors(chunk: torch.nn.Module) -> None:
     """Drop them (the schedule sets a fresh one before every forward)."""
     for m in _input_tensor_holders(chunk):
         m.input_tensor = None
+
+
+def global_memory_buffer_tensors() -> list[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` of megatron's global memory buffer (``parallel_state``'s
+    ``GlobalMemoryBuffer``: scratch space kept between steps, e.g. for sequence-parallel
+    all-gathers); empty when megatron is not imported or the buffer was never created."""
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    gmb = getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) if ps is not None else None
+    entries = getattr(gmb, "buffer", None) or {}
+    return [(f"global_memory_buffer[{k!r}]", t) for k, t in entries.items() if isinstance(t, torch.Tensor)]
+
+
+def is_moe_token_dispatcher(obj: Any) -> bool:
+    """Whether ``obj`` is one of megatron's MoE token dispatchers (they keep the last batch's
+    routing tensors between forward passes)."""
+    import sys
+
+    mod = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    base = getattr(mod, "MoETokenDispatcher", None) if mod is not None else None
+    return base is not None and isinstance(obj, base)
+
+
+_TE_MODULES = ("transformer_engine.pytorch.module.base", "transformer_engine.pytorch.fp8",
+               "transformer_engine.pytorch.quantization")
+
+
+def is_transformer_engine_module(obj: Any) -> bool:
+    """Whether ``obj`` is a Transformer Engine module (its non-parameter tensors are TE's: FP8
+    scales and amax histories, workspaces). False when TE was never imported."""
+    import sys
+
+    mod = sys.modules.get("transformer_engine.pytorch.module.base")
+    base = getattr(mod, "TransformerEngineBaseModule", None) if mod is not None else None
+    return base is not None and isinstance(obj, base)
+
+
+def transformer_engine_global_tensors() -> list[tuple[str, Any]]:
+    """``(label, object)`` of what Transformer Engine keeps in module globals and class attributes
+    (the cuBLAS workspaces, FP8 global state); walk them to find their tensors. Empty when TE was
+    never imported (it is not imported here: a model that uses TE has imported it already)."""
+    import sys
+
+    out = []
+    for name in _TE_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        for key, value in vars(mod).items():
+            if key.startswith("__"):
+                continue
+            if isinstance(value, type) and value.__module__ == name:  # e.g. FP8GlobalStateManager
+                out += [(f"{name}.{key}.{k}", v) for k, v in vars(value).items() if not k.startswith("__")]
+            else:
+                out.append((f"{name}.{key}", value))
+    return out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

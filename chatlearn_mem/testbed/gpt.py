@@ -74,6 +74,10 @@ class GPTTrainerConfig(BaseModel):
     fp32_accumulation_params: tuple[str, ...] = ()
     """DDP's ``param_name_patterns_for_fp32_local_accumulation`` (megatron-core 0.17+): matching
     params accumulate into a separate fp32 ``main_grad`` (needs ``grad_reduce_in_fp32=False``)."""
+    layer_spec: Literal["local", "transformer_engine"] = "local"
+    """megatron-core's layer spec: ``local`` (megatron's own modules, runs on the CPU backend) or
+    ``transformer_engine`` (``get_gpt_layer_with_transformer_engine_spec``: TE's fused modules;
+    needs CUDA and ``transformer_engine``)."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTTrainerConfig":
@@ -84,6 +88,8 @@ class GPTTrainerConfig(BaseModel):
             raise ValueError("overlap_param_gather needs use_distributed_optimizer=True")
         if self.model_class == "hybrid" and self.num_moe_experts is not None:
             raise ValueError("the hybrid testbed model has dense MLP layers only: drop num_moe_experts")
+        if self.model_class == "hybrid" and self.layer_spec != "local":
+            raise ValueError("the hybrid testbed model is built from the local layer spec only: drop layer_spec")
         if self.fp32_accumulation_params and self.grad_reduce_in_fp32:
             raise ValueError("fp32_accumulation_params needs grad_reduce_in_fp32=False (megatron's rule)")
         return self
@@ -280,13 +286,28 @@ def _hybrid_model(config: GPTTrainerConfig, common: dict) -> torch.nn.Module:
     stack = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp))
     pattern = ("*-" * config.num_layers)[:config.num_layers]
     return HybridModel(hybrid_stack_spec=stack, hybrid_layer_pattern=pattern, **common)
+def _layer_spec(config: GPTTrainerConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if config.layer_spec == "local":
+        return get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
+    if not torch.cuda.is_available():
+        raise ValueError("layer_spec='transformer_engine' needs CUDA (Transformer Engine has no CPU kernels); "
+                         "use layer_spec='local' on this machine")
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as e:
+        raise ImportError("layer_spec='transformer_engine' needs Transformer Engine: pip install "
+                          "transformer-engine[pytorch] (or use layer_spec='local')") from e
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts)
 
 
 def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_head: bool) -> torch.nn.Module:
     """One model chunk (pipeline stage ``vp_stage``), on the device, in its dtype, frozen params set."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if value_head and not last:
@@ -298,7 +319,7 @@ def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_he
     if config.model_class == "hybrid":
         model = _hybrid_model(config, common)
     else:
-        model = GPTModel(transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts), **common)
+        model = GPTModel(transformer_layer_spec=_layer_spec(config), **common)
     if value_head:
         model = GPTValueModel(model, config.hidden_size, tcfg.params_dtype)
     if torch.cuda.is_available():

@@ -103,5 +103,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     targets = {t["name"]: t for t in check_targets(gpu)}
     assert targets["cuda_reserved_bytes after full offload < 1% of onloaded"]["passed"]
     assert "main_weights onload: manager >= 0.9 of ceiling" in targets
+    assert "full offload: manager >= 0.9 of ceiling" in targets and "full onload: manager >= 0.9 of ceiling" in targets
+    assert not any(n.startswith("full ") for n in (t["name"] for t in res["targets"]))  # CPU: per part only
     assert any(n.endswith("faster than replace_rebuild") for n in targets)
     assert "CUDA reserved MiB" in markdown(gpu)
