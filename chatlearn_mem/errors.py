@@ -1,6 +1,6 @@
 """Exceptions raised by chatlearn-mem."""
 
-__all__ = ["ChatlearnMemError", "ConfigError", "OffloadedError", "UnsupportedLayoutError"]
+__all__ = ["ChatlearnMemError", "ConfigError", "HostMemoryError", "OffloadedError", "UnsupportedLayoutError"]
 
 
 class ChatlearnMemError(RuntimeError):
@@ -9,6 +9,11 @@ class ChatlearnMemError(RuntimeError):
 
 class OffloadedError(ChatlearnMemError):
     """State needed by an operation is offloaded; the message names what to onload."""
+
+
+class HostMemoryError(ChatlearnMemError, MemoryError):
+    """An offload was refused before anything changed: its host buffers would not fit in the host
+    memory the process can use. The message gives the numbers and where they were read."""
 
 
 class UnsupportedLayoutError(ChatlearnMemError):
