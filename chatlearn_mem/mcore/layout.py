@@ -23,20 +23,23 @@ true for all of them:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from chatlearn_mem.errors import UnsupportedLayoutError
+from chatlearn_mem.parts import Part
 
 __all__ = [
     "SUPPORTED_VERSIONS", "BufferLayout", "ShardView", "check_supported_version", "ddp_chunks",
     "ddp_buffers", "bucket_views", "bucket_groups", "cached_shard_views", "pending_communication",
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
     "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
-    "pipeline_input_tensors", "clear_pipeline_input_tensors",
+    "pipeline_input_tensors", "clear_pipeline_input_tensors", "DDP_METHOD_PARTS", "OPTIMIZER_METHOD_PARTS", "main_grad",
+    "MethodGuard", "guard_methods",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 16))
@@ -225,6 +228,11 @@ def shard_views(leaf: Any) -> list[ShardView]:
     return out
 
 
+def main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient view megatron's DDP keeps on a parameter (into the grad buffer), or None."""
+    return getattr(param, "main_grad", None)
+
+
 def derived_grads(leaf: Any) -> list[torch.Tensor]:
     """The ``.grad`` tensors the optimizer derived from ``main_grad`` (set before each step)."""
     with warnings.catch_warnings():  # fp32 shards are non-leaf views; reading .grad warns
@@ -271,6 +279,80 @@ def clear_pipeline_input_tensors(chunk: torch.nn.Module) -> None:
     """Drop them (the schedule sets a fresh one before every forward)."""
     for m in _input_tensor_holders(chunk):
         m.input_tensor = None
+
+
+# -- the megatron calls the trainer manager guards --------------------------------------------------
+# megatron offers no hook before these methods; each touches the storages of the parts listed, so
+# the manager wraps them per instance (guard_methods) to raise before anything is read or written.
+DDP_METHOD_PARTS: dict[str, tuple[Part, ...]] = {
+    "zero_grad_buffer": (Part.GRADS,),  # zeroes grad_data
+    "start_grad_sync": (Part.GRADS,),  # reduce(-scatter) of grad_data
+    "finish_grad_sync": (Part.GRADS,),
+    "scale_gradients": (Part.GRADS,),
+    "start_param_sync": (Part.WEIGHTS,),  # all-gather into param_data
+    "broadcast_params": (Part.WEIGHTS,),
+    "sharded_state_dict": (Part.WEIGHTS,),  # dist-checkpointing reads the params when it saves
+    "state_dict_for_save_checkpoint": (Part.WEIGHTS,),
+}
+"""``DistributedDataParallel`` methods (and the model chunk's ``sharded_state_dict``) -> the parts
+they touch. ``state_dict`` / ``load_state_dict`` and forward are guarded with torch's own hooks."""
+
+_OPTIMIZER_PARTS = (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+OPTIMIZER_METHOD_PARTS: dict[str, tuple[Part, ...]] = {
+    # prepare_grads reads main_grad and the params, the torch step the states and main weights,
+    # then the main weights are copied into the params: all four, before megatron starts
+    "step": (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES, Part.WEIGHTS, Part.GRADS),
+    "state_dict": _OPTIMIZER_PARTS,  # references (Float16) or reads (distributed: step counts) states
+    "sharded_state_dict": _OPTIMIZER_PARTS + (Part.WEIGHTS,),
+    "load_state_dict": _OPTIMIZER_PARTS + (Part.WEIGHTS,),  # writes states, may reload model params
+}
+"""Megatron optimizer methods (outer ``ChainedOptimizer`` or leaf) -> the parts they touch."""
+
+
+class MethodGuard:
+    """One method of one object wrapped per instance so that ``check`` runs first.
+
+    The wrapper is stored in the instance's ``__dict__``, where attribute lookup finds it before
+    the class's method; :meth:`remove` deletes it again (and restores an instance attribute it
+    shadowed). Callers that looked the method up *before* the wrapping (a bound method megatron's
+    pipeline config captured) keep calling the original.
+    """
+
+    def __init__(self, obj: Any, name: str, check: Callable[[], None]):
+        self.obj, self.name = obj, name
+        d = vars(obj)
+        self._had, self._previous = name in d, d.get(name)
+        original = getattr(obj, name)
+
+        @functools.wraps(original)
+        def guarded(*args, **kwargs):
+            check()
+            return original(*args, **kwargs)
+
+        self.wrapper = guarded
+        object.__setattr__(obj, name, guarded)
+
+    def remove(self) -> None:
+        d = vars(self.obj)
+        if d.get(self.name) is not self.wrapper:
+            return  # wrapped again by someone else since; the check is a no-op once the manager closes
+        if self._had:
+            object.__setattr__(self.obj, self.name, self._previous)
+        else:
+            del d[self.name]
+
+
+def guard_methods(obj: Any, table: dict[str, tuple[Part, ...]],
+                  check: Callable[[str, tuple[Part, ...]], None]) -> list[MethodGuard]:
+    """Wrap each method of ``table`` that ``obj`` has so that ``check("Type.method()", parts)``
+    runs before it; returns the guards (``remove()`` each to undo)."""
+    guards = []
+    for name, parts in table.items():
+        if not callable(getattr(type(obj), name, None)):
+            continue
+        what = f"{type(obj).__name__}.{name}()"
+        guards.append(MethodGuard(obj, name, functools.partial(check, what, parts)))
+    return guards
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
