@@ -43,6 +43,8 @@ def serialized(method: Callable) -> Callable:
             outer = self._active_call is None
             if outer:
                 self._active_call = (method.__name__, threading.get_ident())
+                if self._debug_guard is not None:  # the manager's own calls need no guard
+                    self._debug_guard.uninstall_here()
             try:
                 return method(self, *args, **kwargs)
             finally:

@@ -16,6 +16,9 @@ true for all of them:
   cache shard views in ``cached_param_buffer_shard_list`` / ``cached_grad_buffer_shard_list``.
 * DDP registers one hook per trainable parameter on ``param.expand_as(param).grad_fn
   .next_functions[0][0]`` and keeps the nodes in ``grad_accs``.
+* The public DDP and optimizer methods in ``DDP_METHOD_PARTS`` / ``OPTIMIZER_METHOD_PARTS`` touch
+  the storages of the parts listed there; megatron offers no hook before them, so the trainer
+  manager wraps them per instance (:func:`guard_methods`) and unwraps them in ``close()``.
 * ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of ``DistributedOptimizer``,
   ``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``; each wraps a torch optimizer in
   ``.optimizer`` whose state is created lazily on the first step.
