@@ -17,17 +17,19 @@ names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exerc
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig, load_config
 from chatlearn_mem.device_report import DeviceReport, device_report
-from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, OffloadedError,
+from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, HostMemoryError,
+                                  OffloadedError,
                                   UnsupportedLayoutError)
 from chatlearn_mem.inference import InferenceMemoryManager
+from chatlearn_mem.manager import manager_of
 from chatlearn_mem.parts import Part
 from chatlearn_mem.residency import Residency
 from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
 
 __all__ = [
-    "AuditReport", "ChatlearnMemError", "ConfigError", "DeviceReport", "ExternalChangeError",
+    "AuditReport", "ChatlearnMemError", "ConfigError", "DeviceReport", "ExternalChangeError", "HostMemoryError",
     "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "TrainerMemoryManager",
-    "TransferStats", "UnsupportedLayoutError", "device_report", "load_config",
+    "TransferStats", "UnsupportedLayoutError", "device_report", "load_config", "manager_of",
 ]
 __version__ = "0.1.0"

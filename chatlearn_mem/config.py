@@ -17,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chatlearn_mem.errors import ConfigError
 
-__all__ = ["MemoryConfig", "load_config", "parse_overrides", "preset_names", "preset_of"]
+__all__ = ["DEBUG_GUARD_ENV", "MemoryConfig", "load_config", "parse_overrides", "preset_names", "preset_of"]
 
 M = TypeVar("M", bound=BaseModel)
+
+DEBUG_GUARD_ENV = "CHATLEARN_MEM_DEBUG_GUARD"
+"""Environment variable that turns on ``MemoryConfig.debug_guard`` for every manager."""
 
 
 class MemoryConfig(BaseModel):
@@ -51,10 +54,36 @@ class MemoryConfig(BaseModel):
     again costs one page fault per 4 KiB page on first touch, which made a CPU onload 3x slower
     than the copy itself. No effect on CUDA storages, on other systems or with THP disabled."""
 
+    debug_guard: bool = False
+    """Turn any torch operation on a released tensor into an ``OffloadedError`` naming the tensor,
+    while anything is offloaded (a ``TorchFunctionMode`` on the thread that offloaded). Costs a
+    Python call per torch operation on that thread while a part is offloaded (see the README for
+    the measured cost); nothing while everything is resident. ``CHATLEARN_MEM_DEBUG_GUARD=1`` in
+    the environment turns it on for every manager."""
+
+    check_host_memory: bool = True
+    """Refuse, before anything changes, an offload whose new host buffers would not fit in the host
+    memory the process can use (the cgroup limit where there is one, else ``MemAvailable``)
+    minus ``host_memory_margin_mb``."""
+
+    host_memory_margin_mb: float = Field(1024.0, ge=0)
+    """Host memory in MiB to leave free when checking that an offload's host buffers fit."""
+
     @property
     def bucket_size_bytes(self) -> int:
         """``bucket_size_mb`` in bytes, rounded down to a multiple of 512."""
         return max(512, int(self.bucket_size_mb * 2**20) // 512 * 512)
+
+    @property
+    def host_memory_margin_bytes(self) -> int:
+        """``host_memory_margin_mb`` in bytes."""
+        return int(self.host_memory_margin_mb * 2**20)
+
+    def resolved_debug_guard(self) -> bool:
+        """Whether the debug guard is on: ``debug_guard`` or ``CHATLEARN_MEM_DEBUG_GUARD`` set to
+        1/true/yes/on in the environment (read when a manager is created)."""
+        env = os.environ.get(DEBUG_GUARD_ENV, "").strip().lower()
+        return self.debug_guard or env in ("1", "true", "yes", "on")
 
     def resolved_pin_memory(self) -> bool:
         """Whether the host store is pinned on this machine."""

@@ -1,6 +1,7 @@
 """Exceptions raised by chatlearn-mem."""
 
-__all__ = ["ChatlearnMemError", "ConfigError", "ExternalChangeError", "OffloadedError", "UnsupportedLayoutError"]
+__all__ = ["ChatlearnMemError", "ConfigError", "ExternalChangeError", "HostMemoryError", "OffloadedError",
+           "UnsupportedLayoutError"]
 
 
 class ChatlearnMemError(RuntimeError):
@@ -9,6 +10,11 @@ class ChatlearnMemError(RuntimeError):
 
 class OffloadedError(ChatlearnMemError):
     """State needed by an operation is offloaded; the message names what to onload."""
+
+
+class HostMemoryError(ChatlearnMemError, MemoryError):
+    """An offload was refused before anything changed: its host buffers would not fit in the host
+    memory the process can use. The message gives the numbers and where they were read."""
 
 
 class UnsupportedLayoutError(ChatlearnMemError):

@@ -33,6 +33,30 @@ def _allocate_host_bucket(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
 
 
+def _plan(sizes: tuple[int, ...], bucket_size: int) -> tuple[list[list[Span]], list[int]]:
+    """Place each storage in the buckets: its spans, and the size of every bucket."""
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
+    all_spans: list[list[Span]] = []
+    bucket_sizes: list[int] = []
+    used = bucket_size  # forces a first bucket
+    for size in sizes:
+        spans: list[Span] = []
+        done = 0
+        while done < size:
+            used = -(-used // _ALIGN) * _ALIGN
+            if used >= bucket_size:
+                bucket_sizes.append(0)
+                used = 0
+            take = min(size - done, bucket_size - used)
+            spans.append(Span(len(bucket_sizes) - 1, used, done, take))
+            used += take
+            done += take
+            bucket_sizes[-1] = used
+        all_spans.append(spans)
+    return all_spans, bucket_sizes
+
+
 class HostStore:
     """Flat host buckets sized for a fixed list of storages.
 
@@ -46,29 +70,16 @@ class HostStore:
     """
 
     def __init__(self, sizes: list[int], bucket_size: int, pin: bool):
-        if bucket_size <= 0:
-            raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
         self.sizes = tuple(int(s) for s in sizes)
         self.pinned = pin
-        self.spans: list[list[Span]] = []
-        bucket_sizes: list[int] = []
-        used = bucket_size  # forces a first bucket
-        for size in self.sizes:
-            spans: list[Span] = []
-            done = 0
-            while done < size:
-                used = -(-used // _ALIGN) * _ALIGN
-                if used >= bucket_size:
-                    bucket_sizes.append(0)
-                    used = 0
-                take = min(size - done, bucket_size - used)
-                spans.append(Span(len(bucket_sizes) - 1, used, done, take))
-                used += take
-                done += take
-                bucket_sizes[-1] = used
-            self.spans.append(spans)
+        self.spans, bucket_sizes = _plan(self.sizes, bucket_size)
         # All or nothing: a failing allocation drops the buckets made so far.
         self.buckets: list[torch.Tensor] = [_allocate_host_bucket(n, pin) for n in bucket_sizes]
+
+    @staticmethod
+    def planned_nbytes(sizes: list[int], bucket_size: int) -> int:
+        """Host bytes a store for ``sizes`` would allocate (alignment padding included)."""
+        return sum(_plan(tuple(int(s) for s in sizes), bucket_size)[1])
 
     @property
     def nbytes(self) -> int:

@@ -50,7 +50,8 @@ class InferenceMemoryManager(MemoryManagerBase):
         self._module = module
         self._tracked = {name: t for name, t in self._named_tensors()}
         self._remember_weight_storages()
-        self._hook_handles.append(module.register_forward_pre_hook(self._before_forward))
+        self._claim("this module")
+        self._guard_module(module, module)
 
     def _named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         yield from self._module.named_parameters(remove_duplicate=False)
@@ -68,10 +69,6 @@ class InferenceMemoryManager(MemoryManagerBase):
 
     def _part_token(self, part: Part) -> Optional[Hashable]:
         return (self._dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
-
-    def _before_forward(self, module, args) -> None:
-        self._check_no_concurrent_call("forward pass")
-        self._check_weights_resident("forward pass")
 
     @serialized
     def offload(self, parts: PartsArg = None) -> list[TransferStats]:

@@ -189,6 +189,24 @@ class StorageGroup:
                 out[lo - start:hi - start].copy_(host[lo - off:hi - off])
         return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
 
+    def new_host_bytes(self, storages: list[torch.UntypedStorage]) -> int:
+        """Host bytes an offload of ``storages`` would newly allocate: 0 when the group keeps no
+        contents or its store already fits them (reused), else the new store's size less the old
+        one's (:meth:`prepare` frees the old store before allocating the new one)."""
+        if not self.keep_contents:
+            return 0
+        sizes = [s.nbytes() for s in storages]
+        if self.store is not None and self.store.sizes == tuple(sizes):
+            return 0
+        return max(0, HostStore.planned_nbytes(sizes, self._config.bucket_size_bytes) - self.host_bytes)
+
+    def drop_host_store(self) -> None:
+        """Free the host store (the group must be resident: the store holds no needed bytes)."""
+        assert not self.offloaded, f"{self.name} is offloaded; its host store holds the only copy"
+        self.store = None
+        self._host_token = None
+        self._host_keys = ()
+
     def prepare(self, storages: list[torch.UntypedStorage]) -> None:
         """Allocate (or reuse) the host store for these storages. Changes nothing on failure."""
         if not self.keep_contents:

@@ -76,9 +76,14 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._forward_since_step = False
         self._check_layout()
         self._remember_weight_storages()
+        self._claim("this model" if len(self._chunks) == 1 else "this list of model chunks")
         for c in self._chunks:
-            for m in (c, c.module):
-                self._hook_handles.append(m.register_forward_pre_hook(self._before_forward))
+            self._guard_module(c, c.module)
+            self._hook_handles += layout.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
+            self._hook_handles += layout.guard_methods(
+                c.module, {"sharded_state_dict": layout.DDP_METHOD_PARTS["sharded_state_dict"]}, self._require)
+        for opt in dict.fromkeys([optimizer] + self._leaves):  # the outer optimizer first
+            self._hook_handles += layout.guard_methods(opt, layout.OPTIMIZER_METHOD_PARTS, self._require)
         for leaf in self._leaves:
             opt = layout.torch_optimizer(leaf)
             self._hook_handles.append(opt.register_step_pre_hook(self._before_step))
@@ -177,13 +182,22 @@ class TrainerMemoryManager(MemoryManagerBase):
             self._forward_since_step = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        self._check_no_concurrent_call("optimizer step")
-        missing = [p for p in (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES, Part.WEIGHTS, Part.GRADS)
-                   if self._groups[p].offloaded]
-        if missing:
-            calls = ", ".join(f"onload_{p}()" if p is not Part.GRADS else "build_grad_buffers()" for p in missing)
-            raise OffloadedError(f"optimizer step while {', '.join(missing)} are offloaded: call "
-                                 f"{calls} (or onload()) first")
+        # The torch step inside megatron's; megatron's own step() is guarded before it starts
+        # (layout.OPTIMIZER_METHOD_PARTS). This one catches a torch step called directly.
+        self._require("optimizer step", layout.OPTIMIZER_METHOD_PARTS["step"])
+
+    def _backward_parts(self) -> tuple[Part, ...]:
+        return (Part.WEIGHTS, Part.GRADS)  # weights saved for backward; DDP's hooks add into main_grad
+
+    def _guard_names(self) -> Iterable[tuple[str, torch.Tensor]]:
+        yield from self._named_weights()
+        yield from ((f"main_grad of param {name}", layout.main_grad(p)) for p, name in self._names.items()
+                    if layout.main_grad(p) is not None)
+        for i, leaf in enumerate(self._leaves):
+            yield from ((f"main weight {j} of optimizer {i}", t) for j, t in enumerate(layout.main_weights(leaf)))
+            for j, state in enumerate(layout.torch_optimizer(leaf).state.values()):
+                yield from ((f"optimizer state {k!r} #{j} of optimizer {i}", v) for k, v in state.items()
+                            if isinstance(v, torch.Tensor))
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._steps += 1
@@ -281,6 +295,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         if Part.GRADS in todo and not force:
             self._check_grads_consumed()
         storages = {p: self._storages(p) for p in todo}
+        self._check_host_memory(storages)
         for p in todo:  # allocate every host store first: a host OOM leaves everything resident
             self._groups[p].prepare(storages[p])
         out = []

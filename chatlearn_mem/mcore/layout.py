@@ -19,6 +19,9 @@ true for all of them:
   cache shard views in ``cached_param_buffer_shard_list`` / ``cached_grad_buffer_shard_list``.
 * DDP registers one hook per trainable parameter on ``param.expand_as(param).grad_fn
   .next_functions[0][0]`` and keeps the nodes in ``grad_accs``.
+* The public DDP and optimizer methods in ``DDP_METHOD_PARTS`` / ``OPTIMIZER_METHOD_PARTS`` touch
+  the storages of the parts listed there; megatron offers no hook before them, so the trainer
+  manager wraps them per instance (:func:`guard_methods`) and unwraps them in ``close()``.
 * ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of ``DistributedOptimizer``,
   ``Float16OptimizerWithFloat16Params`` or ``FP32Optimizer``; each wraps a torch optimizer in
   ``.optimizer`` whose state is created lazily on the first step.
@@ -26,13 +29,15 @@ true for all of them:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from chatlearn_mem.errors import UnsupportedLayoutError
+from chatlearn_mem.parts import Part
 
 __all__ = [
     "SUPPORTED_VERSIONS", "TESTED_VERSIONS", "INSTALL_HINT", "BufferLayout", "ShardView",
@@ -42,6 +47,7 @@ __all__ = [
     "expected_param_groups", "shard_views", "derived_grads", "clear_derived_grads", "megatron_core_version",
     "pipeline_input_tensors", "clear_pipeline_input_tensors", "global_memory_buffer_tensors",
     "is_moe_token_dispatcher", "is_transformer_engine_module", "transformer_engine_global_tensors",
+    "DDP_METHOD_PARTS", "OPTIMIZER_METHOD_PARTS", "main_grad", "MethodGuard", "guard_methods",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 19))
@@ -254,6 +260,11 @@ def shard_views(leaf: Any) -> list[ShardView]:
     return out
 
 
+def main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient view megatron's DDP keeps on a parameter (into the grad buffer), or None."""
+    return getattr(param, "main_grad", None)
+
+
 def derived_grads(leaf: Any) -> list[torch.Tensor]:
     """The ``.grad`` tensors the optimizer derived from ``main_grad`` (set before each step)."""
     with warnings.catch_warnings():  # fp32 shards are non-leaf views; reading .grad warns
@@ -357,6 +368,84 @@ def transformer_engine_global_tensors() -> list[tuple[str, Any]]:
             else:
                 out.append((f"{name}.{key}", value))
     return out
+
+
+# -- the megatron calls the trainer manager guards --------------------------------------------------
+# megatron offers no hook before these methods; each touches the storages of the parts listed, so
+# the manager wraps them per instance (guard_methods) to raise before anything is read or written.
+DDP_METHOD_PARTS: dict[str, tuple[Part, ...]] = {
+    "zero_grad_buffer": (Part.GRADS,),  # zeroes grad_data
+    "start_grad_sync": (Part.GRADS,),  # reduce(-scatter) of grad_data
+    "finish_grad_sync": (Part.GRADS,),
+    "scale_gradients": (Part.GRADS,),
+    "start_param_sync": (Part.WEIGHTS,),  # all-gather into param_data
+    "broadcast_params": (Part.WEIGHTS,),
+    "sharded_state_dict": (Part.WEIGHTS,),  # dist-checkpointing reads the params when it saves
+    "state_dict_for_save_checkpoint": (Part.WEIGHTS,),
+}
+"""``DistributedDataParallel`` methods (and the model chunk's ``sharded_state_dict``) -> the parts
+they touch. ``state_dict`` / ``load_state_dict`` and forward are guarded with torch's own hooks."""
+
+_OPTIMIZER_PARTS = (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+OPTIMIZER_METHOD_PARTS: dict[str, tuple[Part, ...]] = {
+    # prepare_grads reads main_grad and the params, the torch step the states and main weights,
+    # then the main weights are copied into the params: all four, before megatron starts
+    "step": (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES, Part.WEIGHTS, Part.GRADS),
+    "state_dict": _OPTIMIZER_PARTS,  # references (Float16) or reads (distributed: step counts) states
+    "sharded_state_dict": _OPTIMIZER_PARTS + (Part.WEIGHTS,),
+    "load_state_dict": _OPTIMIZER_PARTS + (Part.WEIGHTS,),  # writes states, may reload model params
+    # megatron-core's own optimizer offload (0.16+) copies every CUDA param-group and state tensor
+    # with .cpu(): from released storages that would read freed memory
+    "offload_to_cpu": _OPTIMIZER_PARTS,
+    "restore_from_cpu": _OPTIMIZER_PARTS,
+}
+"""Megatron optimizer methods (outer ``ChainedOptimizer`` or leaf) -> the parts they touch."""
+
+
+class MethodGuard:
+    """One method of one object wrapped per instance so that ``check`` runs first.
+
+    The wrapper is stored in the instance's ``__dict__``, where attribute lookup finds it before
+    the class's method; :meth:`remove` deletes it again (and restores an instance attribute it
+    shadowed). Callers that looked the method up *before* the wrapping (a bound method megatron's
+    pipeline config captured) keep calling the original.
+    """
+
+    def __init__(self, obj: Any, name: str, check: Callable[[], None]):
+        self.obj, self.name = obj, name
+        d = vars(obj)
+        self._had, self._previous = name in d, d.get(name)
+        original = getattr(obj, name)
+
+        @functools.wraps(original)
+        def guarded(*args, **kwargs):
+            check()
+            return original(*args, **kwargs)
+
+        self.wrapper = guarded
+        object.__setattr__(obj, name, guarded)
+
+    def remove(self) -> None:
+        d = vars(self.obj)
+        if d.get(self.name) is not self.wrapper:
+            return  # wrapped again by someone else since; the check is a no-op once the manager closes
+        if self._had:
+            object.__setattr__(self.obj, self.name, self._previous)
+        else:
+            del d[self.name]
+
+
+def guard_methods(obj: Any, table: dict[str, tuple[Part, ...]],
+                  check: Callable[[str, tuple[Part, ...]], None]) -> list[MethodGuard]:
+    """Wrap each method of ``table`` that ``obj`` has so that ``check("Type.method()", parts)``
+    runs before it; returns the guards (``remove()`` each to undo)."""
+    guards = []
+    for name, parts in table.items():
+        if not callable(getattr(type(obj), name, None)):
+            continue
+        what = f"{type(obj).__name__}.{name}()"
+        guards.append(MethodGuard(obj, name, functools.partial(check, what, parts)))
+    return guards
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer_runs import BATCH, STEPS, bit_equal, full_cycle, train
-from chatlearn_mem import ExternalChangeError, Part
+from chatlearn_mem import ExternalChangeError, OffloadedError, Part
 from chatlearn_mem.testbed import gpt
 
 CFG = gpt.GPTTrainerConfig()  # bf16, distributed optimizer: param and grad buffers both exist
@@ -167,3 +167,20 @@ def test_megatron_builtin_offload_cycle_is_exact_on_cpu(baseline, move_params):
     losses, weights, _, _ = train(CFG, between=between)
     assert len(losses) == STEPS
     assert losses == baseline[0] and bit_equal(weights, baseline[1])
+
+
+def test_megatron_optimizer_offload_while_the_manager_holds_the_states_is_refused(dist1):
+    """The other order: megatron's optimizer offload would .cpu() every state tensor, reading the
+    storages the manager released; it is refused before it runs, naming what to onload."""
+    _, _, mm, trainer = train(CFG, steps=1)
+    if not hasattr(trainer.optimizer, "offload_to_cpu"):
+        pytest.skip("this megatron-core has no built-in optimizer offload (added in 0.16)")
+    mm.offload()
+    for call in (trainer.optimizer.offload_to_cpu, trainer.optimizer.restore_from_cpu,
+                 trainer.optimizer.chained_optimizers[0].offload_to_cpu):
+        with pytest.raises(OffloadedError, match=r"offload_to_cpu\(\)|restore_from_cpu\(\)") as e:
+            call()
+        assert "main_weights" in str(e.value) or "optimizer_states" in str(e.value)
+    mm.onload()
+    trainer.optimizer.offload_to_cpu()  # awake: megatron's own call runs (a no-op on CPU)
+    assert mm.audit().ok

@@ -165,7 +165,7 @@ def test_forward_while_another_thread_offloads_is_refused(offload_in_progress):
 
 def test_step_while_another_thread_offloads_is_refused(offload_in_progress):
     mm, trainer = offload_in_progress
-    with pytest.raises(ChatlearnMemError, match=r"optimizer step while another thread is inside"):
+    with pytest.raises(ChatlearnMemError, match=r"Optimizer\.step\(\) while another thread is inside"):
         trainer.optimizer.step()
 
 

@@ -40,6 +40,7 @@ def test_inference_export_after_update_reads_the_new_copy():
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     mm.offload_weights()
     assert _equal(mm.weights_state_dict(), expected)
+    mm.onload_weights()
 
 
 def test_read_host_refuses_foreign_tensors_and_resident_groups():
