@@ -18,7 +18,6 @@ from typing import Hashable, Iterable, Optional
 import torch
 
 from chatlearn_mem.errors import ExternalChangeError
-from chatlearn_mem.storage import extent
 
 __all__ = ["ExternalChangeError", "Placement", "changes"]
 
@@ -47,10 +46,10 @@ class Placement:
         return cls({slot: True for slot, t in slots if t.device == device})
 
 
-def _short_of_storage(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage is smaller than ``t`` needs (released by ``resize_(0)``)."""
-    need = (t.storage_offset() + extent(t)) * t.element_size()
-    return t.untyped_storage().nbytes() < need
+def _released(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage was released (``resize_(0)``, what megatron's offload calls do)
+    although ``t`` has elements. (The audit's residency check also catches partial shrinks.)"""
+    return t.untyped_storage().nbytes() == 0 and t.numel() > 0
 
 
 def changes(part: str, offloaded: bool, released: list[tuple[torch.UntypedStorage, int]],
@@ -79,7 +78,7 @@ def changes(part: str, offloaded: bool, released: list[tuple[torch.UntypedStorag
     short = moved = 0
     for slot, t in slots:
         if t.device == device:
-            if t.numel() and _short_of_storage(t):
+            if _released(t):
                 short += 1
         elif before is not None and before.on_device.get(slot):
             moved += 1
