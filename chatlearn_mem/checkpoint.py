@@ -247,8 +247,8 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
         A :class:`SaveHandle`; with ``async_=False`` it is already complete.
 
     Raises:
-        CheckpointError: ``root`` cannot be written (raised before anything is written), or a
-            synchronous write failed.
+        CheckpointError: ``root`` cannot be written, or the optimizer has not stepped yet
+            (both raised before anything is written), or a synchronous write failed.
         ValueError: ``step`` < 0 or ``keep_last`` < 1.
     """
     from megatron.core import dist_checkpointing
@@ -267,16 +267,20 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     final = os.path.join(root, _name(step))
     tmp = os.path.join(root, ".tmp." + _name(step))
     _check_writable(root)
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        os.makedirs(tmp)
-    _barrier()
 
     def build(is_live):
+        if None in layout.optimizer_steps(_trainer(manager)[2]):  # read here: the states may be offloaded
+            raise CheckpointError("the optimizer has not taken a step yet, so it has no state to save (megatron's "
+                                  "optimizers cannot write a checkpoint before their first step); save after "
+                                  "optimizer.step()")
         return _detach_for_save(_sharded_state(manager, is_loading=False), is_live)
 
     state, readers = manager._with_host_copies(build)
     try:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            os.makedirs(tmp)
+        _barrier()
         shapes = _tensor_shapes(state)
         from megatron.core.dist_checkpointing.dict_utils import nested_values
 
@@ -284,6 +288,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                      if isinstance(getattr(v, "data", None), torch.Tensor))
         # One writer process per rank: thread_count files per rank, each a process forked to write.
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        layout.use_in_process_write_results_queue()
         request = dist_checkpointing.save(state, tmp, sharded_strategy=strategy, async_sharded_save=True)
     except BaseException:
         readers.close()

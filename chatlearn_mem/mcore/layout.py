@@ -618,3 +618,19 @@ def set_optimizer_steps(leaves: list[Any], steps: list[Optional[float]]) -> None
                 s["step"] = torch.full_like(old, step)
             elif "step" in s:
                 s["step"] = step
+
+
+def use_in_process_write_results_queue() -> None:
+    """Make megatron's checkpoint writer report its results through an in-process queue.
+
+    By default ``FileSystemWriterAsync`` starts a ``multiprocessing.Manager`` server process (a
+    spawned Python, about a second) for that queue on the first save and keeps it for the life of
+    the process; when the trainer's process is killed (SIGKILL) that server outlives it. Here the
+    writer's entry point runs in a thread of the saving process (its forked writer processes
+    report through a queue of their own), so a ``queue.Queue`` serves it; no server is started."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
