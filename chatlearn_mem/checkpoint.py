@@ -139,6 +139,7 @@ def _sharded_state(manager: Any, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     chunks, optimizer, leaves = _trainer(manager)
+    layout.dist_checkpointing_numpy2_compat()
     model = layout.model_sharded_state_dict(chunks)
     split = layout.parallel_split()
     rng = ShardedObject("chatlearn_rng_state", layout.rng_state(), (split["pp"], split["tp"], split["dp"]),
@@ -406,7 +407,8 @@ def load_checkpoint(manager: Any, path: str) -> dict:
     loaded = dist_checkpointing.load(state, path)
     layout.clear_optimizer_states(_trainer(manager)[2])
     layout.load_model_state(chunks, loaded)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with layout.loading_optimizer_steps_compat(_trainer(manager)[2]):
+        optimizer.load_state_dict(loaded["optimizer"])
     layout.set_optimizer_steps(_trainer(manager)[2], loaded["optimizer_steps"])
     if same_split:
         layout.set_rng_state(loaded["rng"])

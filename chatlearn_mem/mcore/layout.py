@@ -29,6 +29,7 @@ true for all of them:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass, field
@@ -455,13 +456,46 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # -- checkpoints (megatron-core's dist_checkpointing) -------------------------------------------------
 def distrib_optimizer_sharding(leaves: list[Any]) -> str:
     """The distributed optimizer's checkpoint format that reshards across tensor- and data-parallel
-    splits: ``fully_reshardable`` (model-space tensors gathered on data-parallel rank 0) where
-    megatron-core has it (0.14+; its older default ``fully_sharded_model_space`` raises
-    "ShardedTensor.flattened_range is not supported" in 0.16), else ``fully_sharded_model_space``
-    (0.13). Megatron's ``dp_reshardable`` would reshard data parallel only."""
+    sizes: ``fully_reshardable`` (model-space tensors gathered on data-parallel rank 0) where
+    megatron-core has it (0.14+; there ``fully_sharded_model_space`` refuses to save:
+    "ShardedTensor.flattened_range is not supported"), else ``fully_sharded_model_space`` (0.13).
+    Loading either with torch's Adam needs :func:`loading_optimizer_steps_compat`."""
     if any(hasattr(leaf, "sharded_param_state_fully_reshardable") for leaf in leaves):
-        return "dp_reshardable"
+        return "fully_reshardable"
     return "fully_sharded_model_space"
+
+
+@contextlib.contextmanager
+def loading_optimizer_steps_compat(leaves: list[Any]):
+    """While loading a distributed optimizer's checkpoint with torch's Adam (no Apex or
+    Transformer Engine, as on the CPU backend): megatron's ``load_state_dict`` puts a ``step``
+    entry into every optimizer state, then ``_set_main_param_and_optimizer_states`` copies every
+    state key from the checkpoint's per-parameter tensors, which hold no ``step``
+    (``KeyError: 'step'``, megatron-core 0.13 to 0.16, every format). Each leaf's method is
+    wrapped per instance for the duration to keep the state's own ``step`` (the step counts are
+    restored separately, see :func:`set_optimizer_steps`)."""
+    guards = []
+    for leaf in leaves:
+        original = getattr(leaf, "_set_main_param_and_optimizer_states", None)
+        if original is None or not hasattr(leaf, "model_param_group_index_map"):
+            continue
+
+        def keep_step(model_param, tensors, leaf=leaf, original=original):
+            if "step" not in tensors:
+                group_index, group_order = leaf.model_param_group_index_map[model_param]
+                main_param = leaf.optimizer.param_groups[group_index]["params"][group_order]
+                state = leaf.optimizer.state.get(main_param, {})
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        object.__setattr__(leaf, "_set_main_param_and_optimizer_states", keep_step)
+        guards.append(leaf)
+    try:
+        yield
+    finally:
+        for leaf in guards:
+            del vars(leaf)["_set_main_param_and_optimizer_states"]
 
 
 def checkpoint_read_tensors(chunks: list[torch.nn.Module], leaves: list[Any]) -> list[torch.Tensor]:
@@ -634,3 +668,29 @@ def use_in_process_write_results_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+class _NumpyWithProduct:
+    """numpy, with the ``product`` alias numpy 2 removed (``prod``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        import numpy
+
+        return getattr(numpy, "prod" if name == "product" else name)
+
+
+def dist_checkpointing_numpy2_compat() -> None:
+    """Let megatron-core 0.13's ``dist_checkpointing`` run with numpy 2: its ``mapping``,
+    ``validation`` and ``exchange_utils`` modules call ``np.product`` (removed in numpy 2.0;
+    megatron 0.14+ call ``np.prod``). Only those modules' ``np`` is replaced, and only when numpy
+    lacks ``product``."""
+    import importlib
+
+    import numpy
+
+    if hasattr(numpy, "product"):
+        return
+    for name in ("mapping", "validation", "exchange_utils"):
+        module = importlib.import_module(f"megatron.core.dist_checkpointing.{name}")
+        if getattr(module, "np", None) is numpy:
+            module.np = _NumpyWithProduct()
