@@ -33,7 +33,9 @@ name, so a process killed during a save leaves the previous checkpoint as the ne
 
 Format choice: megatron-core's ``dist_checkpointing`` (``torch_dist`` backend) works on the CPU
 backend (gloo, CPU-only torch); ``torch.distributed.checkpoint`` is not needed. The distributed
-optimizer is saved in the format that reshards (see ``layout.distrib_optimizer_sharding``).
+optimizer is saved in a format that reshards across tensor- and data-parallel sizes by default
+(``resharding=False``: a cheaper one that reshards data parallel only; see
+``layout.distrib_optimizer_sharding``).
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def _trainer(manager: Any):
     return targets
 
 
-def _sharded_state(manager: Any, is_loading: bool) -> dict:
+def _sharded_state(manager: Any, is_loading: bool, sharding: str) -> dict:
     """``{"model": ..., "optimizer": ..., "rng": ShardedObject}`` (megatron's sharded state dicts)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -144,7 +146,7 @@ def _sharded_state(manager: Any, is_loading: bool) -> dict:
     split = layout.parallel_split()
     rng = ShardedObject("chatlearn_rng_state", layout.rng_state(), (split["pp"], split["tp"], split["dp"]),
                         (split["pp_rank"], split["tp_rank"], split["dp_rank"]), replica_id=0)
-    return {**model, "optimizer": layout.optimizer_sharded_state_dict(optimizer, model, is_loading),
+    return {**model, "optimizer": layout.optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
             "rng": rng, "optimizer_steps": layout.optimizer_steps(leaves)}
 
 
@@ -228,7 +230,8 @@ class SaveHandle:
 
 
 def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
-                    metadata: Optional[dict] = None, keep_last: Optional[int] = None) -> SaveHandle:
+                    metadata: Optional[dict] = None, keep_last: Optional[int] = None,
+                    resharding: bool = True) -> SaveHandle:
     """Save the trainer's whole state to ``<root>/step_<step>`` (8 digits), awake or asleep.
 
     Args:
@@ -243,6 +246,12 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
             :func:`load_checkpoint`), e.g. the run's counters.
         keep_last: After the commit, delete all but the newest ``keep_last`` complete
             checkpoints under ``root`` (None: keep all).
+        resharding: Write the distributed optimizer in a format that loads under another tensor-
+            or data-parallel split (megatron's ``fully_reshardable``: it copies the optimizer
+            state into model-space tensors while the call runs, so an asynchronous save returns
+            only after that copy). False: megatron's ``dp_reshardable``, written from the
+            optimizer's (or the host store's) own memory, resharding across data-parallel sizes
+            only (megatron-core 0.14+).
 
     Returns:
         A :class:`SaveHandle`; with ``async_=False`` it is already complete.
@@ -250,6 +259,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     Raises:
         CheckpointError: ``root`` cannot be written, or the optimizer has not stepped yet
             (both raised before anything is written), or a synchronous write failed.
+        UnsupportedLayoutError: ``resharding=False`` with megatron-core 0.13.
         ValueError: ``step`` < 0 or ``keep_last`` < 1.
     """
     from megatron.core import dist_checkpointing
@@ -268,13 +278,14 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     final = os.path.join(root, _name(step))
     tmp = os.path.join(root, ".tmp." + _name(step))
     _check_writable(root)
+    sharding = layout.distrib_optimizer_sharding(_trainer(manager)[2], resharding)
 
     def build(is_live):
         if None in layout.optimizer_steps(_trainer(manager)[2]):  # read here: the states may be offloaded
             raise CheckpointError("the optimizer has not taken a step yet, so it has no state to save (megatron's "
                                   "optimizers cannot write a checkpoint before their first step); save after "
                                   "optimizer.step()")
-        return _detach_for_save(_sharded_state(manager, is_loading=False), is_live)
+        return _detach_for_save(_sharded_state(manager, is_loading=False, sharding=sharding), is_live)
 
     state, readers = manager._with_host_copies(build)
     try:
@@ -317,7 +328,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
         if _rank() == 0:
             meta = {"format": _FORMAT, "step": step, "megatron_core": layout.megatron_core_version(),
                     "parallel": {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")},
-                    "tensors": shapes, "metadata": metadata}
+                    "tensors": shapes, "distrib_optimizer_sharding": sharding, "metadata": metadata}
             path = os.path.join(tmp, METADATA_FILE)
             with open(path + ".part", "w") as f:
                 json.dump(meta, f, indent=1)
@@ -397,7 +408,7 @@ def load_checkpoint(manager: Any, path: str) -> dict:
     chunks, optimizer, _ = _trainer(manager)
     manager._prepare_load()
     same_split = {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")} == meta["parallel"]
-    state = _sharded_state(manager, is_loading=True)
+    state = _sharded_state(manager, is_loading=True, sharding=meta["distrib_optimizer_sharding"])
     problems = _shape_differences(meta["tensors"], _tensor_shapes(state))
     if problems:
         raise CheckpointError(f"checkpoint {path!r} does not fit this model: " + "; ".join(problems)

@@ -9,7 +9,8 @@ directory:
 * ``save_async_return`` / ``save_async_total``: an asynchronous save of the sleeping trainer, the
   time until the call returns and until ``wait()`` has committed it;
 * ``plain_write``: the ceiling: the same number of bytes written with one sequential ``f.write``
-  from a preallocated host buffer, then ``fsync`` (megatron's writer fsyncs too).
+  from a preallocated host buffer, then ``fsync`` (megatron's writer fsyncs too); before and
+  after the saves of each repeat.
 
 Throughputs are tensor bytes (what ``SaveHandle.nbytes`` counts) per second of wall time, the
 median of ``--repeats``. Also checks that the sleeping trainer held 0 device bytes throughout.
@@ -58,7 +59,20 @@ def main() -> None:
     nbytes = 0
     asleep_device_bytes = []
     step = 0
+    def plain_write():
+        buf = torch.ones(nbytes, dtype=torch.uint8).numpy()
+        path = os.path.join(root, "plain.bin")
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(memoryview(buf))
+            f.flush()
+            os.fsync(f.fileno())
+        times["plain_write"].append(time.perf_counter() - t0)
+        os.remove(path)
+
     for _ in range(args.repeats):
+        if nbytes:
+            plain_write()  # before and after the saves: the disk's state affects both the same way
         step += 1
         t0 = time.perf_counter()
         nbytes = save_checkpoint(mm, root, step=step, keep_last=1).nbytes
@@ -77,20 +91,12 @@ def main() -> None:
         times["save_async_total"].append(time.perf_counter() - t0)
         asleep_device_bytes.append(mm.residency().device_bytes)
         mm.onload()
-        buf = torch.ones(nbytes, dtype=torch.uint8).numpy()
-        path = os.path.join(root, "plain.bin")
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(memoryview(buf))
-            f.flush()
-            os.fsync(f.fileno())
-        times["plain_write"].append(time.perf_counter() - t0)
-        os.remove(path)
-        del buf
+        plain_write()
     med = {k: statistics.median(v) for k, v in times.items()}
+    samples = {k: [round(x, 3) for x in v] for k, v in times.items()}
     out = {
         "preset": args.preset, "trainer": cfg.model_dump(), "tensor_bytes": nbytes, "repeats": args.repeats,
-        "seconds": med, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if k != "save_async_return"},
+        "seconds": med, "samples_s": samples, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if k != "save_async_return"},
         "save_vs_plain_write": {k: med["plain_write"] / med[k] for k in ("save_awake", "save_asleep",
                                                                           "save_async_total")},
         "asleep_device_bytes_max": max(asleep_device_bytes),

@@ -454,12 +454,26 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # -- checkpoints (megatron-core's dist_checkpointing) -------------------------------------------------
-def distrib_optimizer_sharding(leaves: list[Any]) -> str:
-    """The distributed optimizer's checkpoint format that reshards across tensor- and data-parallel
-    sizes: ``fully_reshardable`` (model-space tensors gathered on data-parallel rank 0) where
-    megatron-core has it (0.14+; there ``fully_sharded_model_space`` refuses to save:
-    "ShardedTensor.flattened_range is not supported"), else ``fully_sharded_model_space`` (0.13).
+def distrib_optimizer_sharding(leaves: list[Any], resharding: bool = True) -> str:
+    """The distributed optimizer's checkpoint format.
+
+    ``resharding=True``: a format that reshards across tensor- and data-parallel sizes:
+    ``fully_reshardable`` where megatron-core has it (0.14+; there ``fully_sharded_model_space``
+    refuses to save: "ShardedTensor.flattened_range is not supported"), else
+    ``fully_sharded_model_space`` (0.13). ``fully_reshardable`` copies (gathers) the whole
+    optimizer state into new model-space tensors while the save is planned.
+
+    ``resharding=False``: ``dp_reshardable`` (0.14+): the optimizer's own buffers, no copy, data
+    parallel resharding only. megatron-core 0.13's equivalent (``fully_sharded_bucket_space``)
+    fails on torch Adam's scalar ``step``, so it is refused there.
+
     Loading either with torch's Adam needs :func:`loading_optimizer_steps_compat`."""
+    if not resharding:
+        if not any(hasattr(leaf, "sharded_param_state_dp_reshardable") for leaf in leaves):
+            raise UnsupportedLayoutError(
+                f"resharding=False needs megatron-core 0.14 or newer (found {megatron_core_version()}); "
+                "use resharding=True")
+        return "dp_reshardable"
     if any(hasattr(leaf, "sharded_param_state_fully_reshardable") for leaf in leaves):
         return "fully_reshardable"
     return "fully_sharded_model_space"
@@ -565,13 +579,13 @@ def load_model_state(chunks: list[torch.nn.Module], state: dict) -> None:
         c.module.load_state_dict(state[f"model{i}"], strict=True)
 
 
-def optimizer_sharded_state_dict(optimizer: Any, model_state: dict, is_loading: bool) -> dict:
+def optimizer_sharded_state_dict(optimizer: Any, model_state: dict, is_loading: bool, sharding: str) -> dict:
     """The megatron optimizer's ``sharded_state_dict`` over ``model_state`` (all chunks merged),
-    in the resharding format (:func:`distrib_optimizer_sharding`) for distributed optimizers."""
+    distributed optimizers in format ``sharding`` (:func:`distrib_optimizer_sharding`)."""
     merged: dict = {}
     for v in model_state.values():
         merged.update(v)
-    metadata = {"distrib_optim_sharding_type": distrib_optimizer_sharding(leaf_optimizers(optimizer))}
+    metadata = {"distrib_optim_sharding_type": sharding}
     return optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=metadata)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer_runs import train
-from chatlearn_mem import Part
+from chatlearn_mem import Part, UnsupportedLayoutError
 from chatlearn_mem.checkpoint import (CheckpointError, METADATA_FILE, latest_checkpoint, list_checkpoints,
                                       load_checkpoint, save_checkpoint)
 from chatlearn_mem.mcore import layout
@@ -40,14 +40,17 @@ def steps(trainer, cfg, first: int, n: int) -> list[float]:
     return [trainer.train_step(gpt.synthetic_batch(cfg, s, batch_size=BATCH)) for s in range(first, first + n)]
 
 
-@pytest.mark.parametrize("distopt", [True, False], ids=["distopt", "float16opt"])
-def test_save_asleep_reads_host_store_and_equals_awake_save(dist1, tmp_path, distopt):
+@pytest.mark.parametrize("distopt,resharding", [(True, True), (True, False), (False, True)],
+                         ids=["distopt", "distopt-dp_reshardable", "float16opt"])
+def test_save_asleep_reads_host_store_and_equals_awake_save(dist1, tmp_path, distopt, resharding):
+    if not resharding and layout.megatron_core_version().startswith("0.13."):
+        pytest.skip("resharding=False needs megatron-core 0.14+ (tested below that it says so)")
     cfg = gpt.GPTTrainerConfig(use_distributed_optimizer=distopt)
     _, _, mm, trainer = train(cfg, steps=2)
     expected = full_state(trainer)
-    save_checkpoint(mm, tmp_path / "awake", step=2)
+    save_checkpoint(mm, tmp_path / "awake", step=2, resharding=resharding)
     mm.offload()
-    handle = save_checkpoint(mm, tmp_path / "asleep", step=2, async_=True)
+    handle = save_checkpoint(mm, tmp_path / "asleep", step=2, async_=True, resharding=resharding)
     handle.wait()
     assert mm.residency().device_bytes == 0  # nothing was allocated (or left) on the device
     assert all(mm.is_offloaded(p) for p in Part)
@@ -200,3 +203,6 @@ def test_keep_last_and_incomplete_directories_are_ignored(dist1, tmp_path):
     assert os.path.isfile(tmp_path / "step_00000003" / METADATA_FILE)
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         save_checkpoint(mm, tmp_path, step=4, keep_last=0)
+    if layout.megatron_core_version().startswith("0.13."):
+        with pytest.raises(UnsupportedLayoutError, match="resharding=False needs megatron-core 0.14"):
+            save_checkpoint(mm, tmp_path, step=4, resharding=False)
