@@ -8,6 +8,9 @@ directory:
 * ``save_asleep``: the same after ``offload()``: every tensor read from the host store;
 * ``save_async_return`` / ``save_async_total``: an asynchronous save of the sleeping trainer, the
   time until the call returns and until ``wait()`` has committed it;
+* the same three with suffix ``_dp``: ``resharding=False`` (megatron's ``dp_reshardable``
+  optimizer format: no gather copy; the default ``fully_reshardable`` copies the optimizer state
+  while the call runs);
 * ``plain_write``: the ceiling: the same number of bytes written with one sequential ``f.write``
   from a preallocated host buffer, then ``fsync`` (megatron's writer fsyncs too); before and
   after the saves of each repeat.
@@ -54,8 +57,9 @@ def main() -> None:
     trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=bench.batch_size))
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-measure-")
     os.makedirs(root, exist_ok=True)
-    times: dict[str, list[float]] = {k: [] for k in ("save_awake", "save_asleep", "save_async_return",
-                                                       "save_async_total", "plain_write")}
+    times: dict[str, list[float]] = {k: [] for k in (
+        "save_awake", "save_asleep", "save_async_return", "save_async_total",
+        "save_awake_dp", "save_asleep_dp", "save_async_return_dp", "save_async_total_dp", "plain_write")}
     nbytes = 0
     asleep_device_bytes = []
     step = 0
@@ -73,32 +77,32 @@ def main() -> None:
     for _ in range(args.repeats):
         if nbytes:
             plain_write()  # before and after the saves: the disk's state affects both the same way
-        step += 1
-        t0 = time.perf_counter()
-        nbytes = save_checkpoint(mm, root, step=step, keep_last=1).nbytes
-        times["save_awake"].append(time.perf_counter() - t0)
-        mm.offload()
-        step += 1
-        t0 = time.perf_counter()
-        save_checkpoint(mm, root, step=step, keep_last=1)
-        times["save_asleep"].append(time.perf_counter() - t0)
-        asleep_device_bytes.append(mm.residency().device_bytes)
-        step += 1
-        t0 = time.perf_counter()
-        handle = save_checkpoint(mm, root, step=step, async_=True, keep_last=1)
-        times["save_async_return"].append(time.perf_counter() - t0)
-        handle.wait()
-        times["save_async_total"].append(time.perf_counter() - t0)
-        asleep_device_bytes.append(mm.residency().device_bytes)
-        mm.onload()
+        for suffix, resharding in (("", True), ("_dp", False)):
+            step += 1
+            t0 = time.perf_counter()
+            nbytes = save_checkpoint(mm, root, step=step, keep_last=1, resharding=resharding).nbytes
+            times["save_awake" + suffix].append(time.perf_counter() - t0)
+            mm.offload()
+            step += 1
+            t0 = time.perf_counter()
+            save_checkpoint(mm, root, step=step, keep_last=1, resharding=resharding)
+            times["save_asleep" + suffix].append(time.perf_counter() - t0)
+            asleep_device_bytes.append(mm.residency().device_bytes)
+            step += 1
+            t0 = time.perf_counter()
+            handle = save_checkpoint(mm, root, step=step, async_=True, keep_last=1, resharding=resharding)
+            times["save_async_return" + suffix].append(time.perf_counter() - t0)
+            handle.wait()
+            times["save_async_total" + suffix].append(time.perf_counter() - t0)
+            asleep_device_bytes.append(mm.residency().device_bytes)
+            mm.onload()
         plain_write()
     med = {k: statistics.median(v) for k, v in times.items()}
     samples = {k: [round(x, 3) for x in v] for k, v in times.items()}
     out = {
         "preset": args.preset, "trainer": cfg.model_dump(), "tensor_bytes": nbytes, "repeats": args.repeats,
-        "seconds": med, "samples_s": samples, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if k != "save_async_return"},
-        "save_vs_plain_write": {k: med["plain_write"] / med[k] for k in ("save_awake", "save_asleep",
-                                                                          "save_async_total")},
+        "seconds": med, "samples_s": samples, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if "return" not in k},
+        "save_vs_plain_write": {k: med["plain_write"] / v for k, v in med.items() if "return" not in k},
         "asleep_device_bytes_max": max(asleep_device_bytes),
         "torch": torch.__version__, "megatron_core": __import__("chatlearn_mem.mcore.layout", fromlist=["x"])
         .megatron_core_version(), "cpu_count": os.cpu_count(), "dir": root,
