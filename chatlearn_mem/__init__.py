@@ -9,12 +9,16 @@ Public API::
     mm.onload()
     assert mm.audit().ok
     print(device_report(model, optimizer, managers=[mm]))   # what stays on the device, who holds it
+    save_checkpoint(mm, "ckpt", step=10, async_=True)   # even asleep: read from the host store
+    load_checkpoint(mm, latest_checkpoint("ckpt"))
 
 Beside the managers: :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
 names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exercise the manager).
 """
 
 from chatlearn_mem.audit import AuditReport
+from chatlearn_mem.checkpoint import (CheckpointError, SaveHandle, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                      save_checkpoint)
 from chatlearn_mem.config import MemoryConfig, load_config
 from chatlearn_mem.device_report import DeviceReport, device_report
 from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, HostMemoryError,
@@ -28,8 +32,9 @@ from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
 
 __all__ = [
-    "AuditReport", "ChatlearnMemError", "ConfigError", "DeviceReport", "ExternalChangeError", "HostMemoryError",
-    "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "TrainerMemoryManager",
-    "TransferStats", "UnsupportedLayoutError", "device_report", "load_config", "manager_of",
+    "AuditReport", "ChatlearnMemError", "CheckpointError", "ConfigError", "DeviceReport", "ExternalChangeError",
+    "HostMemoryError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "SaveHandle",
+    "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError", "device_report", "latest_checkpoint",
+    "list_checkpoints", "load_checkpoint", "load_config", "manager_of", "save_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -136,6 +136,7 @@ class MemoryManagerBase:
         self.device = device
         self._lock = threading.RLock()
         self._active_call: Optional[tuple[str, int]] = None  # (method, thread id) of the call in progress
+        self._serving_host: Optional[int] = None  # thread reading the host copies through the model (checkpoint)
         # part -> its storages; ``keep``: copy the contents to the host (False: drop them)
         self._groups = {part: StorageGroup(part.value, keep, self.config) for part, keep in parts.items()}
         self._dirty_epoch = 0
@@ -341,8 +342,8 @@ class MemoryManagerBase:
 
         The guard of every call the manager intercepts; a no-op once the manager is closed.
         """
-        if self._closed:
-            return
+        if self._closed or self._serving_host == threading.get_ident():
+            return  # closed, or the tensors view their host copies for a checkpoint (trainer)
         self._check_no_concurrent_call(what)
         missing = [p for p in parts if p in self._groups and self._groups[p].offloaded]
         if missing:

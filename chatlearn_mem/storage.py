@@ -15,7 +15,9 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional
 
@@ -143,6 +145,10 @@ class StorageGroup:
         # Token describing the device contents the host copy holds; None when it holds none.
         self._host_token: Optional[Hashable] = None
         self._host_keys: tuple[int, ...] = ()
+        # Readers of the host store outside the manager's lock (an asynchronous checkpoint save):
+        # nothing may copy into, reallocate or free the store while one is registered.
+        self._readers = 0
+        self._readers_done = threading.Condition()
 
     @property
     def released(self) -> list[tuple[torch.UntypedStorage, int]]:
@@ -189,6 +195,61 @@ class StorageGroup:
                 out[lo - start:hi - start].copy_(host[lo - off:hi - off])
         return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
 
+    def host_view(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor equal to ``t`` as it was offloaded, sharing the host store's memory when
+        ``t``'s bytes lie in one bucket (else a copy, as :meth:`read_host`).
+
+        The view owns a storage of exactly ``t``'s bytes (not the whole bucket), so writers that
+        copy "views of a larger storage" (megatron's checkpoint writer) take it as it is. It is
+        valid while the store is not overwritten: hold :meth:`reading` while it is in use.
+
+        Raises:
+            ValueError: As :meth:`read_host`.
+        """
+        if not (self.offloaded and self.keep_contents and self.store is not None):
+            raise ValueError(f"{self.name} hold no host copy to read (offloaded={self.offloaded})")
+        try:
+            index = self._host_keys.index(storage_key(t))
+        except ValueError:
+            raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a view of a storage of "
+                             f"{self.name}") from None
+        size = t.element_size()
+        start, nbytes = t.storage_offset() * size, extent(t) * size
+        for host, off in self.store.views(index):
+            if off <= start and start + nbytes <= off + host.numel():
+                piece = host[start - off:start - off + nbytes]
+                # from_numpy: a storage of exactly these bytes over the bucket's memory (no copy)
+                exact = torch.from_numpy(piece.numpy()) if nbytes else torch.empty(0, dtype=torch.uint8)
+                return exact.view(t.dtype).as_strided(t.shape, t.stride())
+        return self.read_host(t)
+
+    @contextmanager
+    def reading(self):
+        """Register a reader of the host store for the duration of the ``with`` block: every call
+        that would overwrite, reallocate or free the store (:meth:`offload` with a copy,
+        :meth:`prepare`, :meth:`drop_host_store`) waits until no reader is left."""
+        with self._readers_done:
+            self._readers += 1
+        try:
+            yield self
+        finally:
+            with self._readers_done:
+                self._readers -= 1
+                self._readers_done.notify_all()
+
+    @property
+    def readers(self) -> int:
+        """Readers registered through :meth:`reading` now."""
+        return self._readers
+
+    def wait_for_readers(self) -> None:
+        """Block until no reader of the host store is left (see :meth:`reading`)."""
+        with self._readers_done:
+            if self._readers:
+                logger.info("%s: waiting for %d reader(s) of the host store (a checkpoint save)",
+                            self.name, self._readers)
+            self._readers_done.wait_for(lambda: self._readers == 0)
+
     def new_host_bytes(self, storages: list[torch.UntypedStorage]) -> int:
         """Host bytes an offload of ``storages`` would newly allocate: 0 when the group keeps no
         contents or its store already fits them (reused), else the new store's size less the old
@@ -203,6 +264,7 @@ class StorageGroup:
     def drop_host_store(self) -> None:
         """Free the host store (the group must be resident: the store holds no needed bytes)."""
         assert not self.offloaded, f"{self.name} is offloaded; its host store holds the only copy"
+        self.wait_for_readers()
         self.store = None
         self._host_token = None
         self._host_keys = ()
@@ -214,6 +276,7 @@ class StorageGroup:
         sizes = [s.nbytes() for s in storages]
         if self.store is not None and self.store.sizes == tuple(sizes):
             return
+        self.wait_for_readers()
         pin = self._config.resolved_pin_memory()
         old, self.store = self.store, None
         self._host_token = None
@@ -235,6 +298,7 @@ class StorageGroup:
         t0 = time.perf_counter()
         copied = 0
         if self.keep_contents and not self.host_copy_current(token, storages):
+            self.wait_for_readers()  # a checkpoint save still reading the store: let it finish
             self.prepare(storages)
             self._host_token = None  # the copy below may fail half way
             device = storages[0].device if storages else torch.device("cpu")

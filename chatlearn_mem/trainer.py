@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from typing import Any, Hashable, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, Optional
 
 import torch
 
@@ -363,6 +365,74 @@ class TrainerMemoryManager(MemoryManagerBase):
         for sentence in self._external_changes():
             report.add(sentence)
         return report
+
+    # -- checkpoints (chatlearn_mem.checkpoint) ----------------------------------------------------
+    @serialized
+    def _with_host_copies(self, build: Callable[[Callable[[torch.Tensor], bool]], Any]
+                          ) -> tuple[Any, contextlib.ExitStack]:
+        """Run ``build(is_live)`` while every tensor megatron reads for a checkpoint views its host
+        copy; return its result and the registration of every host store it may still reference.
+
+        While a part is offloaded its tensors (parameters, main weights, shard views, states) keep
+        their released device storages; for the duration of ``build`` each one's ``.data`` is
+        pointed at its bytes in the host store (:meth:`StorageGroup.host_view`, no copy where the
+        bytes lie in one bucket) and the offload guards let megatron's ``sharded_state_dict`` calls
+        through, in this thread only. Then every ``.data`` is pointed back at its device storage:
+        nothing is allocated on the device and the trainer stays asleep. ``build`` must detach what
+        it keeps (a parameter object follows its ``.data`` back) and copy what ``is_live(t)``
+        (the tensor is training state on the device) says will change.
+
+        The returned ExitStack holds :meth:`StorageGroup.reading` on every offloaded part: until it
+        is closed, an offload that would overwrite those host stores waits.
+        """
+        served = {}
+        for g in self._groups.values():
+            if g.offloaded and g.keep_contents:
+                for s, _ in g.released:
+                    served[storage_key(s)] = g
+        live = self._storage_keys()
+        swapped = []
+        readers = contextlib.ExitStack()
+        try:
+            for t in layout.checkpoint_read_tensors(self._chunks, self._leaves):
+                group = served.get(storage_key(t))
+                if group is not None:
+                    view = group.host_view(t)
+                    swapped.append((t, t.data))
+                    t.data = view
+            self._serving_host = threading.get_ident()
+            out = build(lambda t: storage_key(t) in live)
+            for g in dict.fromkeys(served.values()):
+                readers.enter_context(g.reading())
+            return out, readers
+        finally:
+            self._serving_host = None
+            for t, original in reversed(swapped):
+                t.data = original
+
+    @serialized
+    def _prepare_load(self) -> None:
+        """Before a checkpoint is loaded: every part resident, optimizer states created."""
+        offloaded = [p.value for p, g in self._groups.items() if g.offloaded]
+        if offloaded:
+            raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call "
+                                 "onload() first")
+        layout.init_optimizer_states(self._leaves)
+
+    @serialized
+    def _after_load(self) -> None:
+        """After a checkpoint was loaded: the optimizer replaced its state tensors and every part
+        changed, so host copies are stale and the manager takes the new tensors over."""
+        self._dirty_epoch += 1
+        self._release_claim()
+        self._claim("this model" if len(self._chunks) == 1 else "this list of model chunks")
+        self._remember_weight_storages()
+        self._record_placement()
+
+    @property
+    def _checkpoint_targets(self) -> tuple[list, Any, list]:
+        """``(model chunks, optimizer, leaf optimizers)`` for :mod:`chatlearn_mem.checkpoint`."""
+        return self._chunks, self._optimizer, self._leaves
 
     # -- internals -----------------------------------------------------------------------------
     def _check_grads_consumed(self) -> None:

@@ -409,3 +409,51 @@ def spawn(specs: list[dict], fn_name: str = "run_layout") -> dict[str, list[dict
                 else:
                     out[s["name"]].append({"rank": r, "error": crash})
     return out
+
+
+def _named_state(trainer) -> dict[str, torch.Tensor]:
+    """Weights, main weights, optimizer states (keys sorted: a loaded optimizer orders them otherwise)."""
+    sync_params(trainer)
+    out = {f"param {i}.{n}": p.detach().clone() for i, c in enumerate(chunks_of(trainer))
+           for n, p in c.named_parameters()}
+    for i, leaf in enumerate(layout.leaf_optimizers(trainer.optimizer)):
+        out.update({f"main {i}.{j}": t.detach().clone() for j, t in enumerate(layout.main_weights(leaf))})
+        for j, state in enumerate(layout.torch_optimizer(leaf).state.values()):
+            out.update({f"state {i}.{j}.{k}": state[k].clone() for k in sorted(state)})
+    return out
+
+
+def checkpoint_reshard(spec: dict) -> dict:
+    """One leg of a checkpoint round trip through another parallel split (``spec["role"]``):
+
+    ``save``: train, keep this rank's state in ``<dir>/state.rank<N>.pt``, save (asleep) to ``<dir>/a``;
+    ``reshard``: a fresh trainer of this split loads ``<dir>/a`` and saves it to ``<dir>/b``;
+    ``check``: a fresh trainer (the first split) loads ``<dir>/b``: returns the names that differ
+    from what ``save`` kept, bit for bit.
+    """
+    import torch.distributed as dist
+
+    from chatlearn_mem.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    setup_parallel(spec)
+    d, role = spec["dir"], spec["role"]
+    if role == "save":
+        _, _, mm, trainer = train_spec(spec)
+        torch.save(_named_state(trainer), os.path.join(d, f"state.rank{dist.get_rank()}.pt"))
+        mm.offload()
+        save_checkpoint(mm, os.path.join(d, "a"), step=spec["steps"])
+        mm.onload()
+        return {"saved": True}
+    trainer = gpt.build_gpt_pipeline_trainer(gpt.GPTTrainerConfig(**spec["cfg"]))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    if role == "reshard":
+        load_checkpoint(mm, latest_checkpoint(os.path.join(d, "a")))
+        save_checkpoint(mm, os.path.join(d, "b"), step=spec["steps"])
+        return {"resaved": True}
+    meta = load_checkpoint(mm, latest_checkpoint(os.path.join(d, "b")))
+    expected = torch.load(os.path.join(d, f"state.rank{dist.get_rank()}.pt"))
+    got = _named_state(trainer)
+    differ = sorted(k for k in expected.keys() | got.keys()
+                    if k not in got or k not in expected or expected[k].dtype != got[k].dtype
+                    or not torch.equal(expected[k], got[k]))
+    return {"differ": differ, "compared": len(expected), "saved_split": meta["parallel"]}

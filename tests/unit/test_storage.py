@@ -354,3 +354,41 @@ def test_advise_huge_pages_real_madvise_succeeds():
     assert storage_mod.advise_huge_pages(t.untyped_storage())
     t.fill_(7)
     assert int(t[-1]) == 7
+
+
+def test_host_view_shares_the_store_within_a_bucket_and_copies_across():
+    config = MemoryConfig(bucket_size_mb=512 / 2**20)  # 512-byte buckets (the smallest)
+    big = torch.arange(200, dtype=torch.float32)  # 800 bytes: split across two buckets
+    small = torch.arange(8, dtype=torch.bfloat16)
+    inner, across, strided = small[2:6], big[120:140], small[::2]  # views made while resident
+    expected = [inner.clone(), across.clone(), strided.clone()]
+    group = StorageGroup("weights", keep_contents=True, config=config)
+    group.offload([small.untyped_storage(), big.untyped_storage()], token=None)
+    views = [group.host_view(t) for t in (inner, across, strided)]
+    assert all(torch.equal(v, e) and v.dtype == e.dtype for v, e in zip(views, expected))
+    buckets = [range(b.data_ptr(), b.data_ptr() + b.numel()) for b in group.store.buckets]
+    assert views[0].data_ptr() in buckets[0]  # no copy: the store's bytes
+    assert views[0].untyped_storage().nbytes() == 8  # a storage of exactly its bytes, not the bucket
+    assert all(views[1].data_ptr() not in b for b in buckets)  # spans two buckets: a copy
+    group.onload()
+
+
+def test_offload_waits_while_a_reader_holds_the_host_store():
+    import threading
+
+    t = torch.arange(16, dtype=torch.float32)
+    group = StorageGroup("weights", keep_contents=True, config=MemoryConfig())
+    group.offload([t.untyped_storage()], token=None)
+    group.onload()
+    with group.reading():  # an asynchronous checkpoint save still reading the host copy
+        assert group.readers == 1
+        t.add_(1)  # new device contents; an offload now would copy them over the host copy
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (group.offload([t.untyped_storage()], token=None), done.set()))
+        worker.start()
+        assert not done.wait(0.5), "offload overwrote the host store while a reader held it"
+        assert bits(group.store.buckets[0][:64].view(torch.float32)).equal(bits(torch.arange(16.0)))
+    worker.join()
+    assert done.is_set() and group.readers == 0
+    assert torch.equal(group.read_host(t), torch.arange(16.0) + 1)
+    group.onload()
