@@ -301,7 +301,8 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
         # One writer process per rank: thread_count files per rank, each a process forked to write.
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
         layout.use_in_process_write_results_queue()
-        request = dist_checkpointing.save(state, tmp, sharded_strategy=strategy, async_sharded_save=True)
+        request = dist_checkpointing.save(state, tmp, sharded_strategy=strategy, async_sharded_save=True,
+                                          **layout.dist_checkpointing_save_kwargs())
     except BaseException:
         readers.close()
         raise

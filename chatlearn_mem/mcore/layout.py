@@ -48,7 +48,7 @@ __all__ = [
     "expected_param_groups", "shard_views", "module_buffer_slots", "derived_grads", "clear_derived_grads", "megatron_core_version",
     "pipeline_input_modules", "pipeline_input_tensors", "clear_pipeline_input_tensors", "global_memory_buffer_tensors",
     "is_moe_token_dispatcher", "is_transformer_engine_module", "transformer_engine_global_tensors",
-    "DDP_METHOD_PARTS", "OPTIMIZER_METHOD_PARTS", "main_grad", "MethodGuard", "guard_methods",
+    "DDP_METHOD_PARTS", "OPTIMIZER_METHOD_PARTS", "main_grad", "MethodGuard", "guard_methods", "dist_checkpointing_save_kwargs",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 19))
@@ -722,3 +722,15 @@ def dist_checkpointing_numpy2_compat() -> None:
         module = importlib.import_module(f"megatron.core.dist_checkpointing.{name}")
         if getattr(module, "np", None) is numpy:
             module.np = _NumpyWithProduct()
+
+
+def dist_checkpointing_save_kwargs() -> dict:
+    """Extra arguments for ``dist_checkpointing.save``: from 0.17 its ``async_strategy`` defaults
+    to ``"nvrx"``, which needs the separate ``nvidia-resiliency-ext`` package; megatron's own
+    ``"mcore"`` strategy is the one 0.13 to 0.16 always used."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    return {"async_strategy": "mcore"} if "async_strategy" in params else {}

@@ -98,13 +98,16 @@ def test_async_save_makes_an_overwriting_offload_wait(dist1, tmp_path, monkeypat
     _, _, mm, trainer = train(cfg, steps=2)
     expected = full_state(trainer)
     release = threading.Event()
-    original = FileSystemWriterAsync.write_preloaded_data_multiproc
+    # the writer's entry point: ..._multiproc up to 0.16, ..._multithread from 0.17
+    name = next(n for n in ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
+                if hasattr(FileSystemWriterAsync, n))
+    original = getattr(FileSystemWriterAsync, name)
 
     def held_write(*args, **kwargs):
         release.wait()
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", staticmethod(held_write))
+    monkeypatch.setattr(FileSystemWriterAsync, name, staticmethod(held_write))
     mm.offload()
     handle = save_checkpoint(mm, tmp_path, step=2, async_=True)
     assert not handle.done()
