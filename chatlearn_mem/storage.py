@@ -179,6 +179,16 @@ class StorageGroup:
             ValueError: The group is not offloaded, does not keep contents, or ``t`` is not a view
                 of one of its storages.
         """
+        index, start, nbytes = self._host_span(t)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        for host, off in self.store.views(index):
+            lo, hi = max(start, off), min(start + nbytes, off + host.numel())
+            if lo < hi:
+                out[lo - start:hi - start].copy_(host[lo - off:hi - off])
+        return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
+
+    def _host_span(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """``(index of t's storage in the host store, t's first byte, t's byte count)``."""
         if not (self.offloaded and self.keep_contents and self.store is not None):
             raise ValueError(f"{self.name} hold no host copy to read (offloaded={self.offloaded})")
         try:
@@ -187,13 +197,7 @@ class StorageGroup:
             raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a view of a storage of "
                              f"{self.name}") from None
         size = t.element_size()
-        start, nbytes = t.storage_offset() * size, extent(t) * size
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        for host, off in self.store.views(index):
-            lo, hi = max(start, off), min(start + nbytes, off + host.numel())
-            if lo < hi:
-                out[lo - start:hi - start].copy_(host[lo - off:hi - off])
-        return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
+        return index, t.storage_offset() * size, extent(t) * size
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor equal to ``t`` as it was offloaded, sharing the host store's memory when
@@ -206,15 +210,7 @@ class StorageGroup:
         Raises:
             ValueError: As :meth:`read_host`.
         """
-        if not (self.offloaded and self.keep_contents and self.store is not None):
-            raise ValueError(f"{self.name} hold no host copy to read (offloaded={self.offloaded})")
-        try:
-            index = self._host_keys.index(storage_key(t))
-        except ValueError:
-            raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a view of a storage of "
-                             f"{self.name}") from None
-        size = t.element_size()
-        start, nbytes = t.storage_offset() * size, extent(t) * size
+        index, start, nbytes = self._host_span(t)
         for host, off in self.store.views(index):
             if off <= start and start + nbytes <= off + host.numel():
                 piece = host[start - off:start - off + nbytes]
