@@ -66,8 +66,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _owner(key: int) -> Optional["MemoryManagerBase"]:
+    """The live manager of a storage key; call with ``_owners_lock`` held."""
     ref = _owners.get(key)
     manager = ref() if ref is not None else None
+    if manager is None and ref is not None:
+        del _owners[key]  # left by a manager collected while the lock was held (see __del__)
     if manager is None or manager._closed:
         return None
     # A storage the manager claimed may have been freed since (a parameter whose .data was
@@ -461,13 +464,25 @@ class MemoryManagerBase:
                 if t is not None:
                     yield t
 
-    def _release_claim(self) -> None:
-        with _owners_lock:
+    def _release_claim(self, blocking: bool = True) -> None:
+        """Drop this manager's entries from the registry.
+
+        Args:
+            blocking: False from ``__del__``: the garbage collector can run a finaliser in a
+                thread that already holds ``_owners_lock`` (inside ``manager_of`` or ``_claim``),
+                and waiting for it there would deadlock. The entries then stay as dead weak
+                references, which ``_owner`` ignores and removes.
+        """
+        if not _owners_lock.acquire(blocking=blocking):
+            return
+        try:
             for k in self._claimed:
                 ref = _owners.get(k)
                 if ref is not None and ref() in (self, None):
                     del _owners[k]
             self._claimed = []
+        finally:
+            _owners_lock.release()
 
     def mark_weights_dirty(self) -> None:
         """Declare that the weights changed in a way the manager cannot see.
@@ -523,7 +538,7 @@ class MemoryManagerBase:
                     f"{', '.join(offloaded)} were offloaded: their host copies are freed with it and the "
                     "model's storages stay released. Call onload() (chatlearn_mem.manager_of(model) finds "
                     "the manager) before dropping a model you still need", UserWarning, stacklevel=2)
-            self._release_claim()
+            self._release_claim(blocking=False)
         except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
             pass
 

@@ -137,3 +137,31 @@ def test_state_dict_and_load_state_dict_refuse_while_offloaded(model):
     assert _same(model, snap)
     model.load_state_dict(host)  # resident again: both work
     mm.close()
+
+
+def test_manager_collected_inside_a_registry_lookup_does_not_deadlock():
+    """The garbage collector may finalise a sleeping manager while this thread holds the registry
+    lock (inside manager_of): its __del__ must not wait for that lock. Before the fix the misuse
+    child process hung here for good (found by CI on megatron-core 0.13.1)."""
+    import threading
+
+    from chatlearn_mem import manager as manager_module
+
+    mm = InferenceMemoryManager(Tied())
+    mm.offload()
+
+    def collect_while_locked():
+        nonlocal mm
+        with manager_module._owners_lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            del mm
+            gc.collect()
+
+    t = threading.Thread(target=collect_while_locked, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "the finaliser waited for the registry lock its own thread holds"
+    other = Tied()  # the registry still works afterwards (dead entries are pruned on lookup)
+    mm2 = InferenceMemoryManager(other)
+    assert manager_of(other) is mm2
+    mm2.close()
