@@ -55,8 +55,8 @@ import torch
 from chatlearn_mem.errors import ChatlearnMemError
 from chatlearn_mem.mcore import layout
 
-__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "estimate_checkpoint_nbytes", "latest_checkpoint",
+           "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
 METADATA_FILE = "chatlearn_checkpoint.json"
 """Written last into a checkpoint directory; a directory without it is incomplete and ignored."""
@@ -187,6 +187,26 @@ def _tensor_shapes(state: dict) -> dict[str, tuple[list[int], str]]:
             if isinstance(v, ShardedTensor):
                 out[v.key] = (list(v.global_shape), str(v.dtype).replace("torch.", ""))
     return out
+
+
+def estimate_checkpoint_nbytes(manager: Any, resharding: bool = True) -> int:
+    """About how many bytes :func:`save_checkpoint` writes for this rank, before any save (and
+    before the optimizer's first step): the model's weights, plus fp32 main weights and Adam's
+    two fp32 moments for the parameters this rank's optimizer owns (a data-parallel shard with
+    megatron's distributed optimizer).
+
+    Raises:
+        UnsupportedLayoutError: ``resharding=False`` and this megatron-core cannot save that format
+            (what :func:`save_checkpoint` would raise, found before anything runs).
+    """
+    chunks, _, leaves = _trainer(manager)
+    layout.distrib_optimizer_sharding(leaves, resharding)
+    params = [p for c in chunks for p in c.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    owned = sum(p.numel() for p in params if p.requires_grad)
+    if any(layout.is_distributed_optimizer(leaf) for leaf in leaves):
+        owned = -(-owned // max(1, layout.parallel_split()["dp"]))
+    return weights + owned * 4 * 3
 
 
 # -- saving ----------------------------------------------------------------------------------------------

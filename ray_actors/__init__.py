@@ -5,6 +5,8 @@
 - :func:`run_ppo`: start (or join) Ray, place every actor on the same resources, run PPO with
   the memory manager switching models between phases, write the JSON log and memory timeline.
 - :class:`TrainerActor`, :class:`InferenceActor`: the actors (plain classes; ``ray.remote`` them).
+- Checkpoints, resume and restarts of dead actors: the ``checkpoint`` section of the config;
+  :mod:`chatlearn_mem_ray.checkpoints` reads what a run saved.
 - :class:`RunError`: the base of every error that stops a run; :class:`RunInterrupted` (a
   ``KeyboardInterrupt``) when Ctrl-C stops one after its log was written.
 - Command line: ``chatlearn-mem ppo [--config cpu_tiny|gpu|PATH] [key=value ...]``.
@@ -13,11 +15,12 @@
 from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, load_config
-from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, ClusterConnectionError, NonFiniteLossError,
-                                      OutputDirError, PhaseTimeoutError, ResourceError, RunError, RunInterrupted,
-                                      WeightSyncError)
+from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, CheckpointSaveError,
+                                      ClusterConnectionError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
+                                      ResourceError, ResumeError, RunError, RunInterrupted, WeightSyncError)
 from chatlearn_mem_ray.ppo import run_ppo
 
-__all__ = ["ActorFailedError", "AuditFailedError", "ClusterConnectionError", "Colocation", "InferenceActor",
-           "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError", "RunConfig", "RunError",
-           "RunInterrupted", "TrainerActor", "WeightSyncError", "load_config", "run_ppo"]
+__all__ = ["ActorFailedError", "AuditFailedError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
+           "Colocation", "InferenceActor", "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError",
+           "ResumeError", "RunConfig", "RunError", "RunInterrupted", "TrainerActor", "WeightSyncError", "load_config",
+           "run_ppo"]

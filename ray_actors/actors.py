@@ -11,6 +11,7 @@ Every method returns plain Python or CPU tensors, so results cross process bound
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from typing import Any, Callable, Literal, Mapping, Optional
@@ -95,6 +96,10 @@ class _ManagedActor:
     def ping(self) -> str:
         return self.name
 
+    def pid(self) -> int:
+        """This actor's process id (tests kill it to simulate a lost process)."""
+        return os.getpid()
+
 
 class TrainerActor(_ManagedActor):
     """One rank of a policy or critic trainer.
@@ -115,6 +120,7 @@ class TrainerActor(_ManagedActor):
         self.role = role
         self.config = GPTTrainerConfig(**model)
         self.trainer = None
+        self._save = None  # the checkpoint save in progress (chatlearn_mem.checkpoint.SaveHandle)
 
     def setup(self, rank: int, world_size: int, tensor_model_parallel_size: int, init_method: str) -> dict:
         """Join the trainer's process group, build the model, optimizer and memory manager.
@@ -197,6 +203,65 @@ class TrainerActor(_ManagedActor):
     def weights_digest(self) -> str:
         """SHA-256 of this rank's weights (see :func:`chatlearn_mem_ray.modeling.weights_digest`)."""
         return modeling.weights_digest(self.manager.weights_state_dict())
+
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint_nbytes(self, resharding: bool = True) -> int:
+        """About how many bytes one checkpoint of this rank takes (see
+        :func:`chatlearn_mem.checkpoint.estimate_checkpoint_nbytes`, which also refuses a
+        ``resharding`` this megatron-core cannot save, before the first save)."""
+        from chatlearn_mem.checkpoint import estimate_checkpoint_nbytes
+
+        return estimate_checkpoint_nbytes(self.manager, resharding)
+
+    def save_checkpoint(self, root: str, step: int, async_: bool, metadata: Optional[dict] = None,
+                        resharding: bool = True) -> dict:
+        """Start saving this rank's whole state to ``<root>/step_<step>`` (every rank of the trainer
+        calls it; a collective); while offloaded it is read from the host store. With ``async_`` a
+        background thread writes it: :meth:`finish_checkpoint` completes it. ``resharding``: see
+        :func:`chatlearn_mem.checkpoint.save_checkpoint`.
+
+        Returns:
+            ``{"nbytes": tensor bytes this rank writes, "seconds": time in this call}``.
+        """
+        import time
+
+        from chatlearn_mem.checkpoint import save_checkpoint
+
+        if self._save is not None:
+            raise RuntimeError(f"{self.name}: a checkpoint save ({self._save.path}) is still open; call "
+                               "finish_checkpoint() first")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._save = save_checkpoint(self.manager, root, step, async_=async_, metadata=metadata,
+                                         resharding=resharding)
+        return {"nbytes": self._save.nbytes, "seconds": time.perf_counter() - t0}
+
+    def finish_checkpoint(self) -> dict:
+        """Wait for the open save's write and commit it (every rank; a collective).
+
+        Returns:
+            ``{"path", "nbytes", "seconds": from the save's start to its commit}``; ``{}`` when no
+            save is open.
+        """
+        handle, self._save = self._save, None
+        if handle is None:
+            return {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            path = handle.wait()
+        return {"path": path, "nbytes": handle.nbytes, "seconds": handle.seconds}
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Load a checkpoint saved by :meth:`save_checkpoint` (every rank; the trainer onloaded first
+        when asleep). Returns the checkpoint's metadata (see :func:`chatlearn_mem.checkpoint.load_checkpoint`)."""
+        from chatlearn_mem.checkpoint import load_checkpoint
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.manager.onload()
+            return load_checkpoint(self.manager, path)
 
 
 class InferenceActor(_ManagedActor):

@@ -59,14 +59,18 @@ def _guarded(work: Callable[[], T]) -> T:
 def ppo(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HELP, show_default=False),
         config: str = typer.Option(PPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
         print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+        resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in "
+                                    "checkpoint.directory (same as checkpoint.resume=true)"),
         ) -> None:
     """Run PPO with the policy, critic, rollout and reference models colocated through Ray.
 
     Prints one line per iteration and writes log.json and memory_timeline.png to output_dir.
+    With checkpoint.every=N it saves a checkpoint every N iterations; --resume continues from the
+    newest one; checkpoint.max_restarts=K restarts the actors (up to K times) when one dies.
     """
     from chatlearn_mem_ray.config import load_config
 
-    cfg = _guarded(lambda: load_config(config, overrides or []))
+    cfg = _guarded(lambda: load_config(config, [*(overrides or []), *(["checkpoint.resume=true"] if resume else [])]))
     if print_config:
         typer.echo(cfg.model_dump_json(indent=2))
         return

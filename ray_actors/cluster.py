@@ -481,7 +481,8 @@ class Colocation:
                 try:
                     results[actor] = ray.get(ref)
                 except RayActorError as e:
-                    raise ActorFailedError(name, phase, f"the actor process died ({type(e).__name__})") from None
+                    raise ActorFailedError(name, phase, f"the actor process died ({type(e).__name__})",
+                                           died=True) from None
                 except RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     raise ActorFailedError(name, phase, f"{type(cause).__name__}: {cause}") from e

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,7 +20,7 @@ from chatlearn_mem import MemoryConfig
 from chatlearn_mem.config import load_config as _load
 from chatlearn_mem.testbed.gpt import GPTTrainerConfig
 
-__all__ = ["DEFAULT_PRESET", "MemoryPolicy", "PPOConfig", "PRESETS", "ParallelConfig", "RayConfig", "RunConfig",
+__all__ = ["CheckpointConfig", "DEFAULT_PRESET", "MemoryPolicy", "PPOConfig", "PRESETS", "ParallelConfig", "RayConfig", "RunConfig",
            "TaskConfig", "load_config"]
 
 
@@ -156,6 +156,46 @@ class MemoryPolicy(_Strict):
     """Host store settings of every manager."""
 
 
+class CheckpointConfig(_Strict):
+    """Checkpoints of the run, resuming it, and restarting dead actors.
+
+    A run checkpoint is a directory ``iter_<N>`` (N: iterations completed) under
+    :attr:`directory` holding every trainer's state (megatron-core ``dist_checkpointing``, written
+    from the host store while the trainer sleeps, see :mod:`chatlearn_mem.checkpoint`) and the
+    run's own state (``run.json``: the iteration counter, the log and memory timeline so far),
+    written last; then an atomic rename makes it complete. Anything else is ignored on resume."""
+
+    directory: Optional[Path] = None
+    """Where run checkpoints go (default: ``<output_dir>/checkpoints``). With more than one node it
+    must be a filesystem every node sees. Checked writable, with room for ``keep_last + 1``
+    checkpoints, before the first iteration."""
+    every: int = Field(0, ge=0)
+    """Save after every this many iterations, and after the last one (0: no checkpoints). The
+    comparison iterations (``memory.compare_iterations``) are never saved."""
+    keep_last: int = Field(2, ge=1)
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    async_save: bool = True
+    """Write a checkpoint in the trainers' background while the next iteration's generate,
+    reference and values phases run; it is completed (and becomes the newest) before the critic
+    trains again. False: the iteration waits for the write."""
+    resharding: bool = True
+    """Save the distributed optimizer in megatron's ``fully_reshardable`` format, so that a resume
+    may change the tensor- and data-parallel split. It copies the optimizer state into
+    model-space tensors before the save returns, so an asynchronous save blocks for that copy.
+    False: ``dp_reshardable``, written straight from the host store (the save returns at once),
+    resumable with another data-parallel size only (megatron-core 0.14+)."""
+    resume: Union[bool, Literal["auto"]] = False
+    """``true`` (``--resume``): continue from the newest complete checkpoint, an error when there is
+    none. ``auto``: the same, or a fresh start (said so) when there is none. ``false``: a fresh
+    start; checkpoints of an earlier run in :attr:`directory` stop it unless
+    ``output_dir_exists=overwrite`` (which deletes them)."""
+    max_restarts: int = Field(0, ge=0)
+    """When an actor process dies or a phase times out, tear every actor down, start them again
+    and continue from the newest checkpoint (from the start when there is none yet), up to this
+    many times per run; past that the run stops naming the actor and the phase. An exception
+    raised by an actor's code (which would recur) is never retried."""
+
+
 def _default_policy() -> GPTTrainerConfig:
     return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
                             seq_length=16, lr=1e-3)
@@ -178,12 +218,20 @@ class RunConfig(_Strict):
     task: TaskConfig = Field(default_factory=TaskConfig)
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
     ray: RayConfig = Field(default_factory=RayConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     output_dir: Path = Path("runs/ppo")
     """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
     ``log.json`` is rewritten (atomically) after every iteration."""
     output_dir_exists: Literal["error", "overwrite"] = "error"
     """When ``output_dir`` already holds another run's ``log.json`` with at least one iteration:
-    ``error`` stops before anything starts; ``overwrite`` replaces that run's log and picture."""
+    ``error`` stops before anything starts; ``overwrite`` replaces that run's log and picture (and
+    deletes its checkpoints). Resuming (``checkpoint.resume``) continues the log instead."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.directory``, or ``<output_dir>/checkpoints``."""
+        return Path(self.checkpoint.directory) if self.checkpoint.directory is not None else (
+            Path(self.output_dir) / "checkpoints")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

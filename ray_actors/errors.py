@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from chatlearn_mem import ChatlearnMemError
 
-__all__ = ["ActorFailedError", "AuditFailedError", "ClusterConnectionError", "NonFiniteLossError", "OutputDirError",
-           "PhaseTimeoutError", "ResourceError", "RunError", "RunInterrupted", "WeightSyncError"]
+__all__ = ["ActorFailedError", "AuditFailedError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
+           "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError", "ResumeError", "RunError",
+           "RunInterrupted", "WeightSyncError"]
 
 
 class RunError(ChatlearnMemError):
@@ -29,11 +30,32 @@ class OutputDirError(RunError):
 
 
 class ActorFailedError(RunError):
-    """An actor died or raised during a phase; the message names both."""
+    """An actor died or raised during a phase; the message names both.
 
-    def __init__(self, actor: str, phase: str, cause: str):
+    Attributes:
+        actor, phase: Which actor, in which phase.
+        died: Whether its process died (a lost node, the OOM killer, a crash), rather than its
+            code raising an exception; only a death is worth a restart
+            (``checkpoint.max_restarts``).
+    """
+
+    def __init__(self, actor: str, phase: str, cause: str, died: bool = False):
         super().__init__(f"actor {actor!r} failed during phase {phase!r}: {cause}")
-        self.actor, self.phase = actor, phase
+        self.actor, self.phase, self.died = actor, phase, died
+
+
+class CheckpointDirError(RunError):
+    """``checkpoint.directory`` cannot be written, has no room for the checkpoints the run keeps, or
+    holds an earlier run's checkpoints (checked before the first iteration)."""
+
+
+class CheckpointSaveError(RunError):
+    """Saving a run checkpoint failed; the run stopped, the previous complete checkpoint is intact."""
+
+
+class ResumeError(RunError):
+    """The run cannot be resumed: no checkpoint (with ``checkpoint.resume=true``), or the config's
+    model differs from the checkpoint's (the message names each difference)."""
 
 
 class PhaseTimeoutError(RunError):

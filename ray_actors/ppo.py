@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -37,10 +38,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from chatlearn_mem import Part
+from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
+                                           latest_run_checkpoint, list_run_checkpoints, read_run_state,
+                                           remove_temporaries)
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
-from chatlearn_mem_ray.errors import (AuditFailedError, NonFiniteLossError, OutputDirError, RunInterrupted,
-                                      WeightSyncError)
+from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, NonFiniteLossError,
+                                      OutputDirError, PhaseTimeoutError, ResumeError, RunInterrupted, WeightSyncError)
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
 __all__ = ["PPORun", "TASKS", "check_finite", "gae", "policy_loss", "prepare_output_dir", "run_ppo",
@@ -120,8 +124,11 @@ class PPORun:
         progress: Called with one line per iteration.
     """
 
-    def __init__(self, cfg: RunConfig, colo: Colocation, progress: Callable[[str], None] = print):
-        self.cfg, self.colo, self.progress = cfg, colo, progress
+    def __init__(self, cfg: RunConfig, colo: Colocation, progress: Callable[[str], None] = print,
+                 on_phase: Optional[Callable[["PPORun", int, str], None]] = None):
+        self.cfg, self.colo, self.progress, self.on_phase = cfg, colo, progress, on_phase
+        self.checkpointer = None  # a RunCheckpointer when the run saves checkpoints
+        self.where: tuple[Optional[int], str] = (None, "setup")  # (iteration, phase) now running
         self.timeline = MemoryTimeline()
         self.iterations: list[dict] = []
         self.sync_checks: list[dict] = []
@@ -135,6 +142,35 @@ class PPORun:
                                               clip_ratio=ppo.clip_ratio)
         self._value_loss = functools.partial(value_loss, prompt_length=ppo.prompt_length,
                                              value_clip=ppo.value_clip)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict:
+        """What a run checkpoint keeps of the driver: the config, the log and the memory timeline so far."""
+        state = {"config": json.loads(self.cfg.model_dump_json()), "iterations": self.iterations,
+                 "memory_timeline": self.timeline.to_json(), "sync_checks": self.sync_checks, "audits": self.audits}
+        return json.loads(json.dumps(state))  # a copy: the run goes on while a save is open
+
+    def restore(self, path: Path, state: dict) -> None:
+        """Continue the run a checkpoint saved: load every trainer rank's state from ``path`` and
+        take the driver's state (``run.json``) over; then :meth:`next_iteration` is where it left off."""
+        c = self.colo
+        self.where = (None, "resume")
+        c.call("resume", {a: a.load_checkpoint.remote(str(Path(path) / role / f"step_{state['iterations_done']:08d}"))
+                          for role in ("policy", "critic") for a in getattr(c, role)})
+        self.iterations = [dict(m) for m in state["iterations"]]
+        self.timeline = MemoryTimeline.from_json(state["memory_timeline"])
+        self.sync_checks = list(state["sync_checks"])
+        self.audits = dict(state["audits"])
+
+    @property
+    def next_iteration(self) -> int:
+        return len(self.iterations)
+
+    def final_weights(self) -> dict[str, str]:
+        """SHA-256 of every trainer rank's weights (read from the host store when asleep)."""
+        c = self.colo
+        return {c.names[a]: d for a, d in c.call("final", {a: a.weights_digest.remote()
+                                                           for a in [*c.policy, *c.critic]}).items()}
 
     # -- memory ---------------------------------------------------------------------------
     def sleep_all(self) -> None:
@@ -151,6 +187,9 @@ class PPORun:
     def _phase(self, iteration: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
         """Onload what ``needs`` names, do ``work``, record everyone's residency, offload."""
         c = self.colo
+        self.where = (iteration, name)
+        if self.on_phase is not None:
+            self.on_phase(self, iteration, name)
         t0 = time.perf_counter()
         if self.manager_on:
             c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()})
@@ -246,6 +285,10 @@ class PPORun:
         advantages, returns = gae(rewards, old_values, ppo.gamma, ppo.lam)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
+        checkpoint_wait = 0.0
+        if self.checkpointer is not None:  # the trainers are about to change: commit the open save
+            self.where = (iteration, "checkpoint")
+            checkpoint_wait = self.checkpointer.complete()
         critic = self._phase(iteration, "train_critic", {a: tuple(Part) for a in c.critic},
                              lambda: self._train("train_critic", c.critic, {
                                  "tokens": tokens, "old_values": old_values, "returns": returns},
@@ -262,6 +305,7 @@ class PPORun:
                "kl": kl.mean().item(), "policy_loss": policy["loss"], "value_loss": critic["loss"],
                "clip_fraction": policy["clip_fraction"], "approx_kl": policy["approx_kl"],
                "policy_grad_norm": policy["grad_norm"], "seconds": time.perf_counter() - t_start,
+               "checkpoint_seconds": checkpoint_wait,
                "phase_seconds": {r.phase: r.seconds for r in phases},
                "phase_colocated_bytes": {r.phase: r.colocated_bytes for r in phases}}
         self.iterations.append(out)
@@ -315,14 +359,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def prepare_output_dir(cfg: RunConfig) -> Path:
+def prepare_output_dir(cfg: RunConfig, resuming: bool = False) -> Path:
     """Check ``cfg.output_dir`` before anything starts; return the path of its ``log.json``.
 
     Creates the directory and writes a first ``log.json`` (status ``starting``, no iterations):
     the write itself proves the directory writable. With ``output_dir_exists=error`` (the
     default) a ``log.json`` that holds iterations of another run, or that a live run on this
     machine is writing, stops the run instead; a log with no iterations (a run that failed
-    to start) is replaced. With ``overwrite`` the old log and picture are replaced.
+    to start) is replaced. With ``overwrite`` the old log and picture are replaced. With
+    ``resuming`` the old log is the one the run continues (only a live writer stops it).
 
     Raises:
         OutputDirError: The directory cannot be created or written, or holds another run's results.
@@ -333,20 +378,25 @@ def prepare_output_dir(cfg: RunConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputDirError(f"cannot create output_dir {out}: {e.strerror or e}; choose another output_dir") from None
-    if cfg.output_dir_exists == "error" and log_path.exists():
+    if log_path.exists() and (cfg.output_dir_exists == "error" or resuming):
         try:
             old = json.loads(log_path.read_text())
             done, status = len(old["iterations"]), old.get("status", "completed")
             pid, node = old.get("pid"), old.get("versions", {}).get("node")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise OutputDirError(f"output_dir {out} holds a log.json that is not a PPO run's log ({type(e).__name__}); "
-                                 "choose another output_dir or set output_dir_exists=overwrite") from None
+            if resuming:
+                old, done, status, pid, node = {}, 0, "unreadable", None, None
+            else:
+                raise OutputDirError(f"output_dir {out} holds a log.json that is not a PPO run's log "
+                                     f"({type(e).__name__}); choose another output_dir or set "
+                                     "output_dir_exists=overwrite") from None
         if status in ("starting", "running") and pid and node == platform.node() and _pid_alive(pid):
             raise OutputDirError(f"another run (pid {pid}) is writing to output_dir {out}; choose another output_dir")
-        if done:
+        if done and not resuming:
+            resumable = ", resume it (--resume)" if latest_run_checkpoint(cfg.checkpoint_dir) else ""
             raise OutputDirError(f"output_dir {out} already holds the log of another run ({done} iteration(s), "
-                                 f"{status}); choose another output_dir, or set output_dir_exists=overwrite "
-                                 "to replace it")
+                                 f"{status}); choose another output_dir{resumable}, or set "
+                                 "output_dir_exists=overwrite to replace it")
     try:
         write_json_atomic(log_path, {"status": "starting", "pid": os.getpid(), "versions": {"node": platform.node()},
                                      "config": json.loads(cfg.model_dump_json()), "iterations": []})
@@ -356,8 +406,62 @@ def prepare_output_dir(cfg: RunConfig) -> Path:
     return log_path
 
 
+def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -> Optional[tuple[Path, dict]]:
+    """Where ``cfg.checkpoint.resume`` says the run continues from: ``(checkpoint, its run.json)``,
+    or None for a fresh start. Checked before anything starts.
+
+    Raises:
+        ResumeError: ``resume=true`` and no complete checkpoint; or the config's model differs from
+            the checkpoint's (each difference named).
+    """
+    mode, root = cfg.checkpoint.resume, cfg.checkpoint_dir
+    if mode is False:
+        return None
+    newest = latest_run_checkpoint(root)
+    if newest is None:
+        if mode == "auto":
+            progress(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from the beginning")
+            return None
+        raise ResumeError(f"nothing to resume: no complete checkpoint in {root}. Run without --resume (or with "
+                          "checkpoint.resume=auto) to start from the beginning, or point checkpoint.directory "
+                          "at the run's checkpoints")
+    state = read_run_state(newest)
+    blocking, changed = config_differences(state["config"], cfg)
+    if blocking:
+        raise ResumeError(f"cannot resume from {newest}: the config's model differs from the checkpoint's: "
+                          + "; ".join(blocking) + ". Resume with the checkpoint's model settings, or start a new "
+                          "run in another output_dir / checkpoint.directory")
+    if changed:
+        resharded = any(line.startswith("parallel.") for line in changed)
+        progress("resuming with settings that differ from the checkpoint's: " + "; ".join(changed)
+                 + ("; megatron reshards the trainers to the new split, whose RNG states start afresh (the "
+                    "result is not bit-identical to the run continued on its own split)" if resharded else ""))
+    return newest, state
+
+
+def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:
+    """Before Ray starts: the checkpoint directory is writable, and holds no other run's checkpoints."""
+    root = cfg.checkpoint_dir
+    if cfg.checkpoint.every == 0 and resume is None:
+        return
+    check_checkpoint_dir(root)
+    for name in remove_temporaries(root):
+        progress(f"removed {root / name}: a checkpoint save that never completed")
+    if resume is None:
+        earlier = list_run_checkpoints(root)
+        if earlier and cfg.output_dir_exists == "error":
+            raise CheckpointDirError(f"checkpoint.directory {root} holds checkpoints of an earlier run (newest: "
+                                     f"{earlier[-1][1].name}); resume it (--resume or checkpoint.resume=auto), "
+                                     "choose another checkpoint.directory, or set output_dir_exists=overwrite to "
+                                     "delete them")
+        for _, path in earlier:
+            shutil.rmtree(path)
+        if earlier:
+            progress(f"deleted {len(earlier)} checkpoint(s) of an earlier run from {root} (output_dir_exists=overwrite)")
+
+
 def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, seconds: float,
-         error: Optional[str] = None) -> dict:
+         error: Optional[str] = None, extra: Optional[dict] = None) -> dict:
     timeline = run.timeline if run is not None else MemoryTimeline()
     return {"status": status, "error": error, "pid": os.getpid(),
             "config": json.loads(cfg.model_dump_json()), "versions": versions,
@@ -365,60 +469,145 @@ def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, sec
             "sync_checks": run.sync_checks if run is not None else [],
             "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
             "summary": {"memory_manager_on": timeline.summary(True), "memory_manager_off": timeline.summary(False),
-                        "seconds": seconds}}
+                        "seconds": seconds}, **(extra or {})}
+
+
+def _restartable(e: BaseException) -> bool:
+    """A lost actor process or a hung phase is worth a restart; an exception from code is not."""
+    return isinstance(e, PhaseTimeoutError) or (isinstance(e, ActorFailedError) and e.died)
+
+
+def _restart(cfg: RunConfig, error: BaseException, run: Optional[PPORun], record: dict, number: int,
+             progress: Callable[[str], None]) -> Optional[tuple[Path, dict]]:
+    """After an actor's death (or a hung phase): say what happened, record it, and return the
+    checkpoint the run continues from (None: from the start)."""
+    iteration, phase = run.where if run is not None else (None, "setup")
+    done = len(run.iterations) if run is not None else 0
+    newest = latest_run_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.every or record["resumed_from"] else None
+    state = read_run_state(newest) if newest is not None else None
+    back_to = state["iterations_done"] if state is not None else 0
+    where = f"phase {phase!r}" + (f" of iteration {iteration + 1}" if iteration is not None else "")
+    entry = {"number": number, "actor": getattr(error, "actor", None), "phase": phase,
+             "iteration": iteration, "error": f"{type(error).__name__}: {error}", "iterations_done": done,
+             "resumed_from": str(newest) if newest is not None else None, "iterations_redone": done - back_to,
+             "at": time.time()}
+    record["restarts"].append(entry)
+    source = f"the checkpoint after iteration {back_to} ({newest})" if newest is not None else "the beginning"
+    progress(f"restart {number} of {cfg.checkpoint.max_restarts}: {error} [{where}]; tearing every actor "
+             f"down, starting them again and continuing from {source}: {done - back_to} completed "
+             "iteration(s) will be redone")
+    return (newest, state) if newest is not None else None
 
 
 def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
-            on_iteration: Optional[Callable[[PPORun, int], None]] = None) -> dict:
+            on_iteration: Optional[Callable[[PPORun, int], None]] = None,
+            on_phase: Optional[Callable[[PPORun, int, str], None]] = None,
+            on_checkpoint: Optional[Callable[[Path], None]] = None) -> dict:
     """Run PPO as ``cfg`` says; write ``log.json`` and ``memory_timeline.png`` to ``cfg.output_dir``.
 
-    ``output_dir`` is checked (see :func:`prepare_output_dir`) before Ray starts. ``log.json`` is
+    ``output_dir`` (and the checkpoint directory) are checked before Ray starts. ``log.json`` is
     rewritten atomically after every iteration (``status``: ``running``), so a run that fails or
     is interrupted keeps every iteration it completed; at the end ``status`` is ``completed``,
     ``failed`` (with ``error``) or ``interrupted``.
 
+    Checkpoints (the ``checkpoint`` section): every ``checkpoint.every`` iterations the trainers
+    save their state from their host stores (see :mod:`chatlearn_mem_ray.checkpoints`);
+    ``checkpoint.resume`` continues from the newest complete one (iteration counter, every
+    trainer's state and RNG, the log and memory timeline so far). When an actor process dies or
+    a phase times out, every actor is torn down, started again and the run continues from the
+    newest checkpoint, up to ``checkpoint.max_restarts`` times; ``log.json`` lists each restart
+    under ``restarts``.
+
     Args:
-        progress: Receives one line per iteration and a summary.
+        progress: Receives one line per iteration, per checkpoint and per restart, and a summary.
         on_iteration: Called after each iteration with the run and the iteration index (tests use
             it to inspect or disturb the actors).
+        on_phase: Called as each phase starts with the run, the iteration and the phase's name.
+        on_checkpoint: Called with the temporary directory of each save before the trainers write.
 
     Returns:
-        The log (also written as JSON): config, versions, iterations, memory timeline, summary.
+        The log (also written as JSON): config, versions, iterations, memory timeline, summary,
+        checkpoints, restarts and the final weights' SHA-256 per trainer rank.
 
     Raises:
         RunError: A subclass saying why the run stopped (the log is written first).
         RunInterrupted: Ctrl-C (a ``KeyboardInterrupt``), after the log was written and Ray shut down.
     """
-    log_path = prepare_output_dir(cfg)
+    resume = find_resume_point(cfg, progress)
+    log_path = prepare_output_dir(cfg, resuming=resume is not None)
+    _prepare_checkpoints(cfg, resume, progress)
     out_dir = log_path.parent
     t0 = time.perf_counter()
     versions = _versions()
     run: Optional[PPORun] = None
+    ck = cfg.checkpoint
+    total = cfg.ppo.iterations
+    extra_its = cfg.memory.compare_iterations if cfg.memory.enabled else 0
+    record: dict = {"resumed_from": None, "restarts": [], "checkpoints": [], "final_weights": {}}
+    if resume is not None:
+        record["resumed_from"] = {"checkpoint": str(resume[0]), "iterations_done": resume[1]["iterations_done"]}
+        record["restarts"] = list(resume[1].get("restarts", []))  # those of the run it continues
 
     def write(status: str, error: Optional[str] = None) -> dict:
-        log = _log(cfg, run, versions, status, time.perf_counter() - t0, error)
+        log = _log(cfg, run, versions, status, time.perf_counter() - t0, error, record)
         write_json_atomic(log_path, log)
         return log
 
-    try:
+    def attempt() -> None:
+        nonlocal run
         with Colocation(cfg, progress) as colo:
+            run = PPORun(cfg, colo, progress, on_phase)
+            if resume is not None:
+                run.restore(*resume)
+                progress(f"resumed from {resume[0]}: {run.next_iteration} iteration(s) done")
             progress(f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
                      f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t0:.1f}s; "
                      f"memory manager {'on' if cfg.memory.enabled else 'off'}")
-            run = PPORun(cfg, colo, progress)
+            if ck.every:
+                run.checkpointer = RunCheckpointer(cfg, colo, progress, saved=record["checkpoints"])
+                nbytes = sum(colo.call("setup", {a: a.checkpoint_nbytes.remote(ck.resharding)
+                                                 for a in [*colo.policy, *colo.critic]}).values())
+                check_room(cfg.checkpoint_dir, nbytes, ck.keep_last)
+            start = run.next_iteration
             if cfg.memory.enabled:
                 run.sleep_all()
-            total = cfg.ppo.iterations
-            extra = cfg.memory.compare_iterations if cfg.memory.enabled else 0
-            for it in range(total + extra):
+            for it in range(start, total + extra_its):
                 if it == total:
-                    progress(f"comparison: {extra} more iteration(s) with the memory manager off")
+                    if run.checkpointer is not None:
+                        run.checkpointer.complete()
+                        run.checkpointer = None  # the comparison iterations are not saved
+                    progress(f"comparison: {extra_its} more iteration(s) with the memory manager off")
                     run.wake_all()
                 m = run.iteration(it)
+                if run.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
+                    run.where = (it, "checkpoint")
+                    waited = run.checkpointer.save(it + 1, dict(run.state(), restarts=list(record["restarts"])),
+                                                   before_calls=on_checkpoint)
+                    m["checkpoint_seconds"] += waited
+                    m["seconds"] += waited
                 write("running")
-                progress(_progress_line(m, total + extra))
+                progress(_progress_line(m, total + extra_its))
                 if on_iteration is not None:
                     on_iteration(run, it)
+            if run.checkpointer is not None:
+                run.checkpointer.complete()
+            record["final_weights"] = run.final_weights()
+
+    restarts_here = 0
+    try:
+        while True:
+            try:
+                attempt()
+                break
+            except BaseException as e:
+                if not _restartable(e):
+                    raise
+                if restarts_here >= ck.max_restarts:
+                    if ck.max_restarts:
+                        progress(f"no restarts left (checkpoint.max_restarts={ck.max_restarts}); the run stops")
+                    raise
+                restarts_here += 1
+                resume = _restart(cfg, e, run, record, restarts_here, progress)
     except KeyboardInterrupt:
         done = len(run.iterations) if run is not None else 0
         _write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")

@@ -47,7 +47,7 @@ __all__ = [
     "grad_accumulators", "grad_accumulator", "module_buffers", "leaf_optimizers", "torch_optimizer", "main_weights",
     "expected_param_groups", "shard_views", "module_buffer_slots", "derived_grads", "clear_derived_grads", "megatron_core_version",
     "pipeline_input_modules", "pipeline_input_tensors", "clear_pipeline_input_tensors", "global_memory_buffer_tensors",
-    "is_moe_token_dispatcher", "is_transformer_engine_module", "transformer_engine_global_tensors",
+    "is_moe_token_dispatcher", "is_transformer_engine_module", "is_distributed_optimizer", "transformer_engine_global_tensors",
     "DDP_METHOD_PARTS", "OPTIMIZER_METHOD_PARTS", "main_grad", "MethodGuard", "guard_methods", "dist_checkpointing_save_kwargs",
 ]
 
@@ -468,6 +468,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # -- checkpoints (megatron-core's dist_checkpointing) -------------------------------------------------
+def is_distributed_optimizer(leaf: Any) -> bool:
+    """Whether a leaf optimizer is megatron's ``DistributedOptimizer`` (state sharded over data parallel)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(leaf, DistributedOptimizer)
+
+
 def distrib_optimizer_sharding(leaves: list[Any], resharding: bool = True) -> str:
     """The distributed optimizer's checkpoint format.
 

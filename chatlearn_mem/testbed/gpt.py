@@ -167,12 +167,20 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
     model_parallel_cuda_manual_seed(seed)
 
 
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
 class GPTValueModel(torch.nn.Module):
     """A GPT trunk with a scalar value head (a PPO critic): tokens (B, T) -> values (B, T).
 
     The trunk is a megatron-core ``GPTModel`` built without its output layer
     (``post_process=False``), so it returns hidden states; the head is a LayerNorm and a
-    ``hidden -> 1`` linear layer, replicated on every tensor-parallel rank.
+    ``hidden -> 1`` linear layer, replicated on every tensor-parallel rank. Its
+    ``sharded_state_dict`` (for ``dist_checkpointing``) is megatron's ``MegatronModule`` one: the
+    trunk's own, and the head's tensors as replicated across tensor-parallel ranks.
     """
 
     def __init__(self, trunk: torch.nn.Module, hidden_size: int, dtype: torch.dtype):
@@ -188,6 +196,9 @@ class GPTValueModel(torch.nn.Module):
 
     def set_input_tensor(self, input_tensor) -> None:
         self.trunk.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        return _megatron_module().sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 def build_gpt_model(config: GPTTrainerConfig, value_head: bool = False) -> torch.nn.Module:

@@ -11,8 +11,8 @@ import torch
 
 from trainer_runs import train
 from chatlearn_mem import Part, UnsupportedLayoutError
-from chatlearn_mem.checkpoint import (CheckpointError, METADATA_FILE, latest_checkpoint, list_checkpoints,
-                                      load_checkpoint, save_checkpoint)
+from chatlearn_mem.checkpoint import (CheckpointError, METADATA_FILE, estimate_checkpoint_nbytes, latest_checkpoint,
+                                      list_checkpoints, load_checkpoint, save_checkpoint)
 from chatlearn_mem.mcore import layout
 from chatlearn_mem.testbed import gpt
 
@@ -209,3 +209,24 @@ def test_keep_last_and_incomplete_directories_are_ignored(dist1, tmp_path):
     if layout.megatron_core_version().startswith("0.13."):
         with pytest.raises(UnsupportedLayoutError, match="resharding=False needs megatron-core 0.14"):
             save_checkpoint(mm, tmp_path, step=4, resharding=False)
+
+
+@pytest.mark.parametrize("distopt", [True, False], ids=["distopt", "float16opt"])
+def test_estimated_size_matches_what_a_save_writes(dist1, tmp_path, distopt):
+    cfg = gpt.GPTTrainerConfig(use_distributed_optimizer=distopt)
+    _, _, mm, _ = train(cfg, steps=0)
+    estimate = estimate_checkpoint_nbytes(mm)  # before the first step: no optimizer state exists yet
+    _, _, mm, _ = train(cfg, steps=1)
+    written = save_checkpoint(mm, tmp_path, step=1).nbytes
+    assert abs(estimate - written) <= 0.02 * written, (estimate, written)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "step_00000001").rglob("*") if f.is_file())
+    assert written <= on_disk <= 1.5 * written + 2**20, (written, on_disk)
+
+
+def test_estimate_refuses_a_format_this_megatron_cannot_save(dist1):
+    _, _, mm, _ = train(gpt.GPTTrainerConfig(), steps=0)
+    if layout.megatron_core_version().startswith("0.13."):
+        with pytest.raises(UnsupportedLayoutError, match="resharding=False needs megatron-core 0.14"):
+            estimate_checkpoint_nbytes(mm, resharding=False)
+    else:
+        assert estimate_checkpoint_nbytes(mm, resharding=False) == estimate_checkpoint_nbytes(mm)

@@ -17,7 +17,8 @@ from chatlearn_mem import ConfigError
 from chatlearn_mem_ray import ppo
 from chatlearn_mem_ray.cli import app
 from chatlearn_mem_ray.config import load_config
-from chatlearn_mem_ray.errors import ActorFailedError, NonFiniteLossError, OutputDirError, RunInterrupted
+from chatlearn_mem_ray.errors import (ActorFailedError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
+                                      RunInterrupted)
 from chatlearn_mem_ray.ppo import PPORun, check_finite, prepare_output_dir, run_ppo, write_json_atomic
 
 
@@ -28,6 +29,7 @@ class FakeColocation:
 
     def __init__(self, cfg, progress=None):
         self.cfg, self.closed, self.all_actors, self.use_gpu = cfg, False, [], False
+        self.policy, self.critic, self.names = [], [], {}
         FakeColocation.made.append(self)
 
     def __enter__(self):
@@ -221,3 +223,50 @@ def test_the_whitening_rule_matches_the_math():
         warnings.simplefilter("ignore")  # torch warns about the degrees of freedom
         assert torch.isnan(torch.randn(1, 1).std())  # one advantage: what the rule rejects
     assert torch.isfinite(torch.randn(1, 2).std())  # two: what it allows
+
+
+# -- restarts (checkpoint.max_restarts) ------------------------------------------------------
+def _dies_once(error):
+    fired = []
+
+    def action(run, it):
+        if not fired:
+            fired.append(it)
+            raise error
+    return action
+
+
+@pytest.mark.parametrize("error", [ActorFailedError("critic_0", "values", "the actor process died", died=True),
+                                   PhaseTimeoutError("phase 'values' did not finish within 600 s")],
+                         ids=["died", "timeout"])
+def test_a_dead_actor_or_hung_phase_restarts_every_actor_within_max_restarts(fake_run, tmp_path, error):
+    fake_run[1] = _dies_once(error)
+    lines = []
+    log = run_ppo(_cfg(tmp_path, "checkpoint.max_restarts=1"), progress=lines.append)
+    assert [m["iteration"] for m in log["iterations"]] == [0, 1, 2]
+    assert len(FakeColocation.made) == 2 and all(c.closed for c in FakeColocation.made)  # torn down, started again
+    [restart] = log["restarts"]
+    assert restart["number"] == 1 and restart["resumed_from"] is None and restart["iterations_redone"] == 1
+    assert any(line.startswith("restart 1 of 1: ") and "continuing from the beginning: 1 completed iteration(s) "
+               "will be redone" in line for line in lines), lines
+    assert _log(tmp_path)["restarts"] == log["restarts"]
+
+
+def test_past_max_restarts_the_run_stops_naming_actor_and_phase(fake_run, tmp_path):
+    died = ActorFailedError("critic_0", "values", "the actor process died", died=True)
+    fake_run[1] = died
+    lines = []
+    with pytest.raises(ActorFailedError) as e:
+        run_ppo(_cfg(tmp_path, "checkpoint.max_restarts=2"), progress=lines.append)
+    assert e.value is died and "critic_0" in str(e.value) and "'values'" in str(e.value)
+    assert len(FakeColocation.made) == 3
+    assert "no restarts left (checkpoint.max_restarts=2); the run stops" in lines
+    log = _log(tmp_path)
+    assert log["status"] == "failed" and [r["number"] for r in log["restarts"]] == [1, 2]
+
+
+def test_an_exception_in_an_actors_code_is_not_retried(fake_run, tmp_path):
+    fake_run[1] = ActorFailedError("critic_0", "values", "ValueError: bad shape")  # died=False
+    with pytest.raises(ActorFailedError):
+        run_ppo(_cfg(tmp_path, "checkpoint.max_restarts=3"), progress=lambda line: None)
+    assert len(FakeColocation.made) == 1 and _log(tmp_path)["restarts"] == []
