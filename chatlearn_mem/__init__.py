@@ -17,8 +17,8 @@ names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exerc
 """
 
 from chatlearn_mem.audit import AuditReport
-from chatlearn_mem.checkpoint import (CheckpointError, SaveHandle, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                      save_checkpoint)
+from chatlearn_mem.checkpoint import (CheckpointError, SaveHandle, estimate_checkpoint_nbytes, latest_checkpoint,
+                                      list_checkpoints, load_checkpoint, save_checkpoint)
 from chatlearn_mem.config import MemoryConfig, load_config
 from chatlearn_mem.device_report import DeviceReport, device_report
 from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, HostMemoryError,
@@ -34,7 +34,8 @@ from chatlearn_mem.trainer import TrainerMemoryManager
 __all__ = [
     "AuditReport", "ChatlearnMemError", "CheckpointError", "ConfigError", "DeviceReport", "ExternalChangeError",
     "HostMemoryError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "SaveHandle",
-    "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError", "device_report", "latest_checkpoint",
+    "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError", "device_report", "estimate_checkpoint_nbytes",
+    "latest_checkpoint",
     "list_checkpoints", "load_checkpoint", "load_config", "manager_of", "save_checkpoint",
 ]
 __version__ = "0.1.0"

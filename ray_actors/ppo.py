@@ -486,16 +486,16 @@ def _restart(cfg: RunConfig, error: BaseException, run: Optional[PPORun], record
     newest = latest_run_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.every or record["resumed_from"] else None
     state = read_run_state(newest) if newest is not None else None
     back_to = state["iterations_done"] if state is not None else 0
-    where = f"phase {phase!r}" + (f" of iteration {iteration + 1}" if iteration is not None else "")
+    where = f" (in iteration {iteration + 1})" if iteration is not None else ""
     entry = {"number": number, "actor": getattr(error, "actor", None), "phase": phase,
              "iteration": iteration, "error": f"{type(error).__name__}: {error}", "iterations_done": done,
              "resumed_from": str(newest) if newest is not None else None, "iterations_redone": done - back_to,
              "at": time.time()}
     record["restarts"].append(entry)
     source = f"the checkpoint after iteration {back_to} ({newest})" if newest is not None else "the beginning"
-    progress(f"restart {number} of {cfg.checkpoint.max_restarts}: {error} [{where}]; tearing every actor "
+    progress(f"restart {number} of {cfg.checkpoint.max_restarts}: {error}{where}; tearing every actor "
              f"down, starting them again and continuing from {source}: {done - back_to} completed "
-             "iteration(s) will be redone")
+             "iteration(s) lost and redone")
     return (newest, state) if newest is not None else None
 
 
@@ -555,13 +555,14 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
 
     def attempt() -> None:
         nonlocal run
+        t_start = time.perf_counter()
         with Colocation(cfg, progress) as colo:
             run = PPORun(cfg, colo, progress, on_phase)
             if resume is not None:
                 run.restore(*resume)
                 progress(f"resumed from {resume[0]}: {run.next_iteration} iteration(s) done")
             progress(f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
-                     f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t0:.1f}s; "
+                     f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
                      f"memory manager {'on' if cfg.memory.enabled else 'off'}")
             if ck.every:
                 run.checkpointer = RunCheckpointer(cfg, colo, progress, saved=record["checkpoints"])

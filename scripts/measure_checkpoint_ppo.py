@@ -122,8 +122,8 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         cfg = load_config("cpu_tiny", base)
-        record = {"command": "python scripts/measure_checkpoint_ppo.py " + " ".join(
-                      f"--set {s}" for s in args.set) + f" --iterations {args.iterations}",
+        record = {"command": " ".join(["python scripts/measure_checkpoint_ppo.py", *(
+                      f"--set {s}" for s in args.set), f"--iterations {args.iterations}"]),
                   "policy": cfg.policy.model_dump(), "ppo": cfg.ppo.model_dump(), "warmup": args.warmup,
                   "versions": _versions(), "cpus": os.cpu_count(), "machine": platform.processor(),
                   "results": results}

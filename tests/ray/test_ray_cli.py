@@ -21,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.ray
 pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
+from chatlearn_mem_ray.checkpoints import list_run_checkpoints, read_run_state  # noqa: E402
 
 RUN = [sys.executable, "-m", "chatlearn_mem_ray", "ppo", "memory.compare_iterations=0", "ray.phase_timeout_s=300"]
 
@@ -104,7 +105,8 @@ def test_joining_a_ray_start_head_with_token_auth(ray_start_head):
 
 def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
     # A new session, signalled as a whole: what a terminal's Ctrl-C does to the foreground group.
-    proc = subprocess.Popen([*RUN, "ppo.iterations=50", f"output_dir={tmp_path}"], env=_env(),
+    # Checkpoints every iteration: the Ctrl-C comes while one is being written in the background.
+    proc = subprocess.Popen([*RUN, "ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=1"], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -132,3 +134,8 @@ def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
     assert last.startswith(f"stopped by Ctrl-C after {done} iteration")
     _, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert not alive, [p.info if hasattr(p, "info") else p.pid for p in alive]  # Ray was shut down
+    # Whatever the Ctrl-C cut short is not a checkpoint; every complete one can be resumed.
+    complete = list_run_checkpoints(tmp_path / "checkpoints")
+    assert len(complete) <= 2 and all(n <= done for n, _ in complete), (complete, done)  # keep_last=2
+    for n, path in complete:
+        assert read_run_state(path)["iterations_done"] == n

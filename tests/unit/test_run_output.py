@@ -248,7 +248,7 @@ def test_a_dead_actor_or_hung_phase_restarts_every_actor_within_max_restarts(fak
     [restart] = log["restarts"]
     assert restart["number"] == 1 and restart["resumed_from"] is None and restart["iterations_redone"] == 1
     assert any(line.startswith("restart 1 of 1: ") and "continuing from the beginning: 1 completed iteration(s) "
-               "will be redone" in line for line in lines), lines
+               "lost and redone" in line for line in lines), lines
     assert _log(tmp_path)["restarts"] == log["restarts"]
 
 
