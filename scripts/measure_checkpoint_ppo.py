@@ -19,7 +19,8 @@ write of that many bytes from host memory with ``fsync``, timed in the same run.
 lengthening is each mode's median iteration time minus the baseline's.
 
 Run: ``python scripts/measure_checkpoint_ppo.py [--iterations 6] [--out benchmarks/results/NAME]``.
-Prints a table; with ``--out`` writes ``NAME.json`` and ``NAME.md``.
+Prints a table; with ``--out`` writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` (each mode's
+median iteration split into its phases, the checkpoint wait and the rest).
 """
 
 from __future__ import annotations
@@ -58,6 +59,42 @@ def plain_write_seconds(directory: Path, nbytes: int) -> float:
     return seconds
 
 
+def plot(results: dict, path: Path, samples: int) -> None:
+    """One horizontal bar per mode: the median iteration split into its phases, the time the driver
+    was blocked by checkpointing, and the rest (driver and Ray overhead; with a background save,
+    also the phases slowed by the writers sharing the CPUs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(results)
+    phases = list(next(iter(results.values()))["phase_s"])
+    colors = dict(zip(phases, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.7 * len(modes)), dpi=100)
+    for y, mode in enumerate(modes):
+        r, left = results[mode], 0.0
+        parts = [*((p, r["phase_s"][p], colors[p], "") for p in phases),
+                 ("checkpoint (driver blocked)", r["blocked_s"], "black", ""),
+                 ("other (driver, Ray)", max(0.0, r["iteration_s"] - sum(r["phase_s"].values()) - r["blocked_s"]),
+                  "lightgray", "//")]
+        for label, width, color, hatch in parts:
+            ax.barh(y, width, left=left, color=color, hatch=hatch, edgecolor="white",
+                    label=label if y == 0 else None)
+            left += width
+        extra = f"  {r['lengthening_s']:+.2f} s" if r.get("lengthening_s") else ""
+        ax.text(left + 0.02, y, f"{r['iteration_s']:.2f} s{extra}", va="center")
+    ax.set_yticks(range(len(modes)), modes)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"seconds per PPO iteration (median of {samples})")
+    ax.set_xlim(0, max(r["iteration_s"] for r in results.values()) * 1.25)
+    ax.set_title("A run checkpoint after every iteration: where an iteration's time goes")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=6)
@@ -88,7 +125,9 @@ def main() -> None:
             log = run_ppo(cfg, progress=lambda line: None)
             its = log["iterations"][args.warmup:]
             saves = [c for c in log["checkpoints"] if c["iterations_done"] > args.warmup]
+            phases = list(its[0]["phase_seconds"])
             r = {"iteration_s": statistics.median(m["seconds"] for m in its),
+                 "phase_s": {p: statistics.median(m["phase_seconds"][p] for m in its) for p in phases},
                  "iteration_s_samples": [round(m["seconds"], 4) for m in its],
                  "blocked_s": statistics.median(m.get("checkpoint_seconds", 0.0) for m in its),
                  "save_s": statistics.median(c["seconds"] for c in saves) if saves else None,
@@ -128,12 +167,14 @@ def main() -> None:
                   "versions": _versions(), "cpus": os.cpu_count(), "machine": platform.processor(),
                   "results": results}
         out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+        plot(results, out.with_suffix(".png"), args.iterations - args.warmup)
         out.with_suffix(".md").write_text(
             f"# Run checkpoints against PPO iteration time\n\n`{record['command']}` on {os.cpu_count()} CPUs "
             f"(versions: {json.dumps(record['versions'])}).\nPolicy and critic: {', '.join(MODEL)}; "
             f"{cfg.ppo.prompts_per_iteration} prompts x {cfg.ppo.response_length} tokens per iteration; "
-            f"medians over iterations {args.warmup + 1}..{args.iterations}.\n\n{table}\n")
-        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+            f"medians over iterations {args.warmup + 1}..{args.iterations}.\n\n{table}\n\n"
+            f"![where the time goes]({out.with_suffix('.png').name})\n")
+        print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
