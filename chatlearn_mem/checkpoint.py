@@ -55,8 +55,8 @@ import torch
 from chatlearn_mem.errors import ChatlearnMemError
 from chatlearn_mem.mcore import layout
 
-__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "estimate_checkpoint_nbytes", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "estimate_checkpoint_nbytes", "fsync_dir",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
 METADATA_FILE = "chatlearn_checkpoint.json"
 """Written last into a checkpoint directory; a directory without it is incomplete and ignored."""
@@ -107,7 +107,8 @@ def _check_writable(root: str) -> None:
                               "nothing was saved") from e
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so that a rename or a new entry in it survives a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -356,11 +357,11 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(path + ".part", path)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if os.path.exists(final):  # the same step saved again: replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
             if keep_last is not None:
                 for old in list_checkpoints(root)[:-keep_last]:
                     shutil.rmtree(old, ignore_errors=True)

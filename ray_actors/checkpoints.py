@@ -32,11 +32,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from chatlearn_mem.checkpoint import fsync_dir
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ActorFailedError, CheckpointDirError, CheckpointSaveError, ResumeError
 
 __all__ = ["RUN_FILE", "RunCheckpointer", "check_checkpoint_dir", "check_room", "config_differences",
-           "latest_run_checkpoint", "list_run_checkpoints", "read_run_state", "remove_temporaries"]
+           "latest_run_checkpoint", "list_run_checkpoints", "read_run_state", "remove_temporaries",
+           "write_json_atomic"]
 
 RUN_FILE = "run.json"
 """The run's state; written last into a run checkpoint."""
@@ -178,21 +180,19 @@ def remove_temporaries(root: os.PathLike) -> list[str]:
     return gone
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file, fsync and ``os.replace``: a reader
+    (or a process killed while writing) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        os.fsync(fd)
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     finally:
-        os.close(fd)
-
-
-def _write_json_durably(path: Path, data: Any) -> None:
-    part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+        tmp.unlink(missing_ok=True)  # only left when the dump failed
 
 
 class RunCheckpointer:
@@ -268,14 +268,14 @@ class RunCheckpointer:
         self._pending = None
         with self._failing(iterations):
             c.call("checkpoint", {a: a.finish_checkpoint.remote() for role in TRAINERS for a in getattr(c, role)})
-            _write_json_durably(tmp / RUN_FILE, {"format": _FORMAT, "iterations_done": iterations,
+            write_json_atomic(tmp / RUN_FILE, {"format": _FORMAT, "iterations_done": iterations,
                                                  "saved_at": time.time(), **run_state})
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             final = self.root / _name(iterations)
             if final.exists():  # the same iteration saved again (a redone iteration)
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         for _, old in list_run_checkpoints(self.root)[:-self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         seconds = time.perf_counter() - started

@@ -40,7 +40,7 @@ import torch
 from chatlearn_mem import Part
 from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
                                            latest_run_checkpoint, list_run_checkpoints, read_run_state,
-                                           remove_temporaries)
+                                           remove_temporaries, write_json_atomic)
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, NonFiniteLossError,
@@ -332,21 +332,6 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "megatron-core": of("megatron-core"), "ray": of("ray"),
             "python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file and ``os.replace``: a reader (or
-    a run killed while writing) sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # only left when the dump failed
 
 
 def _pid_alive(pid: int) -> bool:
