@@ -14,7 +14,7 @@ from chatlearn_mem_ray.checkpoints import RUN_FILE, latest_run_checkpoint, list_
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 ITERATIONS = 4
-BASE = ["ppo.iterations=4", "memory.compare_iterations=0", "ray.phase_timeout_s=180"]
+BASE = ["ppo.iterations=4", "ppo.prompts_per_iteration=16", "memory.compare_iterations=0", "ray.phase_timeout_s=180"]
 TIMING = ("seconds", "phase_seconds", "checkpoint_seconds")
 
 
