@@ -268,8 +268,10 @@ class RunCheckpointer:
         self._pending = None
         with self._failing(iterations):
             c.call("checkpoint", {a: a.finish_checkpoint.remote() for role in TRAINERS for a in getattr(c, role)})
+            entry = {"iterations_done": iterations, "bytes": nbytes, "seconds": time.perf_counter() - started}
+            state = dict(run_state, checkpoints=[*run_state.get("checkpoints", []), entry])  # itself included
             write_json_atomic(tmp / RUN_FILE, {"format": _FORMAT, "iterations_done": iterations,
-                                                 "saved_at": time.time(), **run_state})
+                                               "saved_at": time.time(), **state})
             fsync_dir(tmp)
             final = self.root / _name(iterations)
             if final.exists():  # the same iteration saved again (a redone iteration)
@@ -278,9 +280,8 @@ class RunCheckpointer:
             fsync_dir(self.root)
         for _, old in list_run_checkpoints(self.root)[:-self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        seconds = time.perf_counter() - started
-        self.saved.append({"iterations_done": iterations, "bytes": nbytes, "seconds": seconds})
-        self.progress(f"checkpoint {final.name} complete: {nbytes / 2**20:.1f} MiB in {seconds:.2f}s "
+        self.saved.append(entry)
+        self.progress(f"checkpoint {final.name} complete: {nbytes / 2**20:.1f} MiB in {entry['seconds']:.2f}s "
                       f"({'in the background' if self.cfg.checkpoint.async_save else 'waited for'})")
         return time.perf_counter() - t0
 

@@ -532,6 +532,7 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
     if resume is not None:
         record["resumed_from"] = {"checkpoint": str(resume[0]), "iterations_done": resume[1]["iterations_done"]}
         record["restarts"] = list(resume[1].get("restarts", []))  # those of the run it continues
+        record["checkpoints"] = list(resume[1].get("checkpoints", []))
 
     def write(status: str, error: Optional[str] = None) -> dict:
         log = _log(cfg, run, versions, status, time.perf_counter() - t0, error, record)
@@ -567,7 +568,8 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                 m = run.iteration(it)
                 if run.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
                     run.where = (it, "checkpoint")
-                    waited = run.checkpointer.save(it + 1, dict(run.state(), restarts=list(record["restarts"])),
+                    saved_so_far = {"restarts": list(record["restarts"]), "checkpoints": list(record["checkpoints"])}
+                    waited = run.checkpointer.save(it + 1, dict(run.state(), **saved_so_far),
                                                    before_calls=on_checkpoint)
                     m["checkpoint_seconds"] += waited
                     m["seconds"] += waited

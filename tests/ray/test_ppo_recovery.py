@@ -92,6 +92,7 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_same_end(uninterrupted, tmp_path
     lines = []
     log = run_ppo(load_config("cpu_tiny", [*args, "checkpoint.resume=true"]), progress=lines.append)
     assert log["resumed_from"]["iterations_done"] == 2
+    assert [c["iterations_done"] for c in log["checkpoints"]] == [2, 4]  # the first run's, then its own
     assert f"resumed from {tmp_path / 'checkpoints' / 'iter_00000002'}: 2 iteration(s) done" in lines
     assert sum(line.startswith("iter ") for line in lines) == 2  # only iterations 3 and 4 ran again
     assert outcome(log) == outcome(uninterrupted)
