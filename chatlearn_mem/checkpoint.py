@@ -45,6 +45,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -66,6 +67,46 @@ _NAME = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(ChatlearnMemError):
     """A checkpoint cannot be written or does not fit the trainer; the message says what to do."""
+
+
+# -- writer processes die with the trainer ----------------------------------------------------------
+# megatron-core up to 0.16 (at least; 0.19 writes with threads) forks one process per file to write
+# a checkpoint. A forked writer holds every descriptor of the trainer's process: when the trainer is
+# killed mid-save, Ray sees its actor alive until the orphaned writer exits (a run then waits for its
+# phase timeout instead of restarting), and the writer can block forever on a results queue nobody
+# reads. Processes forked while this thread writes a checkpoint get SIGKILL when it ends (Linux's
+# parent-death signal; the writers are joined before a save's thread returns).
+_writing = threading.local()  # .pid: the process that writes, while this thread runs a save's write
+_prctl = None
+_install_lock = threading.Lock()
+
+
+def _die_with_the_writing_thread() -> None:
+    """``os.register_at_fork(after_in_child=...)``: in a process forked during a save's write, ask
+    the kernel for SIGKILL when the forking thread ends, and exit if it already has."""
+    parent = getattr(_writing, "pid", None)
+    if parent is None or _prctl is None:
+        return
+    _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the trainer died between fork() and prctl()
+        os._exit(1)
+    _writing.pid = os.getpid()  # the writer's own children die with it
+
+
+def _install_parent_death_signal() -> None:
+    global _prctl
+    with _install_lock:
+        if _prctl is not None or not hasattr(os, "register_at_fork"):
+            return
+        try:
+            import ctypes
+
+            prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: dlopen after fork may deadlock
+        except (OSError, AttributeError):  # not Linux: writers are left to megatron
+            return
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        _prctl = prctl
+        os.register_at_fork(after_in_child=_die_with_the_writing_thread)
 
 
 # -- directories ---------------------------------------------------------------------------------------
@@ -295,6 +336,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     except (TypeError, ValueError) as e:
         raise ValueError(f"metadata must be JSON-serialisable: {e}") from e
     t0 = time.perf_counter()
+    _install_parent_death_signal()
     root = os.path.abspath(root)
     final = os.path.join(root, _name(step))
     tmp = os.path.join(root, ".tmp." + _name(step))
@@ -332,6 +374,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     handle = SaveHandle(final, step, nbytes)
 
     def write():
+        _writing.pid = os.getpid()
         try:
             with readers:  # the host stores are read until the tensors are written
                 args = list(request.async_fn_args)
@@ -342,6 +385,8 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                     request.async_fn(*args, **getattr(request, "async_fn_kwargs", {}))
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             handle._error = e
+        finally:
+            _writing.pid = None
 
     def finish():
         _barrier()

@@ -1,10 +1,12 @@
 """Checkpoints: saved from the host store while asleep, bit-exact resume, complete or ignored, clear errors."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -172,6 +174,64 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(dist1, tmp_path):
     save_checkpoint(mm, root, step=2)  # the same step again replaces the leftover
     assert latest_checkpoint(root) == str(root / "step_00000002")
     assert not os.path.exists(root / ".tmp.step_00000002")
+
+
+_KILLED_MID_WRITE = textwrap.dedent("""
+    import os, sys, time, warnings
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, {tests!r})
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from trainer_runs import train
+    from chatlearn_mem import checkpoint
+    from chatlearn_mem.testbed import gpt
+    gpt.init_distributed(init_method="file://" + {init!r})
+    _, _, mm, _ = train(gpt.GPTTrainerConfig(), steps=1)
+    mm.offload()
+    real_write = FileSystemWriterAsync.write_preloaded_data
+    def slow_write(*args, **kwargs):  # a write that takes two minutes (a big model, a slow disk)
+        print("writing in", os.getpid(), flush=True)
+        time.sleep(120)
+        return real_write(*args, **kwargs)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_write)
+    checkpoint.save_checkpoint(mm, {root!r}, step=1, async_=True).wait()
+""")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting to be reaped is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+def test_no_writer_process_outlives_a_killed_trainer(dist1, tmp_path):
+    """megatron-core up to 0.16 (at least) forks a process to write each file. Orphaned by a
+    SIGKILLed trainer, such a writer held every descriptor the trainer had (Ray's sockets: Ray saw
+    the actor alive until the writer exited, a run waited for its phase timeout) and could block
+    forever on a results queue nobody reads. It must die with the trainer."""
+    script = _KILLED_MID_WRITE.format(tests=os.path.dirname(os.path.dirname(__file__)),
+                                      init=str(tmp_path / "init"), root=str(tmp_path / "ckpt"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    writer = None
+    try:
+        line = proc.stdout.readline()  # the trainer (or its writer) is writing
+        assert line.startswith("writing in "), f"the save did not start writing: {line!r}"
+        writer = int(line.split()[-1])
+        proc.kill()
+        assert proc.wait(timeout=60) == -9
+        deadline = time.monotonic() + 10
+        while _running(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(writer), f"writer process {writer} outlived the trainer {proc.pid}"
+    finally:
+        proc.kill()
+        if writer is not None and _running(writer):
+            os.kill(writer, signal.SIGKILL)
+        proc.stdout.close()
 
 
 def test_shape_mismatch_names_what_differs(dist1, tmp_path):
