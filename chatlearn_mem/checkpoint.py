@@ -56,8 +56,9 @@ import torch
 from chatlearn_mem.errors import ChatlearnMemError
 from chatlearn_mem.mcore import layout
 
-__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "estimate_checkpoint_nbytes", "fsync_dir",
-           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "commit_directory", "estimate_checkpoint_nbytes",
+           "fsync_dir", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
+           "write_json_atomic"]
 
 METADATA_FILE = "chatlearn_checkpoint.json"
 """Written last into a checkpoint directory; a directory without it is incomplete and ignored."""
@@ -155,6 +156,35 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file, fsync and ``os.replace``: a reader
+    (or a process killed while writing) sees the old file or the new one, never half of one."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # only left when the dump failed
+            os.unlink(tmp)
+
+
+def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike, marker: str, data: Any) -> None:
+    """Make a checkpoint directory complete in one step: write ``data`` as JSON to ``tmp/marker``
+    (durably, last), rename ``tmp`` to ``final`` (replacing an earlier ``final`` of the same name,
+    e.g. a step saved again) and fsync the parent. Readers that require ``marker`` and ignore
+    ``tmp``'s name see the whole directory or none of it."""
+    write_json_atomic(os.path.join(tmp, marker), data)
+    fsync_dir(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
 def _rank() -> int:
@@ -396,17 +426,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
             meta = {"format": _FORMAT, "step": step, "megatron_core": layout.megatron_core_version(),
                     "parallel": {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")},
                     "tensors": shapes, "distrib_optimizer_sharding": sharding, "metadata": metadata}
-            path = os.path.join(tmp, METADATA_FILE)
-            with open(path + ".part", "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(path + ".part", path)
-            fsync_dir(tmp)
-            if os.path.exists(final):  # the same step saved again: replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync_dir(root)
+            commit_directory(tmp, final, METADATA_FILE, meta)
             if keep_last is not None:
                 for old in list_checkpoints(root)[:-keep_last]:
                     shutil.rmtree(old, ignore_errors=True)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from chatlearn_mem.checkpoint import fsync_dir
+from chatlearn_mem.checkpoint import commit_directory, write_json_atomic
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ActorFailedError, CheckpointDirError, CheckpointSaveError, ResumeError
 
@@ -180,21 +180,6 @@ def remove_temporaries(root: os.PathLike) -> list[str]:
     return gone
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file, fsync and ``os.replace``: a reader
-    (or a process killed while writing) sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # only left when the dump failed
-
-
 class RunCheckpointer:
     """Saves run checkpoints through the trainer actors of a :class:`~chatlearn_mem_ray.cluster.Colocation`.
 
@@ -215,11 +200,6 @@ class RunCheckpointer:
         self.root = Path(cfg.checkpoint_dir).absolute()
         self._pending: Optional[tuple[int, Path, dict, float, int]] = None
         self.saved: list[dict] = [] if saved is None else saved  # per committed checkpoint: iterations, s, bytes
-
-    @property
-    def pending(self) -> Optional[int]:
-        """Iterations done of the checkpoint being written, or None."""
-        return self._pending[0] if self._pending else None
 
     def save(self, iterations: int, run_state: dict, before_calls: Optional[Callable[[Path], None]] = None) -> float:
         """Start saving the checkpoint of ``iterations`` done; ``run_state`` is what ``run.json``
@@ -270,14 +250,9 @@ class RunCheckpointer:
             c.call("checkpoint", {a: a.finish_checkpoint.remote() for role in TRAINERS for a in getattr(c, role)})
             entry = {"iterations_done": iterations, "bytes": nbytes, "seconds": time.perf_counter() - started}
             state = dict(run_state, checkpoints=[*run_state.get("checkpoints", []), entry])  # itself included
-            write_json_atomic(tmp / RUN_FILE, {"format": _FORMAT, "iterations_done": iterations,
-                                               "saved_at": time.time(), **state})
-            fsync_dir(tmp)
-            final = self.root / _name(iterations)
-            if final.exists():  # the same iteration saved again (a redone iteration)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync_dir(self.root)
+            final = self.root / _name(iterations)  # replaced when a redone iteration is saved again
+            commit_directory(tmp, final, RUN_FILE, {"format": _FORMAT, "iterations_done": iterations,
+                                                    "saved_at": time.time(), **state})
         for _, old in list_run_checkpoints(self.root)[:-self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         self.saved.append(entry)
@@ -299,8 +274,3 @@ class RunCheckpointer:
             raise CheckpointSaveError(f"saving the checkpoint after iteration {iterations} to {self.root} failed "
                                       f"({type(e).__name__}: {e}); the run stopped and {kept}. Check the "
                                       "directory (space, permissions), then resume with --resume") from e
-
-    def discard(self) -> None:
-        """Forget an open save without committing it (the run stops or restarts): its temporary
-        directory stays until the next save or resume removes it."""
-        self._pending = None
