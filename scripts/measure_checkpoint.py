@@ -36,6 +36,21 @@ import warnings
 import torch
 
 
+def plain_write_seconds(directory: str | os.PathLike, nbytes: int) -> float:
+    """One sequential write of ``nbytes`` from a preallocated host buffer, then ``fsync``: the
+    disk's ceiling for a checkpoint of that many bytes (the file is removed after)."""
+    buf = torch.ones(nbytes, dtype=torch.uint8).numpy()
+    path = os.path.join(directory, "plain-write.bin")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(memoryview(buf))
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    os.remove(path)
+    return seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu")
@@ -64,15 +79,7 @@ def main() -> None:
     asleep_device_bytes = []
     step = 0
     def plain_write():
-        buf = torch.ones(nbytes, dtype=torch.uint8).numpy()
-        path = os.path.join(root, "plain.bin")
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(memoryview(buf))
-            f.flush()
-            os.fsync(f.fileno())
-        times["plain_write"].append(time.perf_counter() - t0)
-        os.remove(path)
+        times["plain_write"].append(plain_write_seconds(root, nbytes))
 
     for _ in range(args.repeats):
         if nbytes:

@@ -31,8 +31,9 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from measure_checkpoint import plain_write_seconds  # the same disk ceiling as the save benchmark
 
 MODEL = ["num_layers=4", "hidden_size=256", "num_attention_heads=4", "vocab_size=8192"]
 MODES = {
@@ -41,22 +42,6 @@ MODES = {
     "async": ["checkpoint.every=1", "checkpoint.async_save=true"],
     "async_dp": ["checkpoint.every=1", "checkpoint.async_save=true", "checkpoint.resharding=false"],
 }
-
-
-def plain_write_seconds(directory: Path, nbytes: int) -> float:
-    """One sequential write of ``nbytes`` from a host buffer, then fsync: the disk's ceiling."""
-    import torch
-
-    buf = torch.ones(nbytes, dtype=torch.uint8).numpy()
-    path = directory / "plain-write.bin"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(memoryview(buf))
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - t0
-    path.unlink()
-    return seconds
 
 
 def plot(results: dict, path: Path, samples: int) -> None:
