@@ -22,20 +22,20 @@ from chatlearn_mem.checkpoint import (CheckpointError, SaveHandle, estimate_chec
 from chatlearn_mem.config import MemoryConfig, load_config
 from chatlearn_mem.device_report import DeviceReport, device_report
 from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, HostMemoryError,
-                                  OffloadedError,
-                                  UnsupportedLayoutError)
+                                  OffloadedError, TransferError, UnsupportedLayoutError)
 from chatlearn_mem.inference import InferenceMemoryManager
 from chatlearn_mem.manager import manager_of
 from chatlearn_mem.parts import Part
 from chatlearn_mem.residency import Residency
 from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
+from chatlearn_mem.transitions import Transfer, swap
 
 __all__ = [
     "AuditReport", "ChatlearnMemError", "CheckpointError", "ConfigError", "DeviceReport", "ExternalChangeError",
     "HostMemoryError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "SaveHandle",
-    "TrainerMemoryManager", "TransferStats", "UnsupportedLayoutError", "device_report", "estimate_checkpoint_nbytes",
+    "TrainerMemoryManager", "Transfer", "TransferError", "TransferStats", "UnsupportedLayoutError", "device_report", "estimate_checkpoint_nbytes",
     "latest_checkpoint",
-    "list_checkpoints", "load_checkpoint", "load_config", "manager_of", "save_checkpoint",
+    "list_checkpoints", "load_checkpoint", "load_config", "manager_of", "save_checkpoint", "swap",
 ]
 __version__ = "0.1.0"

@@ -43,6 +43,12 @@ class MemoryConfig(BaseModel):
     (nothing wrote to them since they were onloaded). See the managers' docs for how the
     manager knows; call ``mark_weights_dirty()`` after writing through ``param.data``."""
 
+    copy_chunk_mb: float = Field(16.0, gt=0)
+    """Largest single copy in MiB. Transitions move each storage in pieces of at most this size,
+    in the order the model reads them, so that a forward pass can start on the first layers
+    while later ones are still arriving and a storage is released as soon as its own copies are
+    done. Smaller pieces start compute sooner; each costs one more copy call and event."""
+
     empty_cache: bool = True
     """Return freed blocks to the CUDA driver after an offload (``torch.cuda.empty_cache()``), so
     that reserved memory drops too. No effect without CUDA."""
@@ -73,6 +79,11 @@ class MemoryConfig(BaseModel):
     def bucket_size_bytes(self) -> int:
         """``bucket_size_mb`` in bytes, rounded down to a multiple of 512."""
         return max(512, int(self.bucket_size_mb * 2**20) // 512 * 512)
+
+    @property
+    def copy_chunk_bytes(self) -> int:
+        """``copy_chunk_mb`` in bytes, rounded down to a multiple of 512 (at least 512)."""
+        return max(512, int(self.copy_chunk_mb * 2**20) // 512 * 512)
 
     @property
     def host_memory_margin_bytes(self) -> int:

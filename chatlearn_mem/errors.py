@@ -1,7 +1,7 @@
 """Exceptions raised by chatlearn-mem."""
 
 __all__ = ["ChatlearnMemError", "ConfigError", "ExternalChangeError", "HostMemoryError", "OffloadedError",
-           "UnsupportedLayoutError"]
+           "TransferError", "UnsupportedLayoutError"]
 
 
 class ChatlearnMemError(RuntimeError):
@@ -29,3 +29,9 @@ class ExternalChangeError(ChatlearnMemError):
     """Memory the manager manages was released, regrown or moved by something else (typically
     megatron-core's own offload calls); the message says what and how to get back to a state the
     manager can work from. See :mod:`chatlearn_mem.external`."""
+
+
+class TransferError(ChatlearnMemError):
+    """Memory that a guarded call needs was being moved by a non-blocking transition that failed;
+    the message names the step, and ``__cause__`` is the original error. Wait for the transition
+    (``Transfer.wait()``) or call the manager again: either rolls the part back to where it was."""

@@ -51,6 +51,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         self._tracked = {name: t for name, t in self._named_tensors()}
         self._remember_weight_storages()
         self._claim("this module")
+        self._register_weight_users(module.modules())
         self._guard_module(module, module)
 
     def _named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -71,36 +72,42 @@ class InferenceMemoryManager(MemoryManagerBase):
         return (self._dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
 
     @serialized
-    def offload(self, parts: PartsArg = None) -> list[TransferStats]:
+    def offload(self, parts: PartsArg = None, *, blocking: bool = True):
         """Offload the chosen parts (an inference model has one: ``Part.WEIGHTS``; None: all).
 
-        Returns one :class:`TransferStats`, or none (with a warning) when already offloaded.
+        Args:
+            parts: ``"weights"``, ``Part.WEIGHTS``, a list of them, or None.
+            blocking: Wait and return the stats (default), or return a
+                :class:`~chatlearn_mem.Transfer` at once.
+
+        Returns:
+            One :class:`TransferStats`, or none (with a warning) when already offloaded; or the
+            ``Transfer``.
 
         Raises:
             ValueError: A part other than ``weights``.
         """
-        if not self._parse_parts(parts):
-            return []
-        stats = self._offload_one(Part.WEIGHTS)
-        return [stats] if stats is not None else []
+        return self._run("offload", self._begin_offload(parts), blocking)
 
     @serialized
-    def onload(self, parts: PartsArg = None) -> list[TransferStats]:
-        """Onload the chosen parts (``Part.WEIGHTS``; None: all); see :meth:`offload`."""
-        if not self._parse_parts(parts):
-            return []
-        stats = self._onload_part(Part.WEIGHTS)
-        return [stats] if stats is not None else []
+    def onload(self, parts: PartsArg = None, *, blocking: bool = True):
+        """Onload the chosen parts (``Part.WEIGHTS``; None: all); see :meth:`offload`. With
+        ``blocking=False`` a forward pass may start at once: each module waits for its own
+        weights only."""
+        return self._run("onload", self._begin_onload(parts), blocking)
 
     @serialized
     def residency(self) -> Residency:
-        """Device bytes of the parameters and buffers (each storage once) and host store bytes."""
+        """Device bytes of the parameters and buffers (each storage once) and host store bytes, once
+        the transitions in flight have finished."""
+        self._settle()
         return measure({Part.WEIGHTS.value: self._part_tensors(Part.WEIGHTS)}, self.device, self._host_bytes())
 
     @serialized
     def audit(self) -> AuditReport:
         """Check that every parameter and buffer is the tensor the manager tracks, still uses the
         storage it tracks, and is resident (or released) as the manager's state says."""
+        self._settle()
         report = AuditReport()
         current = dict(self._named_tensors())
         replaced = set()

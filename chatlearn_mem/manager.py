@@ -13,13 +13,13 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 import torch
 import torch.utils._pytree
 
-from chatlearn_mem import host_memory
+from chatlearn_mem import external, host_memory, transitions
 from chatlearn_mem.config import MemoryConfig
-from chatlearn_mem import external
+from chatlearn_mem.copy_engine import CopyEngine
 from chatlearn_mem.debug_guard import ReleasedTensorGuard, function_name
 from chatlearn_mem.errors import ChatlearnMemError, HostMemoryError, OffloadedError
 from chatlearn_mem.parts import Part, PartsArg, parse_parts
-from chatlearn_mem.storage import StorageGroup, TransferStats, extent, storage_key, unique_storages
+from chatlearn_mem.storage import GroupTransfer, StorageGroup, TransferStats, extent, storage_key, unique_storages
 
 __all__ = ["MemoryManagerBase", "manager_of", "serialized"]
 
@@ -125,6 +125,12 @@ _ONLOAD_CALLS = {Part.WEIGHTS: "onload_weights()", Part.GRADS: "build_grad_buffe
                  Part.MAIN_WEIGHTS: "onload_main_weights()", Part.OPTIMIZER_STATES: "onload_optimizer_states()"}
 
 
+def _own_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
+    """A module's own parameters and buffers (not its children's)."""
+    yield from (t for t in module.parameters(recurse=False) if t is not None)
+    yield from (t for t in module.buffers(recurse=False) if t is not None)
+
+
 class MemoryManagerBase:
     """Parts (named :class:`StorageGroup` s), their offload/onload with no-op warnings, and guards.
 
@@ -150,6 +156,14 @@ class MemoryManagerBase:
         self._debug_guard = (ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard()
                              else None)
         self._placements: dict[Part, external.Placement] = {}  # recorded after each call, see external.py
+        # transitions submitted to the copy engine and not yet settled: part -> (handle, its group's)
+        self._pending: dict[Part, tuple[transitions.Transfer, GroupTransfer]] = {}
+        # a weights onload in flight with per-module fences: (its group transfer, {id(module): user})
+        self._weights_in_flight: Optional[tuple[GroupTransfer, dict[int, int]]] = None
+        self._weight_users_of: list[tuple[torch.nn.Module, int]] = []  # modules that read weights, in order
+
+    _OFFLOAD_ORDER: tuple[Part, ...] = (Part.WEIGHTS,)
+    _ONLOAD_ORDER: tuple[Part, ...] = (Part.WEIGHTS,)
 
     # -- to be provided by subclasses -------------------------------------------------------
     def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
@@ -187,6 +201,7 @@ class MemoryManagerBase:
             ValueError: ``part`` is not one of :attr:`parts`.
         """
         (part,) = self._parse_parts([part])
+        self._settle([part])
         return self._groups[part].offloaded
 
     def _storages(self, part: Part) -> list[torch.UntypedStorage]:
@@ -214,20 +229,6 @@ class MemoryManagerBase:
                 f"refusing to {what}: memory the manager manages was changed by something else, so "
                 "it would copy released memory or restore stale bytes. " + "; ".join(found))
 
-    def _offload_part(self, part: Part, storages: Optional[list] = None) -> Optional[TransferStats]:
-        group = self._groups[part]
-        if group.offloaded:
-            warnings.warn(f"{part} are already offloaded; nothing to do", stacklevel=3)
-            return None
-        self._refuse_external_changes([part], f"offload {part}")
-        storages = self._storages(part) if storages is None else storages
-        token = self._part_token(part) if self.config.skip_unchanged_weights else None
-        stats = group.offload(storages, token)
-        if part is Part.WEIGHTS:
-            self._remember_weight_storages()
-        self._record_placement([part])
-        return stats
-
     def _remember_weight_storages(self) -> None:
         """Record the storage of each weight: the ones the manager releases and restores."""
         self._weight_storages = {name: storage_key(t) for name, t in self._named_weights()}
@@ -246,29 +247,160 @@ class MemoryManagerBase:
                 report.add(f"{name} .data was rebound to a new tensor since the manager last "
                            "offloaded it; the manager would restore the old storage")
 
-    def _onload_part(self, part: Part) -> Optional[TransferStats]:
-        group = self._groups[part]
-        if not group.offloaded:
-            warnings.warn(f"{part} are already on the device; nothing to do", stacklevel=3)
-            return None
-        self._refuse_external_changes([part], f"onload {part}")
-        stats = group.onload()
-        group.set_host_token(self._part_token(part))
+    # -- transitions ---------------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ChatlearnMemError(f"{type(self).__name__}.{what}() after close(): the manager is closed; "
+                                    "create a new one")
+
+    def _before_offload_checks(self, todo: list[Part], force: bool) -> None:
+        """Refuse an offload of ``todo`` that is unsafe now (subclasses); nothing has changed yet."""
+
+    def _before_release(self, part: Part) -> None:
+        """Drop what hangs off ``part`` just before its release is submitted (subclasses)."""
+
+    def _begin_offload(self, parts: PartsArg, force: bool = False, stacklevel: int = 4
+                       ) -> list[tuple[Part, GroupTransfer]]:
+        """Check, prepare the host stores and start (not submit) the offload of ``parts``.
+
+        Everything that can refuse or fail before a copy (unconsumed grads, communication in
+        flight, memory changed behind the manager's back, host memory) is checked first, and
+        every host store is allocated before any part changes state, so a refusal changes nothing.
+        """
+        chosen = self._parse_parts(parts)
+        self._settle(chosen)  # R6: a part moves in one direction at a time
+        todo = [p for p in self._OFFLOAD_ORDER if p in chosen and not self._groups[p].offloaded]
+        if not todo:
+            if chosen:
+                what = f"{chosen[0]} are" if len(chosen) == 1 else "the chosen parts are"
+                warnings.warn(f"{what} already offloaded; nothing to do", stacklevel=stacklevel)
+            return []
+        self._before_offload_checks(todo, force)
+        self._refuse_external_changes(todo, "offload")
+        storages = {p: self._storages(p) for p in todo}
+        self._check_host_memory(storages)
+        for p in todo:  # allocate every host store first: a host OOM leaves everything resident
+            self._groups[p].prepare(storages[p])
+        caller = CopyEngine.for_device(self.device).caller_event()
+        started: list[tuple[Part, GroupTransfer]] = []
+        try:
+            for p in todo:
+                self._before_release(p)
+                token = self._part_token(p) if self.config.skip_unchanged_weights else None
+                started.append((p, self._groups[p].start_offload(storages[p], token, caller)))
+                if p is Part.WEIGHTS:
+                    self._remember_weight_storages()
+        except BaseException:
+            for _, gt in reversed(started):
+                gt.cancel()
+            raise
+        return started
+
+    def _begin_onload(self, parts: PartsArg, stacklevel: int = 4) -> list[tuple[Part, GroupTransfer]]:
+        """Start (not submit) the onload of ``parts``; weights are queued in the order the model
+        reads them, with a fence per module (R4)."""
+        chosen = self._parse_parts(parts)
+        self._settle(chosen)  # R6
+        todo = [p for p in self._ONLOAD_ORDER if p in chosen and self._groups[p].offloaded]
+        if not todo:
+            if chosen:
+                what = f"{chosen[0]} are" if len(chosen) == 1 else "the chosen parts are"
+                warnings.warn(f"{what} already on the device; nothing to do", stacklevel=stacklevel)
+            return []
+        self._refuse_external_changes(todo, "onload")
+        started: list[tuple[Part, GroupTransfer]] = []
+        try:
+            for p in todo:
+                users = self._weight_user_ranges() if p is Part.WEIGHTS else None
+                started.append((p, self._groups[p].start_onload(users, token=self._part_token(p))))
+        except BaseException:
+            for _, gt in reversed(started):
+                gt.cancel()
+            raise
+        return started
+
+    def _run(self, kind: str, started: list[tuple[Part, GroupTransfer]], blocking: bool):
+        """Submit started transitions as one job: the stats when ``blocking``, else the handle."""
+        if not started:
+            return [] if blocking else transitions.run(kind, [], blocking=False)
+        on_settled = [self._after_offload_settled] if kind == "offload" else []
+        return transitions.run(kind, [(self, p, gt) for p, gt in started], blocking, on_settled)
+
+    def _transfer_started(self, part: Part, transfer: "transitions.Transfer", gt: GroupTransfer) -> None:
+        self._pending[part] = (transfer, gt)
+        if part is Part.WEIGHTS and gt.direction == "onload" and self._weight_users_of:
+            self._weights_in_flight = (gt, {id(m): u for m, u in self._weight_users_of})
+
+    def _transfer_settled(self, part: Part, transfer: "transitions.Transfer", gt: GroupTransfer) -> None:
+        if self._pending.get(part, (None, None))[0] is transfer:
+            del self._pending[part]
+        w = self._weights_in_flight
+        if w is not None and w[0] is gt:
+            self._weights_in_flight = None
         self._record_placement([part])
-        return stats
 
-    def _before_offload(self, part: Part) -> None:
-        """Refuse an offload that is unsafe now (subclasses); called before anything changes."""
-
-    def _offload_one(self, part: Part) -> Optional[TransferStats]:
-        self._before_offload(part)
-        storages = None
-        if not self._groups[part].offloaded:
-            storages = self._storages(part)
-            self._check_host_memory({part: storages})
-        stats = self._offload_part(part, storages)
+    def _after_offload_settled(self) -> None:
         self._empty_cache()
-        return stats
+
+    def _settle(self, parts: Optional[Iterable[Part]] = None) -> None:
+        """Wait for the transitions in flight that move ``parts`` (all by default) and settle them.
+
+        Raises:
+            The error of a non-blocking transition that failed and was never waited for (once).
+        """
+        if not self._pending:
+            return
+        wanted = None if parts is None else set(parts)
+        todo = {id(t): t for p, (t, _) in list(self._pending.items()) if wanted is None or p in wanted}
+        for t in todo.values():
+            t._settle(observed=False)
+
+    def _await_parts(self, parts: Iterable[Part]) -> None:
+        """Make the caller's work wait for the onloads in flight of ``parts`` (R4): on CUDA its
+        stream waits, the host does not; on CPU the host waits. A pending offload needs no wait:
+        the part counts as offloaded already."""
+        for p in parts:
+            entry = self._pending.get(p)
+            if entry is not None and entry[1].direction == "onload" and entry[1].batch.steps:
+                entry[1].batch.fence().wait_on_current_stream()
+
+    def _weight_user_ranges(self) -> Optional[list[list[tuple[int, int, int]]]]:
+        """For each module that reads weights directly, in model order: the byte ranges of its own
+        parameters and buffers, ``(storage key, first byte, end byte)``."""
+        if not self._weight_users_of:
+            return None
+        out = []
+        for module, _ in self._weight_users_of:
+            ranges = []
+            for t in _own_tensors(module):
+                if t.device == self.device:
+                    size = t.element_size()
+                    start = t.storage_offset() * size
+                    ranges.append((storage_key(t), start, start + extent(t) * size))
+            out.append(ranges)
+        return out
+
+    def _register_weight_users(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Give every module that holds parameters or buffers a forward pre-hook that waits for its
+        own weights while an onload is in flight (the per-module fences of R4)."""
+        users = []
+        for m in modules:
+            if any(True for _ in _own_tensors(m)):
+                users.append((m, len(users)))
+                self._hook_handles.append(m.register_forward_pre_hook(self._wait_for_own_weights, prepend=True))
+        self._weight_users_of = users
+
+    def _wait_for_own_weights(self, module, args) -> None:
+        w = self._weights_in_flight
+        if w is None:
+            return
+        gt, user_of = w
+        u = user_of.get(id(module))
+        if u is None:
+            return
+        fence = gt.user_fence(u)
+        if fence is not None:
+            fence.wait_on_current_stream()
 
     def _check_host_memory(self, storages: dict[Part, list[torch.UntypedStorage]]) -> None:
         """Refuse, before anything changes, an offload whose new host buffers would not fit in the
@@ -294,14 +426,27 @@ class MemoryManagerBase:
                 "MemoryConfig.host_memory_margin_mb (check_host_memory=False skips this check)")
 
     @serialized
-    def offload_weights(self) -> Optional[TransferStats]:
-        """Copy the weights to the host store (unless the copy there is current) and free them."""
-        return self._offload_one(Part.WEIGHTS)
+    def offload_weights(self, *, blocking: bool = True):
+        """Copy the weights to the host store (unless the copy there is current) and free them.
+
+        Args:
+            blocking: Wait and return the :class:`TransferStats` (None when already offloaded), or
+                return a :class:`~chatlearn_mem.Transfer` at once.
+        """
+        out = self._run("offload", self._begin_offload([Part.WEIGHTS]), blocking)
+        return (out[0] if out else None) if blocking else out
 
     @serialized
-    def onload_weights(self) -> Optional[TransferStats]:
-        """Reallocate the weights on the device and copy them back from the host store."""
-        return self._onload_part(Part.WEIGHTS)
+    def onload_weights(self, *, blocking: bool = True):
+        """Reallocate the weights on the device and copy them back from the host store.
+
+        Args:
+            blocking: Wait and return the :class:`TransferStats` (None when already resident), or
+                return a :class:`~chatlearn_mem.Transfer` at once; a forward pass may start right
+                away and each module waits for its own weights only.
+        """
+        out = self._run("onload", self._begin_onload([Part.WEIGHTS]), blocking)
+        return (out[0] if out else None) if blocking else out
 
     @serialized
     def weights_state_dict(self) -> dict[str, torch.Tensor]:
@@ -311,6 +456,7 @@ class MemoryManagerBase:
         can send its weights (for example to a rollout engine) without being woken up. While
         resident they are copied from the device.
         """
+        self._settle()  # R5: the host copy is read only once written
         group = self._groups[Part.WEIGHTS]
         out = {}
         for name, t in self._state_dict_tensors():
@@ -336,7 +482,7 @@ class MemoryManagerBase:
                 "concurrency group)")
 
     def _check_weights_resident(self, what: str) -> None:
-        if self._groups[Part.WEIGHTS].offloaded:
+        if self._groups[Part.WEIGHTS].offloaded:  # also while an offload is in flight
             raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() "
                                  "(or onload()) first")
 
@@ -348,6 +494,7 @@ class MemoryManagerBase:
         if self._closed or self._serving_host == threading.get_ident():
             return  # closed, or the tensors view their host copies for a checkpoint (trainer)
         self._check_no_concurrent_call(what)
+        self._await_parts(parts)  # R4: an onload in flight is waited for, not refused
         missing = [p for p in parts if p in self._groups and self._groups[p].offloaded]
         if missing:
             calls = ", ".join(_ONLOAD_CALLS[p] for p in missing)
@@ -509,6 +656,7 @@ class MemoryManagerBase:
         with self._lock:
             if self._closed:
                 return
+            self._settle()  # R7: a transition in flight finishes (or rolls back) first
             offloaded = [p for p, g in self._groups.items() if g.offloaded]
             if offloaded:
                 raise ChatlearnMemError(

@@ -11,8 +11,10 @@ when they must survive.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 import threading
@@ -24,9 +26,12 @@ from typing import Hashable, Iterable, Optional
 import torch
 
 from chatlearn_mem.config import MemoryConfig
+from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
+from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import HostStore
 
-__all__ = ["StorageGroup", "TransferStats", "advise_huge_pages", "extent", "storage_key", "unique_storages"]
+__all__ = ["GroupTransfer", "StorageGroup", "TransferStats", "advise_huge_pages", "extent", "storage_key",
+           "unique_storages"]
 
 logger = logging.getLogger("chatlearn_mem")
 
@@ -149,6 +154,7 @@ class StorageGroup:
         # nothing may copy into, reallocate or free the store while one is registered.
         self._readers = 0
         self._readers_done = threading.Condition()
+        self._transfer: Optional[GroupTransfer] = None  # submitted to the copy engine, not yet settled
 
     @property
     def released(self) -> list[tuple[torch.UntypedStorage, int]]:
@@ -260,6 +266,7 @@ class StorageGroup:
     def drop_host_store(self) -> None:
         """Free the host store (the group must be resident: the store holds no needed bytes)."""
         assert not self.offloaded, f"{self.name} is offloaded; its host store holds the only copy"
+        assert self._transfer is None, f"{self.name} has a transition in flight (R7)"
         self.wait_for_readers()
         self.store = None
         self._host_token = None
@@ -272,6 +279,7 @@ class StorageGroup:
         sizes = [s.nbytes() for s in storages]
         if self.store is not None and self.store.sizes == tuple(sizes):
             return
+        assert self._transfer is None, f"{self.name} has a transition in flight (R7)"
         self.wait_for_readers()
         pin = self._config.resolved_pin_memory()
         old, self.store = self.store, None
@@ -279,82 +287,364 @@ class StorageGroup:
         del old  # free the old buckets before allocating the new ones: no 2x host peak
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
 
-    def offload(self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None) -> TransferStats:
-        """Copy (if needed) and release ``storages``.
+    # -- transitions through the copy engine ------------------------------------------------
+    def start_offload(self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None,
+                      caller_event=None) -> "GroupTransfer":
+        """Submit the copy (if needed) and release of ``storages`` to the d2h lane; return at once.
+
+        The group is offloaded from now on (its state is the target state); the bytes move in the
+        background and :meth:`GroupTransfer.finish` settles it. Submit with ``CopyEngine.submit``.
 
         Args:
             storages: Resident device storages of this group.
             token: Describes the current device contents; when it equals the token of the host
                 copy the copy is skipped. None always copies.
+            caller_event: CUDA: an event on the caller's stream the copies wait for (R1).
+
+        Raises:
+            Whatever the host allocation raises; then nothing has changed.
+        """
+        assert not self.offloaded, f"{self.name} is already offloaded"
+        assert self._transfer is None, f"{self.name} has a transition in flight"
+        engine = CopyEngine.for_device(_device_of(storages))
+        copy = self.keep_contents and not self.host_copy_current(token, storages)
+        if copy:
+            self.wait_for_readers()  # R5: a checkpoint save still reading the store: let it finish
+            self.prepare(storages)
+            self._host_token = None  # the copy may fail half way
+        batch = Batch("d2h", f"offload {self.name}")
+        t = GroupTransfer(self, "offload", batch, storages, copy, token)
+        if engine.is_cuda:
+            lane = engine.lanes["d2h"].stream
+            if caller_event is not None:
+                batch.add(lambda: lane.wait_event(caller_event), "wait for the caller's stream (R1)")
+        else:
+            lane = None
+        chunk = self._config.copy_chunk_bytes
+        for i, s in enumerate(storages):
+            if copy:
+                for host, off, n in _pieces(self.store.views(i), s.nbytes(), chunk):
+                    batch.add(functools.partial(_copy_out, host, s, off, n), f"copy {self.name}[{i}] {off}:{off + n}")
+            t._release_step[i] = batch.add(functools.partial(t._release, i, lane), f"release {self.name}[{i}]")
+        self._released = [(s, s.nbytes()) for s in storages]
+        self.offloaded = True
+        self._transfer = t
+        return t
+
+    def start_onload(self, users: Optional[list[list[tuple[int, int, int]]]] = None,
+                     token: Optional[Hashable] = None) -> "GroupTransfer":
+        """Submit the regrow and copy back (or zeroing) of the released storages to the h2d lane.
+
+        Args:
+            users: Optional use order: ``users[u]`` lists the ``(storage key, first byte, end byte)``
+                ranges that user ``u`` (a module) reads, users in the order they run. The copies
+                are queued in that order and :meth:`GroupTransfer.user_fence` gives the fence after
+                which user ``u`` may read (R4); bytes no user reads follow.
+            token: Describes the contents once restored (the host copy's): recorded when the
+                onload is settled, so that an offload before any write skips the copy.
+        """
+        assert self.offloaded, f"{self.name} is not offloaded"
+        assert self._transfer is None, f"{self.name} has a transition in flight"
+        released = self._released
+        batch = Batch("h2d", f"onload {self.name}")
+        t = GroupTransfer(self, "onload", batch, [s for s, _ in released], self.keep_contents, token)
+        chunk = self._config.copy_chunk_bytes
+        index = {storage_key(s): i for i, (s, _) in enumerate(released)}
+        order = _use_order(users or [], index, [n for _, n in released])
+        pieces_of: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
+        for i, start, end in order:
+            s, n = released[i]
+            if i not in t._grow_step:
+                t._grow_step[i] = batch.add(functools.partial(t._grow, i, n), f"regrow {self.name}[{i}]",
+                                            on_caller_stream=True)
+            if not self.keep_contents:
+                if start == 0 and end == n and n:
+                    step = batch.add(functools.partial(_zero, s), f"zero {self.name}[{i}]")
+                    pieces_of.setdefault(i, []).append((0, n, step))
+                continue
+            for host, off, size in _pieces(self.store.views(i), n, chunk, start, end):
+                step = batch.add(functools.partial(_copy_in, s, host, off, size), f"copy {self.name}[{i}] "
+                                 f"{off}:{off + size}")
+                pieces_of.setdefault(i, []).append((off, off + size, step))
+        for i, (s, n) in enumerate(released):  # storages of 0 bytes
+            if i not in t._grow_step:
+                t._grow_step[i] = batch.add(functools.partial(t._grow, i, n), f"regrow {self.name}[{i}]",
+                                            on_caller_stream=True)
+        t._user_steps = _user_steps(users or [], index, pieces_of, t._grow_step)
+        self.offloaded = False
+        self._transfer = t
+        return t
+
+    def offload(self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None) -> TransferStats:
+        """Copy (if needed) and release ``storages``, and wait (:meth:`start_offload`).
 
         Raises:
             Whatever the host allocation or a copy raises; then nothing has been released.
         """
-        assert not self.offloaded, f"{self.name} is already offloaded"
-        t0 = time.perf_counter()
-        copied = 0
-        if self.keep_contents and not self.host_copy_current(token, storages):
-            self.wait_for_readers()  # a checkpoint save still reading the store: let it finish
-            self.prepare(storages)
-            self._host_token = None  # the copy below may fail half way
-            device = storages[0].device if storages else torch.device("cpu")
-            non_blocking = self.store.pinned
-            for i, s in enumerate(storages):
-                src = _byte_view(s)
-                for host, off in self.store.views(i):
-                    host.copy_(src[off:off + host.numel()], non_blocking=non_blocking)
-                copied += s.nbytes()
-            _synchronize(device)
-            self._host_token = token
-            self._host_keys = tuple(s._cdata for s in storages)
-        released = [(s, s.nbytes()) for s in storages]
-        for s, _ in released:
-            s.resize_(0)
-        self._released = released
-        self.offloaded = True
-        stats = TransferStats(self.name, "offload", sum(n for _, n in released), copied,
-                              time.perf_counter() - t0)
-        logger.info("offloaded %s: %.1f MB released, %.1f MB copied (%.2f GB/s)", self.name,
-                    stats.nbytes / 1e6, copied / 1e6, stats.gb_per_s)
-        return stats
+        t = self.start_offload(storages, token, CopyEngine.for_device(_device_of(storages)).caller_event())
+        return _run_blocking(t)
 
     def onload(self) -> TransferStats:
-        """Reallocate the released storages and restore their contents (or zeros).
+        """Reallocate the released storages, restore their contents (or zeros) and wait.
 
         Raises:
-            Whatever a device allocation raises; then every storage grown so far is released
-            again, the group stays offloaded and the host copy is untouched.
+            Whatever a device allocation or copy raises; then every storage grown so far is
+            released again, the group stays offloaded and the host copy is untouched.
         """
-        assert self.offloaded, f"{self.name} is not offloaded"
-        t0 = time.perf_counter()
-        grown: list[torch.UntypedStorage] = []
-        try:
-            for s, n in self._released:
-                _grow_storage(s, n)
-                grown.append(s)
-                if self._config.cpu_huge_pages:
-                    advise_huge_pages(s)
-        except BaseException:
-            for s in grown:
-                s.resize_(0)
-            raise
-        copied = 0
-        device = self._released[0][0].device if self._released else torch.device("cpu")
-        if self.keep_contents:
-            non_blocking = self.store.pinned
-            for i, (s, n) in enumerate(self._released):
-                dst = _byte_view(s)
-                for host, off in self.store.views(i):
-                    dst[off:off + host.numel()].copy_(host, non_blocking=non_blocking)
-                copied += n
+        return _run_blocking(self.start_onload())
+
+    @property
+    def transfer(self) -> Optional["GroupTransfer"]:
+        """The transition in flight (submitted, not yet settled), or None."""
+        return self._transfer
+
+
+def _device_of(storages: Iterable[torch.UntypedStorage]) -> torch.device:
+    return next((s.device for s in storages), torch.device("cpu"))
+
+
+def _run_blocking(t: "GroupTransfer") -> TransferStats:
+    job = Job()
+    t.engine.submit(job, [t.batch])
+    job.wait()
+    return t.finish()
+
+
+def _copy_out(host: torch.Tensor, storage: torch.UntypedStorage, off: int, n: int) -> None:
+    # CUDA: asynchronous into pinned memory (the lane's event says when it landed); into pageable
+    # memory the driver copies synchronously, which is slower but as correct
+    host.copy_(_byte_view(storage)[off:off + n], non_blocking=storage.device.type == "cuda")
+
+
+def _copy_in(storage: torch.UntypedStorage, host: torch.Tensor, off: int, n: int) -> None:
+    _byte_view(storage)[off:off + n].copy_(host, non_blocking=storage.device.type == "cuda")
+
+
+def _zero(storage: torch.UntypedStorage) -> None:
+    _byte_view(storage).zero_()
+
+
+def _pieces(spans: list[tuple[torch.Tensor, int]], nbytes: int, chunk: int, start: int = 0,
+            end: Optional[int] = None) -> list[tuple[torch.Tensor, int, int]]:
+    """``(host view, storage offset, bytes)`` pieces covering bytes ``[start, end)`` of a storage
+    in ascending order, each inside one host span and at most ``chunk`` bytes."""
+    end = nbytes if end is None else end
+    out = []
+    for host, off in spans:
+        lo, hi = max(start, off), min(end, off + host.numel())
+        while lo < hi:
+            n = min(chunk, hi - lo)
+            out.append((host[lo - off:lo - off + n], lo, n))
+            lo += n
+    return out
+
+
+def _use_order(users: list[list[tuple[int, int, int]]], index: dict[int, int],
+               sizes: list[int]) -> list[tuple[int, int, int]]:
+    """``(storage index, start, end)`` byte ranges covering every released storage exactly once:
+    first the ranges users read, in user order (ranges read earlier are not repeated), then what
+    no user reads, per storage in ascending order. Adjacent ranges of one storage that follow each
+    other are merged."""
+    covered: dict[int, list[tuple[int, int]]] = {}
+    order: list[tuple[int, int, int]] = []
+
+    def add(i: int, a: int, b: int) -> None:
+        for lo, hi in _subtract((a, b), covered.setdefault(i, [])):
+            if order and order[-1][0] == i and order[-1][2] == lo:
+                order[-1] = (i, order[-1][1], hi)
+            elif order and order[-1][0] == i and order[-1][1] == hi:
+                order[-1] = (i, lo, order[-1][2])
+            else:
+                order.append((i, lo, hi))
+            bisect.insort(covered[i], (lo, hi))
+
+    for ranges in users:
+        for key, a, b in ranges:
+            i = index.get(key)
+            if i is not None and a < b:
+                add(i, max(0, a), min(sizes[i], b))
+    for i, n in enumerate(sizes):
+        if n:
+            add(i, 0, n)
+    return order
+
+
+def _subtract(r: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``r`` outside the sorted, disjoint ranges ``taken``."""
+    a, b = r
+    out = []
+    for lo, hi in taken:
+        if hi <= a or lo >= b:
+            continue
+        if lo > a:
+            out.append((a, lo))
+        a = max(a, hi)
+    if a < b:
+        out.append((a, b))
+    return out
+
+
+def _user_steps(users, index, pieces_of, grow_step) -> list[Optional[int]]:
+    """For each user, the last step whose bytes it reads (None: it reads nothing of this group)."""
+    starts = {i: [p[0] for p in sorted(ps)] for i, ps in pieces_of.items()}
+    ordered = {i: sorted(ps) for i, ps in pieces_of.items()}
+    out = []
+    for ranges in users:
+        last = None
+        for key, a, b in ranges:
+            i = index.get(key)
+            if i is None:
+                continue
+            last = max(last if last is not None else -1, grow_step[i])
+            ps = ordered.get(i, [])
+            k = max(0, bisect.bisect_right(starts.get(i, []), a) - 1)
+            while k < len(ps) and ps[k][0] < b:
+                if ps[k][1] > a:
+                    last = max(last, ps[k][2])
+                k += 1
+        out.append(last)
+    return out
+
+
+class GroupTransfer:
+    """One group's offload or onload submitted to the copy engine, settled once on the host.
+
+    Created by :meth:`StorageGroup.start_offload` / :meth:`StorageGroup.start_onload`; the caller
+    submits :attr:`batch` (``CopyEngine.submit``), waits for its job, then calls :meth:`finish`.
+    """
+
+    def __init__(self, group: StorageGroup, direction: str, batch: Batch, storages: list[torch.UntypedStorage],
+                 copy: bool, token: Optional[Hashable]):
+        self.group, self.direction, self.batch = group, direction, batch
+        self.storages = list(storages)
+        self.sizes = [s.nbytes() for s in storages] if direction == "offload" else [n for _, n in group._released]
+        self.copy, self.token = copy, token
+        self.engine = CopyEngine.for_device(_device_of(storages))
+        self.released: list[int] = []  # offload: indices released so far (R2: after their copies)
+        self.grown: list[int] = []  # onload: indices regrown so far
+        self._grow_step: dict[int, int] = {}
+        self._release_step: dict[int, int] = {}
+        self._user_steps: list[Optional[int]] = []
+        self.stats: Optional[TransferStats] = None
+        self.error: Optional[BaseException] = None
+
+    # -- lane steps --------------------------------------------------------------------------
+    def _release(self, i: int, stream) -> None:
+        s = self.storages[i]
+        if stream is not None and s.nbytes():
+            _byte_view(s).record_stream(stream)  # R2: the allocator waits for the d2h copies
+        s.resize_(0)
+        self.released.append(i)
+
+    def _grow(self, i: int, nbytes: int) -> None:
+        s = self.storages[i]
+        _grow_storage(s, nbytes)
+        self.grown.append(i)
+        if self.group._config.cpu_huge_pages:
+            advise_huge_pages(s)
+
+    # -- for the managers ------------------------------------------------------------------------
+    def release_steps(self) -> list[tuple[int, int]]:
+        """``(storage index, step index)`` of each release step, in order (offload)."""
+        return sorted(self._release_step.items(), key=lambda x: x[1])
+
+    def grow_steps(self) -> list[tuple[int, int]]:
+        """``(storage index, step index)`` of each regrow step, in order (onload)."""
+        return sorted(self._grow_step.items(), key=lambda x: x[1])
+
+    def cancel(self) -> None:
+        """Undo :meth:`StorageGroup.start_offload` / ``start_onload`` of a transition that was never
+        submitted (nothing ran): the group is back where it was."""
+        assert self.batch._lane is None, "cancel() is for a transition that was never submitted"
+        group = self.group
+        if self.direction == "offload":
+            group._released = []
+            group.offloaded = False
         else:
-            for s, _ in self._released:
-                _byte_view(s).zero_()
-        _synchronize(device)
-        nbytes = sum(n for _, n in self._released)
-        self._released = []
-        self.offloaded = False
-        stats = TransferStats(self.name, "onload", nbytes, copied, time.perf_counter() - t0)
-        logger.info("onloaded %s: %.1f MB restored, %.1f MB copied (%.2f GB/s)", self.name,
-                    nbytes / 1e6, copied / 1e6, stats.gb_per_s)
-        return stats
+            group.offloaded = True
+        group._transfer = None
+
+    def user_fence(self, user: int) -> Optional[Fence]:
+        """The fence after which user ``user`` of :meth:`StorageGroup.start_onload` may read."""
+        step = self._user_steps[user] if user < len(self._user_steps) else None
+        return None if step is None else self.batch.fence(step)
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+    def finish(self) -> TransferStats:
+        """Settle the transition on the host, once its batch is done: record the outcome, or roll
+        the group back to where it was (R9) and raise the step's error (with a note saying so).
+
+        Raises:
+            The error of the step that failed (or of an earlier step of the same job).
+        """
+        assert self.batch.done(), f"{self.batch.label} is still running"
+        group = self.group
+        if self.stats is not None:
+            return self.stats
+        if self.error is not None:
+            raise self.error
+        job = self.batch.job
+        if self.batch.completed == len(self.batch.steps):
+            return self._succeed()  # a later part of the same job may have failed: this one is whole
+        error = job.error if job is not None and job.error is not None else TransferError(self.batch.label)
+        try:
+            note = self._roll_back()
+        finally:
+            group._transfer = None
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        self.error = error
+        raise error
+
+    def _succeed(self) -> TransferStats:
+        group = self.group
+        nbytes = sum(self.sizes)
+        if self.direction == "offload":
+            if self.copy:
+                group._host_token = self.token
+                group._host_keys = tuple(s._cdata for s in self.storages)
+            copied = nbytes if self.copy else 0
+        else:
+            group._released = []
+            copied = nbytes if group.keep_contents else 0
+            group.set_host_token(self.token)
+        group._transfer = None
+        self.stats = TransferStats(group.name, self.direction, nbytes, copied, self.batch.seconds)
+        logger.info("%s %s: %.1f MB, %.1f MB copied (%.2f GB/s)", self.direction, group.name,
+                    nbytes / 1e6, copied / 1e6, self.stats.gb_per_s)
+        return self.stats
+
+    def _roll_back(self) -> str:
+        group = self.group
+        if self.direction == "onload":
+            for i in self.grown:
+                self.storages[i].resize_(0)
+            group.offloaded = True
+            return (f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "
+                    "was released again; the part is still offloaded and its host copy is intact")
+        # offload: the storages released so far have complete host copies (R2): bring them back
+        restored = []
+        try:
+            for i in list(self.released):
+                s, n = self.storages[i], self.sizes[i]
+                _grow_storage(s, n)
+                dst = _byte_view(s)
+                for host, off in group.store.views(i):
+                    dst[off:off + host.numel()].copy_(host)
+                restored.append(i)
+            _synchronize(_device_of(self.storages))
+        except BaseException as e:  # noqa: BLE001 - keep what is still released, offloaded
+            left = [i for i in self.released if i not in restored]
+            group._released = [(self.storages[i], self.sizes[i]) for i in left]
+            group.offloaded = True
+            group._host_token = None
+            return (f"chatlearn-mem: the offload of {group.name} failed and could not be fully rolled "
+                    f"back ({e!r}): {len(left)} storage(s) stay released with complete host copies and the "
+                    "part counts as offloaded; call onload() once memory is available")
+        group._released = []
+        group.offloaded = False
+        group._host_token = None
+        return (f"chatlearn-mem: the offload of {group.name} was rolled back: every storage it had released "
+                "was regrown from its complete host copy; the part is resident")

@@ -20,8 +20,6 @@ from chatlearn_mem.storage import TransferStats, storage_key
 
 __all__ = ["TrainerMemoryManager"]
 
-_OFFLOAD_ORDER = (Part.GRADS, Part.OPTIMIZER_STATES, Part.MAIN_WEIGHTS, Part.WEIGHTS)
-_ONLOAD_ORDER = (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES, Part.GRADS)
 
 
 class TrainerMemoryManager(MemoryManagerBase):
@@ -61,6 +59,11 @@ class TrainerMemoryManager(MemoryManagerBase):
         TypeError: ``model`` or ``optimizer`` are not megatron-core objects.
     """
 
+    # grads first: dropped for free, and a training step zeroes them before its forward; the
+    # weights then come in the order the forward reads them, the optimizer's parts behind them
+    _OFFLOAD_ORDER = (Part.GRADS, Part.OPTIMIZER_STATES, Part.MAIN_WEIGHTS, Part.WEIGHTS)
+    _ONLOAD_ORDER = (Part.GRADS, Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+
     def __init__(self, model: Any, optimizer: Any, config: Optional[MemoryConfig] = None):
         layout.check_supported_version()
         self._chunks = layout.ddp_chunks(model)
@@ -84,6 +87,10 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._check_layout()
         self._remember_weight_storages()
         self._claim("this model" if len(self._chunks) == 1 else "this list of model chunks")
+        if not any(layout.overlaps_param_gather(c) for c in self._chunks):
+            # megatron's overlapped param all-gather reads whole buckets from a module's pre-hook:
+            # with it, a forward waits for all the weights instead (the outer pre-hook's guard)
+            self._register_weight_users(m for c in self._chunks for m in c.module.modules())
         for c in self._chunks:
             self._guard_module(c, c.module)
             self._hook_handles += layout.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
@@ -213,9 +220,14 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._forward_since_step = False
         self._record_placement([Part.OPTIMIZER_STATES])  # the first step creates the states
 
-    def _before_offload(self, part: Part) -> None:
-        if part is Part.WEIGHTS:
-            self._check_no_pending_communication("offload weights")
+    def _before_offload_checks(self, todo: list[Part], force: bool) -> None:
+        self._check_no_pending_communication("offload" if len(todo) > 1 else f"offload {todo[0]}")
+        if Part.GRADS in todo and not force:
+            self._check_grads_consumed()
+
+    def _before_release(self, part: Part) -> None:
+        if part is Part.GRADS:
+            self._drop_stale_grads()
 
     def _check_no_pending_communication(self, what: str) -> None:
         for g in layout.bucket_groups(self._chunks, self._optimizer):
@@ -237,107 +249,90 @@ class TrainerMemoryManager(MemoryManagerBase):
             ChatlearnMemError: The buffers hold non-zero gradients accumulated since the last
                 optimizer step (and ``force`` is False), or a grad reduction is in flight.
         """
-        if self._groups[Part.GRADS].offloaded:
-            warnings.warn("grads are already released; nothing to do", stacklevel=3)
-            return None
-        self._check_no_pending_communication("free grad buffers")
-        self._refuse_external_changes([Part.GRADS], "free grad buffers")
-        if not force:
-            self._check_grads_consumed()
-        self._drop_stale_grads()
-        stats = self._groups[Part.GRADS].offload(self._storages(Part.GRADS))
-        self._record_placement([Part.GRADS])
-        self._empty_cache()
-        return stats
+        return self._one("offload", self._begin_offload([Part.GRADS], force=force))
 
     @serialized
     def build_grad_buffers(self) -> Optional[TransferStats]:
         """Reallocate the grad buffers, zeroed; every ``main_grad`` view is valid again."""
-        return self._onload_part(Part.GRADS)
+        return self._one("onload", self._begin_onload([Part.GRADS]))
 
     @serialized
     def offload_main_weights(self) -> Optional[TransferStats]:
         """Copy the optimizers' fp32 main weights to the host store and free them."""
-        return self._offload_one(Part.MAIN_WEIGHTS)
+        return self._one("offload", self._begin_offload([Part.MAIN_WEIGHTS]))
 
     @serialized
     def onload_main_weights(self) -> Optional[TransferStats]:
         """Bring the fp32 main weights back."""
-        return self._onload_part(Part.MAIN_WEIGHTS)
+        return self._one("onload", self._begin_onload([Part.MAIN_WEIGHTS]))
 
     @serialized
     def offload_optimizer_states(self) -> Optional[TransferStats]:
         """Copy the optimizer state tensors into flat host buckets and free them."""
-        return self._offload_one(Part.OPTIMIZER_STATES)
+        return self._one("offload", self._begin_offload([Part.OPTIMIZER_STATES]))
 
     @serialized
     def onload_optimizer_states(self) -> Optional[TransferStats]:
         """Bring the optimizer state tensors back."""
-        return self._onload_part(Part.OPTIMIZER_STATES)
+        return self._one("onload", self._begin_onload([Part.OPTIMIZER_STATES]))
+
+    def _one(self, kind: str, started) -> Optional[TransferStats]:
+        out = self._run(kind, started, blocking=True)
+        return out[0] if out else None
 
     @serialized
-    def offload(self, parts: PartsArg = None, *, force: bool = False) -> list[TransferStats]:
+    def offload(self, parts: PartsArg = None, *, force: bool = False, blocking: bool = True):
         """Offload the chosen parts (all by default) in a safe order: grads, states, main weights, weights.
 
         Everything that can refuse or fail (unconsumed grads, in-flight communication, host
-        allocation) is checked before any memory is released, so a failing call changes nothing.
+        allocation) is checked before any memory is released, so a refusal changes nothing. The
+        copies run on the device's copy engine: each storage is released as soon as its own bytes
+        are on the host, and the call waits once, at the end.
 
         Args:
             parts: A :class:`~chatlearn_mem.Part`, a part name, or a list of them; None: all.
-            force: Passed to :meth:`free_grad_buffers`.
+            force: Drop gradients that no optimizer step consumed (see :meth:`free_grad_buffers`).
+            blocking: True (default): wait, return the stats. False: return a
+                :class:`~chatlearn_mem.Transfer` at once; the parts count as offloaded from now on.
 
         Returns:
             One :class:`TransferStats` per part that was offloaded (parts already offloaded are
-            skipped; when every chosen part is, a warning says so).
+            skipped; when every chosen part is, a warning says so), or the ``Transfer``.
 
         Raises:
             ValueError: An unknown part name.
+            Whatever a copy raises, once the parts are rolled back (with ``blocking=False``: from
+            ``Transfer.wait()``).
         """
-        chosen = self._parse_parts(parts)
-        todo = [p for p in _OFFLOAD_ORDER if p in chosen and not self._groups[p].offloaded]
-        if not todo:
-            if chosen:
-                warnings.warn("the chosen parts are already offloaded; nothing to do", stacklevel=3)
-            return []
-        self._check_no_pending_communication("offload")
-        self._refuse_external_changes(todo, "offload")
-        if Part.GRADS in todo and not force:
-            self._check_grads_consumed()
-        storages = {p: self._storages(p) for p in todo}
-        self._check_host_memory(storages)
-        for p in todo:  # allocate every host store first: a host OOM leaves everything resident
-            self._groups[p].prepare(storages[p])
-        out = []
-        for p in todo:
-            if p is Part.GRADS:
-                self._drop_stale_grads()
-            out.append(self._offload_part(p, storages[p]))
-        self._empty_cache()
-        return out
+        return self._run("offload", self._begin_offload(parts, force=force), blocking)
 
     @serialized
-    def onload(self, parts: PartsArg = None) -> list[TransferStats]:
-        """Onload the chosen parts (all by default): weights, main weights, states, then grads.
+    def onload(self, parts: PartsArg = None, *, blocking: bool = True):
+        """Onload the chosen parts (all by default): grads, weights, main weights, then states.
 
-        For a forward-only phase, ``onload(Part.WEIGHTS)`` brings back the weights alone. If a
-        device allocation fails the parts restored so far stay restored and the others stay
-        offloaded; call again once memory is available.
+        For a forward-only phase, ``onload(Part.WEIGHTS)`` brings back the weights alone. The
+        weights come in the order the forward reads them: with ``blocking=False`` a forward pass
+        can start at once and each module waits only for its own weights. If a device
+        allocation fails, the parts restored so far stay restored and the others stay offloaded;
+        call again once memory is available.
 
         Args:
             parts: A :class:`~chatlearn_mem.Part`, a part name, or a list of them; None: all.
+            blocking: True (default): wait, return the stats. False: return a
+                :class:`~chatlearn_mem.Transfer` at once; every guarded call waits for what it needs.
 
         Raises:
             ValueError: An unknown part name.
+            Whatever a device allocation or copy raises, once the failed part is rolled back (with
+            ``blocking=False``: from ``Transfer.wait()``).
         """
-        chosen = self._parse_parts(parts)
-        todo = [p for p in _ONLOAD_ORDER if p in chosen and self._groups[p].offloaded]
-        if not todo and chosen:
-            warnings.warn("the chosen parts are already on the device; nothing to do", stacklevel=3)
-        return [self._onload_part(p) for p in todo]
+        return self._run("onload", self._begin_onload(parts), blocking)
 
     @serialized
     def residency(self) -> Residency:
-        """Device bytes held per part (each storage once) and host store bytes."""
+        """Device bytes held per part (each storage once) and host store bytes, once the transitions
+        in flight have finished."""
+        self._settle()
         return measure({p.value: self._part_tensors(p) for p in Part} | {OTHER: self._stale_grads()},
                        self.device, self._host_bytes())
 
@@ -354,6 +349,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         nothing else (megatron-core's own offload calls, say) released, regrew or moved the
         manager's memory since its last call (see :mod:`chatlearn_mem.external`).
         """
+        self._settle()
         report = AuditReport()
         self._check_rebinds(report)
         checks.check_buffers(report, self._buffers, self._names, self._chunks, self._optimizer)
@@ -385,6 +381,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         The returned ExitStack holds :meth:`StorageGroup.reading` on every offloaded part: until it
         is closed, an offload that would overwrite those host stores waits.
         """
+        self._settle()  # R5: read the host copies once written
         served = {}
         for g in self._groups.values():
             if g.offloaded and g.keep_contents:
@@ -413,6 +410,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     @serialized
     def _prepare_load(self) -> None:
         """Before a checkpoint is loaded: every part resident, optimizer states created."""
+        self._settle()
         offloaded = [p.value for p, g in self._groups.items() if g.offloaded]
         if offloaded:
             raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call "

@@ -180,6 +180,12 @@ def pending_communication(group: Any) -> list[str]:
     return [h for h in ("grad_reduce_handle", "param_gather_handle") if getattr(group, h, None) is not None]
 
 
+def overlaps_param_gather(chunk: torch.nn.Module) -> bool:
+    """Whether a DDP chunk all-gathers its params from forward pre-hooks (``overlap_param_gather``):
+    a module's pre-hook then reads and writes whole buckets, other modules' params included."""
+    return bool(getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False))
+
+
 def module_buffers(chunk: torch.nn.Module) -> list[torch.Tensor]:
     """Module buffers of a DDP chunk (DDP's own ``buffers`` attribute shadows ``Module.buffers``)."""
     return list(torch.nn.Module.buffers(chunk.module))

@@ -122,16 +122,16 @@ def test_concurrent_offload_onload_audit_residency_never_interleave(trained):
 
 @contextlib.contextmanager
 def _blocked_in_offload(call, monkeypatch):
-    """Run ``call`` (an offload) in another thread, held inside its first storage release."""
+    """Run ``call`` (an offload) in another thread, held inside its first part's offload."""
     entered, release = threading.Event(), threading.Event()
-    real = storage.StorageGroup.offload
+    real = storage.StorageGroup.start_offload
 
     def slow(self, *args, **kwargs):
         entered.set()
         release.wait(30)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(storage.StorageGroup, "offload", slow)
+    monkeypatch.setattr(storage.StorageGroup, "start_offload", slow)
     t = threading.Thread(target=call)
     t.start()
     assert entered.wait(30)

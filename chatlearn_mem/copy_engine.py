@@ -1,0 +1,474 @@
+"""The copy engine: where every byte that crosses between the device and the host store moves.
+
+Each device has two *lanes*, one per direction: ``d2h`` runs offloads, ``h2d`` runs onloads. A lane
+runs the steps submitted to it strictly in order, apart from the caller's own work, so that a
+transition overlaps with compute and, in a swap, an offload overlaps with an onload.
+
+* On CUDA a lane is a side stream of its device. Submitting a step enqueues its copies on that
+  stream at once (nothing on the host waits); the *fence* after a step is a CUDA event.
+* On a CPU "device" (megatron-core through :mod:`chatlearn_mem.testbed.cpu_backend`) a lane is a
+  worker thread with a FIFO queue, standing in for the stream (torch's copy releases the GIL);
+  the fence after a step is its sequence number in the lane.
+
+A :class:`Batch` is the list of steps of one part's transition in one lane. A step that raises
+skips the rest of its batch and of every later batch of the same :class:`Job` (one
+``offload(parts)`` / ``onload(parts)`` / swap); the caller rolls back what had been done, on the
+host, when it settles the job (see ``StorageGroup``). Nothing in the engine knows about parts,
+managers or megatron.
+
+Ordering rules
+--------------
+Each rule names what guards what and who waits for whom; each has a test in
+``tests/unit/test_copy_engine.py`` (CPU lanes, the interleaving forced by holding the worker)
+and the CUDA half runs in ``tests/gpu``.
+
+R1. *An offload copies what the caller wrote before it.* Its device-to-host copies start only
+    after every operation the caller queued before the offload call. CUDA: the d2h stream waits
+    for an event recorded on the caller's current stream at submission. CPU: the caller's
+    operations ran synchronously before it submitted.
+R2. *A storage is released only after its bytes reached the host.* CUDA: the storage's block is
+    marked in use by the d2h stream (``record_stream``) before ``resize_(0)``, so the caching
+    allocator hands that memory out again only once the stream has passed the copy. CPU: the
+    release is the step after the storage's copy steps in the d2h lane.
+R3. *A storage is regrown just before its copy, and written only after the caller's earlier work.*
+    CUDA: it is regrown on the caller's stream at submission (the allocator's blocks stay in the
+    caller's pool) and the h2d stream waits for an event recorded on the caller's stream right
+    after, so a block the caller freed earlier is not overwritten while the caller's queued
+    kernels may still read it. CPU: the regrow is the lane step before the storage's copies.
+R4. *Nothing reads a restored storage before its bytes arrived.* Every guarded entry of a manager
+    waits for the fence of the transition it depends on: the forward pre-hook of each module for
+    the last copy step covering that module's own parameters and buffers (CUDA: the caller's
+    stream waits for the event, the host does not block; CPU: the host waits for the worker),
+    everything else (backward, ``step``, ``zero_grad_buffer``, state dicts, checkpoints,
+    ``residency``, ``audit``) for the whole transition.
+R5. *The host store is written only when no one reads it, and read only once written.* An
+    offload that copies waits, before it submits, for the registered readers of the store (an
+    asynchronous checkpoint save) and for any transition of the same part still in flight
+    (whose onload may still read the store); whoever reads the store on the host (checkpoint,
+    ``weights_state_dict``) first waits for the part's offload to complete.
+R6. *A part moves in one direction at a time.* A transition of a part first waits for the one
+    already in flight for that part (an onload never regrows a storage whose release is pending;
+    an offload never releases a storage an onload is still filling).
+R7. *The host store is freed only after every copy that touches it completed* (``close()``,
+    ``drop_host_store()``, a re-planned store: each waits for the part's transition first).
+R8. *A swap never holds both models whole.* CPU: each regrow of the incoming model waits for the
+    release steps of the outgoing one that free at least as many bytes, less an allowance
+    (``headroom_bytes``): the device holds at most the larger model plus that allowance. CUDA:
+    the releases are submitted before the regrows that follow them, and the caching allocator
+    reuses the released blocks once the d2h stream has passed their copies (R2).
+R9. *A failed step leaves nothing half done.* It skips the rest of its job; fences of steps that
+    had completed stay valid, the failed and skipped ones raise. The caller settles the job on the
+    host (waiting for every lane to have finished or skipped its steps) and rolls each part back
+    to where it was: storages an offload released are regrown and refilled from their complete
+    host copies, storages an onload regrew are released again.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from chatlearn_mem.errors import TransferError
+
+__all__ = ["Batch", "CopyEngine", "Fence", "Job", "Step"]
+
+LANES = ("d2h", "h2d")
+_POLL_S = 0.1  # a host wait wakes this often to let Python handle signals (Ctrl-C)
+
+
+def _before_step(lane: str, label: str) -> None:
+    """Called by the lane before each step; tests replace it to slow a lane down or make a step fail."""
+
+
+@dataclass
+class Step:
+    """One unit of lane work.
+
+    Attributes:
+        fn: Does the work; on CUDA it runs with the lane's stream current (its copies go there).
+        label: What it does, for messages and tests ("copy weights[0] 0:16777216").
+        on_caller_stream: CUDA only: run ``fn`` on the caller's stream instead (allocations, R3);
+            the lane's stream then waits for the caller's stream.
+        after: A fence of *another* lane this step waits for first (CPU; a swap's regrow waits
+            for the outgoing model's releases, R8). CUDA submits in that order instead.
+    """
+
+    fn: Callable[[], None]
+    label: str = ""
+    on_caller_stream: bool = False
+    after: Optional["Fence"] = None
+
+
+class Job:
+    """The batches submitted together by one transition call; the first failure skips the rest."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+        self.error: Optional[BaseException] = None
+        self.failed_step: Optional[str] = None
+
+    def _fail(self, error: BaseException, label: str) -> None:
+        if self.error is None:
+            self.error, self.failed_step = error, label
+
+    def done(self) -> bool:
+        """Whether every step of every batch has run, failed or been skipped."""
+        return all(b.done() for b in self.batches)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until :meth:`done` (or ``timeout`` seconds passed); returns :meth:`done`. Never raises
+        the job's error: read :attr:`error`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for b in self.batches:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not b._wait_all(left):
+                return False
+        return True
+
+
+class Batch:
+    """The ordered steps of one part's transition in one lane.
+
+    Args:
+        lane: ``"d2h"`` or ``"h2d"``.
+        label: For messages ("offload weights").
+    """
+
+    def __init__(self, lane: str, label: str):
+        if lane not in LANES:
+            raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
+        self.lane = lane
+        self.label = label
+        self.steps: list[Step] = []
+        self.job: Optional[Job] = None
+        self.completed = 0  # steps that ran without error
+        self.started_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+        self._lane = None
+        self._base = 0  # CPU: sequence number of the step before the first one
+        self._events: list = []  # CUDA: one event per step that ran (None after a failure)
+
+    def add(self, fn: Callable[[], None], label: str = "", *, on_caller_stream: bool = False,
+            after: Optional["Fence"] = None) -> int:
+        """Append a step; returns its index (what :meth:`fence` takes)."""
+        assert self._lane is None, "steps are added before the batch is submitted"
+        self.steps.append(Step(fn, label, on_caller_stream, after))
+        return len(self.steps) - 1
+
+    def fence(self, index: int = -1) -> "Fence":
+        """The completion of step ``index`` (the last step by default)."""
+        if index < 0:
+            index += len(self.steps)
+        if not 0 <= index < len(self.steps):
+            raise IndexError(f"{self.label} has {len(self.steps)} steps, no step {index}")
+        return Fence(self, index)
+
+    def done(self) -> bool:
+        return self._lane is not None and (not self.steps or self.fence().done())
+
+    def _wait_all(self, timeout: Optional[float]) -> bool:
+        if self._lane is None:
+            return False
+        return not self.steps or self.fence()._wait_reached(timeout)
+
+    @property
+    def seconds(self) -> float:
+        """Time from the lane starting the first step to the end of the last one (0 when none ran)."""
+        if self.started_at is None or self.finished_at is None:
+            return 0.0
+        return max(0.0, self.finished_at - self.started_at)
+
+    def _skip(self) -> bool:
+        return self.job is not None and self.job.error is not None
+
+
+class Fence:
+    """The completion of one step of a submitted batch."""
+
+    def __init__(self, batch: Batch, index: int):
+        self.batch, self.index = batch, index
+
+    def done(self) -> bool:
+        """Whether the step has run, failed or been skipped (never blocks)."""
+        lane = self.batch._lane
+        if lane is None:
+            return False
+        return lane._reached(self.batch, self.index)
+
+    def ok(self) -> bool:
+        """Whether the step has run without error (its bytes are where they belong)."""
+        return self.done() and self.batch.completed > self.index
+
+    def _wait_reached(self, timeout: Optional[float] = None) -> bool:
+        lane = self.batch._lane
+        if lane is None:
+            return False
+        return lane._wait(self.batch, self.index, timeout)
+
+    def _raise_if_failed(self) -> None:
+        if self.batch.completed <= self.index:
+            job = self.batch.job
+            cause = job.error if job is not None else None
+            raise TransferError(f"the {self.batch.label} that this needs failed at step "
+                                f"'{job.failed_step if job is not None else '?'}' ({cause!r}); wait() for the "
+                                "transfer or call the manager again to roll the part back") from cause
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block the host until the step is done; returns False on timeout.
+
+        Raises:
+            TransferError: The step did not run (it or an earlier step of its job failed).
+        """
+        if not self._wait_reached(timeout):
+            return False
+        self._raise_if_failed()
+        return True
+
+    def wait_on_current_stream(self) -> None:
+        """Make the caller's work wait for the step: on CUDA the current stream waits for the
+        step's event (the host does not block); on CPU the host waits.
+
+        Raises:
+            TransferError: As :meth:`wait` (on CUDA, when the failure is already known).
+        """
+        lane = self.batch._lane
+        if isinstance(lane, _CudaLane):
+            event = self.batch._events[self.index] if self.index < len(self.batch._events) else None
+            if event is None:
+                self._raise_if_failed()
+                return
+            torch.cuda.current_stream(lane.device).wait_event(event)
+        else:
+            self.wait()
+
+
+class _CpuLane:
+    """A worker thread running submitted batches in order: the stand-in for a CUDA stream."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Batch] = collections.deque()
+        self._submitted = 0  # sequence number of the last step submitted
+        self._finished = 0  # sequence number of the last step run, failed or skipped
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, batch: Batch) -> None:
+        with self._cv:
+            batch._lane, batch._base = self, self._submitted
+            self._submitted += len(batch.steps)
+            self._queue.append(batch)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"chatlearn-mem-{self.name}", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _reached(self, batch: Batch, index: int) -> bool:
+        return self._finished >= batch._base + index + 1
+
+    def _wait(self, batch: Batch, index: int, timeout: Optional[float]) -> bool:
+        target = batch._base + index + 1
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._finished < target:
+                # short slices: a Ctrl-C whose signal reached another thread still interrupts the wait
+                left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def _step_done(self) -> None:
+        with self._cv:
+            self._finished += 1
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue))
+                batch = self._queue.popleft()
+            for step in batch.steps:
+                try:
+                    if not batch._skip():
+                        if step.after is not None:
+                            step.after._wait_reached()
+                        if batch.started_at is None:
+                            batch.started_at = time.perf_counter()
+                        _before_step(self.name, step.label)
+                        step.fn()
+                        batch.completed += 1
+                        batch.finished_at = time.perf_counter()
+                except BaseException as e:  # noqa: BLE001 - reported through the job, never lost
+                    if batch.job is not None:
+                        batch.job._fail(e, step.label)
+                finally:
+                    self._step_done()
+
+
+class _CudaLane:
+    """A side stream of one device; the submitting thread enqueues each step on it."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def begin(self, batch: Batch) -> None:
+        batch._lane = self
+
+    def run_step(self, batch: Batch, index: int) -> None:
+        """Enqueue step ``index`` (or record it skipped); a KeyboardInterrupt propagates after the
+        step is recorded as failed, so that the caller can roll back what was submitted."""
+        step = batch.steps[index]
+        event = None
+        try:
+            if not batch._skip():
+                if batch.started_at is None:
+                    batch.started_at = time.perf_counter()
+                _before_step(self.name, step.label)
+                if step.on_caller_stream:
+                    step.fn()
+                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                else:
+                    with torch.cuda.stream(self.stream):
+                        step.fn()
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                batch.completed += 1
+        except BaseException as e:  # noqa: BLE001 - reported through the job
+            if batch.job is not None:
+                batch.job._fail(e, step.label)
+            if not isinstance(e, Exception):
+                batch._events.append(None)
+                raise
+        batch._events.append(event)
+
+    def skip_rest(self, batch: Batch) -> None:
+        batch._events.extend([None] * (len(batch.steps) - len(batch._events)))
+
+    def _reached(self, batch: Batch, index: int) -> bool:
+        if index >= len(batch._events):
+            return False
+        event = batch._events[index]
+        return event is None or event.query()
+
+    def _wait(self, batch: Batch, index: int, timeout: Optional[float]) -> bool:
+        if index >= len(batch._events):
+            return False  # not submitted yet (a swap still pacing its submission)
+        event = batch._events[index]
+        if event is not None:
+            if timeout is None:
+                event.synchronize()
+            else:
+                deadline = time.monotonic() + timeout
+                while not event.query():
+                    if time.monotonic() >= deadline:
+                        return False
+                    time.sleep(1e-4)
+        if index == len(batch.steps) - 1 and batch.finished_at is None:
+            batch.finished_at = time.perf_counter()
+        return True
+
+
+class CopyEngine:
+    """The two lanes of one device. One engine per device and process: :meth:`for_device`.
+
+    Args:
+        device: A ``cuda`` device (side streams) or ``cpu`` (worker threads).
+    """
+
+    _engines: dict[str, "CopyEngine"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.lanes = {name: _CudaLane(name, device) for name in LANES}
+        else:
+            self.lanes = {name: _CpuLane(f"{device.type}-{name}") for name in LANES}
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "CopyEngine":
+        """The process's engine for ``device`` (created on first use)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = str(device)
+        with cls._lock:
+            engine = cls._engines.get(key)
+            if engine is None:
+                engine = cls._engines[key] = cls(device)
+            return engine
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def caller_event(self):
+        """CUDA: an event recorded now on the caller's current stream (R1); None on CPU."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def submit(self, job: Job, batches: list[Batch]) -> None:
+        """Submit ``batches`` as part of ``job``, in order.
+
+        CPU: each batch goes to its lane's queue; a step's ``after`` fence is awaited by the
+        worker. CUDA: the steps are enqueued now; a step with an ``after`` fence is enqueued once
+        that step was enqueued and has completed (the host waits: R8), the other batches' steps
+        are enqueued meanwhile.
+        """
+        for b in batches:
+            b.job = job
+            job.batches.append(b)
+        if not self.is_cuda:
+            for b in batches:
+                self.lanes[b.lane].submit(b)
+            return
+        cursor = {id(b): 0 for b in batches}
+        for b in batches:
+            self.lanes[b.lane].begin(b)
+        remaining = list(batches)
+        try:
+            while remaining:
+                moved = False
+                for b in remaining:
+                    lane = self.lanes[b.lane]
+                    while cursor[id(b)] < len(b.steps):
+                        after = b.steps[cursor[id(b)]].after
+                        if after is not None and id(after.batch) in cursor and after.batch is not b \
+                                and cursor[id(after.batch)] <= after.index:
+                            break  # the step it waits for is not enqueued yet: go on with the others
+                        if after is not None and not b._skip():
+                            after._wait_reached()
+                        lane.run_step(b, cursor[id(b)])
+                        cursor[id(b)] += 1
+                        moved = True
+                remaining = [b for b in remaining if cursor[id(b)] < len(b.steps)]
+                if remaining and not moved:  # waits in a cycle: take the first step as it comes
+                    b = remaining[0]
+                    self.lanes[b.lane].run_step(b, cursor[id(b)])
+                    cursor[id(b)] += 1
+        finally:
+            for b in batches:
+                self.lanes[b.lane].skip_rest(b)
+
+
+def _reset_after_fork() -> None:
+    # A forked child has none of the parent's threads or streams: give it fresh engines.
+    CopyEngine._engines = {}
+    CopyEngine._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+

@@ -1,0 +1,459 @@
+"""The copy engine's ordering rules (R1-R9 in chatlearn_mem/copy_engine.py), one test each or more,
+on CPU lanes: the worker thread stands in for the stream, and a gate holding it at a chosen step
+forces the interleaving a GPU would produce by timing."""
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import chatlearn_mem.copy_engine as engine_mod
+import chatlearn_mem.storage as storage_mod
+from chatlearn_mem import InferenceMemoryManager, MemoryConfig, Part, Transfer, TransferError, swap
+from chatlearn_mem.copy_engine import Batch, CopyEngine, Job
+from chatlearn_mem.storage import StorageGroup, unique_storages
+
+CPU = torch.device("cpu")
+# 4 KiB pieces and 8 KiB buckets: every storage below moves in several steps
+CFG = MemoryConfig(bucket_size_mb=8 / 1024, copy_chunk_mb=4 / 1024, check_host_memory=False)
+
+
+class Gate:
+    """Holds a lane before the first step whose label contains ``match`` until :meth:`open`."""
+
+    def __init__(self, monkeypatch, match: str, lane: str = ""):
+        self.match, self.lane = match, lane
+        self.reached, self._open = threading.Event(), threading.Event()
+        self.labels: list[str] = []
+        monkeypatch.setattr(engine_mod, "_before_step", self._hook)
+
+    def _hook(self, lane: str, label: str) -> None:
+        self.labels.append(label)
+        if self.lane in lane and self.match in label and not self._open.is_set():
+            self.reached.set()
+            assert self._open.wait(30), "gate never opened"
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def storages_of(n=3, size=3000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(size, generator=gen) for _ in range(n)]
+    return tensors, unique_storages(tensors, CPU)
+
+
+def bits(tensors):
+    return [t.clone() for t in tensors]
+
+
+def run(t):
+    job = Job()
+    t.engine.submit(job, [t.batch])
+    return job
+
+
+def test_r1_offload_copies_what_was_written_before_it(monkeypatch):
+    tensors, storages = storages_of()
+    for t in tensors:
+        t.fill_(7.0)
+    group = StorageGroup("weights", True, CFG)
+    gate = Gate(monkeypatch, "copy")
+    t = group.start_offload(storages)
+    job = run(t)
+    assert gate.reached.wait(10)
+    gate.open()
+    job.wait()
+    t.finish()
+    host = [group.read_host(x) for x in tensors]
+    assert all(bool((h == 7.0).all()) for h in host)
+    group.onload()
+
+
+def test_r2_each_storage_released_after_its_own_copies_and_before_later_ones(monkeypatch):
+    tensors, storages = storages_of()
+    before = bits(tensors)
+    group = StorageGroup("weights", True, CFG)
+    gate = Gate(monkeypatch, "copy weights[1]")
+    t = group.start_offload(storages)
+    job = run(t)
+    assert gate.reached.wait(10)
+    # held before storage 1's first copy: storage 0 is out (its copies are done), 1 and 2 still hold their bytes
+    assert storages[0].nbytes() == 0
+    assert storages[1].nbytes() > 0 and storages[2].nbytes() > 0
+    assert not job.done() and not t.done()
+    gate.open()
+    job.wait()
+    stats = t.finish()
+    assert [s.nbytes() for s in storages] == [0, 0, 0]
+    assert stats.copied_bytes == stats.nbytes == 3 * 3000 * 4
+    release0 = gate.labels.index("release weights[0]")
+    assert all(lb.startswith("copy weights[0]") for lb in gate.labels[:release0])
+    assert gate.labels.index("copy weights[1] 0:4096") > release0
+    group.onload()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+def test_r3_storage_regrown_just_before_its_copies(monkeypatch):
+    tensors, storages = storages_of()
+    before = bits(tensors)
+    group = StorageGroup("weights", True, CFG)
+    group.offload(storages)
+    gate = Gate(monkeypatch, "regrow weights[2]")
+    t = group.start_onload()
+    job = run(t)
+    assert gate.reached.wait(10)
+    assert storages[0].nbytes() > 0 and storages[1].nbytes() > 0 and storages[2].nbytes() == 0
+    assert torch.equal(tensors[0], before[0]) and torch.equal(tensors[1], before[1])
+    gate.open()
+    job.wait()
+    t.finish()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    assert gate.labels[0] == "regrow weights[0]"
+
+
+def make_model(n_layers=6, width=64, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n_layers)])
+
+
+def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
+    model = make_model()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+    seen = {}  # layer index -> steps completed by the lane when that layer started
+
+    def probe(i):
+        def hook(module, args):
+            seen[i] = (gt.batch.completed, gt.user_fence(mm._weights_in_flight[1][id(module)]).index)
+        return hook
+
+    for i, layer in enumerate(model):
+        layer.register_forward_pre_hook(probe(i))  # after the manager's own pre-hook
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: time.sleep(0.002))
+    handle = mm.onload(blocking=False)
+    gt = mm._pending[Part.WEIGHTS][1]
+    with torch.no_grad():
+        got = model(x)
+    assert torch.equal(got, expected)
+    assert set(seen) == set(range(len(model)))
+    for i, (completed, fence) in seen.items():
+        assert completed > fence, f"layer {i} ran before its weights arrived"
+    # the first layer did not wait for the last layer's weights: the forward overlapped the copies
+    assert seen[0][0] < len(gt.batch.steps)
+    assert handle.wait()[0].copied_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert mm.audit().ok
+
+
+def test_r4_weights_queued_in_forward_order():
+    model = make_model(n_layers=4)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+    handle = mm.onload(blocking=False)
+    gt = mm._pending[Part.WEIGHTS][1]
+    fences = [gt.user_fence(u).index for u in range(len(mm._weight_users_of))]
+    assert fences == sorted(fences)
+    handle.wait()
+
+
+def test_r5_offload_waits_for_host_store_readers(monkeypatch):
+    tensors, storages = storages_of()
+    group = StorageGroup("weights", True, CFG)
+    group.offload(storages)
+    group.onload()
+    tensors[0].fill_(3.0)  # the host copy is stale: the next offload copies
+    started = threading.Event()
+    with group.reading():
+        th = threading.Thread(target=lambda: (started.set(), group.offload(storages, token=None)))
+        th.start()
+        started.wait()
+        time.sleep(0.2)
+        assert storages[0].nbytes() > 0, "an offload overwrote the host store while a reader held it"
+    th.join(10)
+    assert storages[0].nbytes() == 0
+    assert bool((group.read_host(tensors[0]) == 3.0).all())
+    group.onload()
+
+
+def test_r5_host_reads_wait_for_a_pending_offload(monkeypatch):
+    model = make_model(n_layers=2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    mm = InferenceMemoryManager(model, CFG)
+    gate = Gate(monkeypatch, "release weights[1]")
+    handle = mm.offload(blocking=False)
+    assert gate.reached.wait(10)
+    threading.Timer(0.2, gate.open).start()
+    got = mm.weights_state_dict()  # reads the host copy: must wait for the copies
+    assert handle.done()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    mm.onload()
+
+
+def test_r6_onload_waits_for_the_offload_of_the_same_part(monkeypatch):
+    model = make_model(n_layers=3)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, CFG)
+    gate = Gate(monkeypatch, "copy weights[2]")
+    first = mm.offload(blocking=False)
+    assert gate.reached.wait(10)
+    threading.Timer(0.2, gate.open).start()
+    mm.onload()  # settles the offload first: never regrows a storage whose release is pending
+    assert first.done()
+    assert gate.labels.index("release weights[5]") < gate.labels.index("regrow weights[0]")
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_r7_close_waits_for_a_transfer_in_flight(monkeypatch):
+    model = make_model(n_layers=2)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+    gate = Gate(monkeypatch, "copy weights[3]")
+    handle = mm.onload(blocking=False)
+    assert gate.reached.wait(10)
+    threading.Timer(0.2, gate.open).start()
+    mm.close()  # waits: the host store is freed only after every copy from it
+    assert handle.done() and mm._groups[Part.WEIGHTS].store is None
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def two_models():
+    a, b = make_model(n_layers=4, width=64, seed=1), make_model(n_layers=3, width=64, seed=2)
+    return a, b
+
+
+def resident(model):
+    return sum(s.nbytes() for s in unique_storages(list(model.parameters()) + list(model.buffers()), CPU))
+
+
+@pytest.mark.parametrize("headroom", [0, 20000])
+def test_r8_swap_never_holds_both_models(monkeypatch, headroom):
+    a, b = two_models()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        ya, yb = a(x), b(x)
+    ma, mb = InferenceMemoryManager(a, CFG), InferenceMemoryManager(b, CFG)
+    full_a, full_b = resident(a), resident(b)
+    mb.offload()
+    peaks = []
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: peaks.append(resident(a) + resident(b)))
+    stats = swap(out=ma, into=mb, headroom_bytes=headroom)
+    assert [s.direction for s in stats] == ["offload", "onload"]
+    assert resident(a) == 0 and resident(b) == full_b
+    assert max(peaks) <= max(full_a, full_b) + headroom
+    with torch.no_grad():
+        assert torch.equal(b(x), yb)
+    swap(out=mb, into=ma)
+    with torch.no_grad():
+        assert torch.equal(a(x), ya)
+    mb.onload()
+
+
+def test_r8_swap_overlaps_the_two_directions(monkeypatch):
+    a, b = two_models()
+    ma, mb = InferenceMemoryManager(a, CFG), InferenceMemoryManager(b, CFG)
+    mb.offload()
+    lanes = []
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: (lanes.append(lane), time.sleep(0.001)))
+    swap(out=ma, into=mb, headroom_bytes=10**9)
+    # the two workers interleave: an h2d step ran before the last d2h step
+    first_h2d = lanes.index("cpu-h2d")
+    assert "cpu-d2h" in lanes[first_h2d:]
+    ma.onload()
+
+
+def test_r9_failed_offload_copy_rolls_back_to_resident(monkeypatch):
+    tensors, storages = storages_of()
+    before = bits(tensors)
+    group = StorageGroup("weights", True, CFG)
+
+    def fail(lane, label):
+        if label == "copy weights[2] 0:4096":
+            raise RuntimeError("simulated copy failure")
+
+    monkeypatch.setattr(engine_mod, "_before_step", fail)
+    with pytest.raises(RuntimeError, match="simulated copy failure") as err:
+        group.offload(storages)
+    assert "rolled back" in "".join(getattr(err.value, "__notes__", []))
+    assert not group.offloaded and group.transfer is None
+    assert all(s.nbytes() > 0 for s in storages)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: None)
+    group.offload(storages)  # usable afterwards, and the stale host token did not skip the copy
+    group.onload()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+def test_r9_failed_onload_copy_rolls_back_to_offloaded(monkeypatch):
+    tensors, storages = storages_of()
+    before = bits(tensors)
+    group = StorageGroup("weights", True, CFG)
+    group.offload(storages)
+
+    def fail(lane, label):
+        if label == "copy weights[1] 4096:8192":
+            raise RuntimeError("simulated copy failure")
+
+    monkeypatch.setattr(engine_mod, "_before_step", fail)
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        group.onload()
+    assert group.offloaded and all(s.nbytes() == 0 for s in storages)
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: None)
+    group.onload()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+
+
+def test_r9_fences_of_failed_and_skipped_steps_raise(monkeypatch):
+    done = []
+    b = Batch("h2d", "onload test")
+    b.add(lambda: done.append(0), "a")
+    b.add(lambda: (_ for _ in ()).throw(RuntimeError("boom")), "b")
+    b.add(lambda: done.append(2), "c")
+    job = Job()
+    CopyEngine.for_device(CPU).submit(job, [b])
+    assert job.wait(10)
+    assert done == [0]
+    assert b.fence(0).wait() and b.fence(0).ok()
+    for i in (1, 2):
+        with pytest.raises(TransferError, match="failed at step 'b'"):
+            b.fence(i).wait()
+
+
+# -- the handle -------------------------------------------------------------------------------------------
+def test_wait_twice_returns_the_same_stats_and_done_never_blocks(monkeypatch):
+    model = make_model(n_layers=2)
+    mm = InferenceMemoryManager(model, CFG)
+    gate = Gate(monkeypatch, "release")
+    handle = mm.offload(blocking=False)
+    assert isinstance(handle, Transfer)
+    assert gate.reached.wait(10)
+    assert not handle.done()
+    with pytest.raises(RuntimeError, match="still running: call wait"):
+        handle.stats
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.05)
+    gate.open()
+    first = handle.wait()
+    assert handle.wait() == first == handle.stats
+    assert handle.done() and "settled" in repr(handle)
+    mm.onload()
+
+
+def test_dropped_handle_is_settled_by_the_next_call():
+    model = make_model(n_layers=2)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload(blocking=False)  # dropped
+    assert mm.is_offloaded("weights")
+    mm.onload(blocking=False)  # dropped too; the forward waits for what it reads
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert mm.residency().device_bytes == resident(model) > 0
+
+
+def test_failed_unwaited_transfer_raises_once_on_the_next_call(monkeypatch):
+    model = make_model(n_layers=2)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+
+    def fail(lane, label):
+        if label.startswith("copy weights[1]"):
+            raise RuntimeError("simulated copy failure")
+
+    monkeypatch.setattr(engine_mod, "_before_step", fail)
+    mm.onload(blocking=False)  # dropped: nobody waits
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        mm.residency()
+    # once raised, the rolled-back state is what the manager reports
+    assert mm.is_offloaded("weights")
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: None)
+    mm.onload()
+    assert mm.audit().ok
+
+
+def test_forward_during_a_failing_onload_raises_transfer_error(monkeypatch):
+    model = make_model(n_layers=3)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+
+    def fail(lane, label):
+        if label.startswith("copy weights[2]"):
+            raise RuntimeError("simulated copy failure")
+
+    monkeypatch.setattr(engine_mod, "_before_step", fail)
+    handle = mm.onload(blocking=False)
+    with pytest.raises(TransferError, match="failed at step 'copy weights\\[2\\]"):
+        with torch.no_grad():
+            model(torch.randn(2, 64))
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        handle.wait()
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        handle.wait()  # again: the same error
+    assert mm.is_offloaded("weights")
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: None)
+    mm.onload()
+
+
+def test_ctrl_c_while_waiting_interrupts_the_wait_not_the_copies(monkeypatch):
+    model = make_model(n_layers=2)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+    gate = Gate(monkeypatch, "copy weights[2]")
+    handle = mm.onload(blocking=False)
+    assert gate.reached.wait(10)
+    main = threading.main_thread().ident
+    threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        handle.wait()
+    assert not handle.done()
+    gate.open()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert handle.wait()[0].direction == "onload"
+    assert mm.audit().ok
+
+
+def test_ctrl_c_during_submission_rolls_back_and_reraises(monkeypatch):
+    model = make_model(n_layers=2)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, CFG)
+    real = CopyEngine.submit
+
+    def interrupted(self, job, batches):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CopyEngine, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mm.offload()
+    monkeypatch.setattr(CopyEngine, "submit", real)
+    assert not mm.is_offloaded("weights") and not mm._pending
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    mm.offload()
+    mm.onload()
+    assert mm.audit().ok
+
+
+def test_swap_refuses_bad_arguments():
+    a, b = two_models()
+    ma = InferenceMemoryManager(a, CFG)
+    with pytest.raises(ValueError, match="two different managers"):
+        swap(out=ma, into=ma)
+    mb = InferenceMemoryManager(b, CFG)
+    with pytest.raises(ValueError, match="headroom_bytes must be >= 0"):
+        swap(out=ma, into=mb, headroom_bytes=-1)
