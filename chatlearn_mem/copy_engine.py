@@ -70,39 +70,56 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from chatlearn_mem.errors import TransferError
 
-__all__ = ["Batch", "CopyEngine", "Fence", "Job", "Step"]
+__all__ = ["Action", "ActionRunner", "Batch", "CopyEngine", "Fence", "Job"]
 
 LANES = ("d2h", "h2d")
 _POLL_S = 0.1  # a host wait wakes this often to let Python handle signals (Ctrl-C)
 
 
 def _before_step(lane: str, label: str) -> None:
-    """Called by the lane before each step; tests replace it to slow a lane down or make a step fail."""
+    """Called by a lane before each action; tests replace it to slow a lane or make an action fail."""
+
+
+_NO_HOOK = _before_step
 
 
 @dataclass
-class Step:
-    """One unit of lane work.
+class Action:
+    """One piece of lane work given as a function (:meth:`Batch.add`).
 
     Attributes:
         fn: Does the work; on CUDA it runs with the lane's stream current (its copies go there).
         label: What it does, for messages and tests ("copy weights[0] 0:16777216").
         on_caller_stream: CUDA only: run ``fn`` on the caller's stream instead (allocations, R3);
             the lane's stream then waits for the caller's stream.
-        after: A fence of *another* lane this step waits for first (CPU; a swap's regrow waits
-            for the outgoing model's releases, R8). CUDA submits in that order instead.
     """
 
     fn: Callable[[], None]
     label: str = ""
     on_caller_stream: bool = False
-    after: Optional["Fence"] = None
+
+
+class ActionRunner:
+    """How a lane runs, names and places the actions of a batch. This default runs :class:`Action`
+    objects; a runner of plain tuples (``StorageGroup``'s cached plans) allocates nothing per action."""
+
+    @staticmethod
+    def run(action: Action) -> None:
+        action.fn()
+
+    @staticmethod
+    def describe(action: Action) -> str:
+        return action.label
+
+    @staticmethod
+    def on_caller_stream(action: Action) -> bool:
+        return action.on_caller_stream
 
 
 class Job:
@@ -133,33 +150,88 @@ class Job:
 
 
 class Batch:
-    """The ordered steps of one part's transition in one lane.
+    """The ordered steps of one part's transition in one lane. A step is a sequence of actions run
+    as one unit, with one fence after it: a lane handles a few large steps instead of many tiny
+    ones (a part of many small tensors moves in a handful of steps).
 
     Args:
         lane: ``"d2h"`` or ``"h2d"``.
         label: For messages ("offload weights").
+        step_bytes: For :meth:`add`: copied bytes per step at most (one action may exceed it
+            alone); 0 puts every action in a step of its own.
+        steps: Prebuilt steps (sequences of actions ``runner`` understands); not copied.
+        runner: Runs, names and places the actions (default: :class:`ActionRunner`).
     """
 
-    def __init__(self, lane: str, label: str):
+    def __init__(self, lane: str, label: str, step_bytes: int = 0, *, steps: Optional[list] = None,
+                 runner: Any = ActionRunner):
         if lane not in LANES:
             raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
         self.lane = lane
         self.label = label
-        self.steps: list[Step] = []
+        self.step_bytes = step_bytes
+        self.steps: list = steps if steps is not None else []
+        self.runner = runner
         self.job: Optional[Job] = None
         self.completed = 0  # steps that ran without error
         self.started_at: Optional[float] = None
         self.finished_at: Optional[float] = None
+        self._afters: dict[tuple[int, int], Fence] = {}
+        self._last_bytes = 0
         self._lane = None
         self._base = 0  # CPU: sequence number of the step before the first one
         self._events: list = []  # CUDA: one event per step that ran (None after a failure)
 
-    def add(self, fn: Callable[[], None], label: str = "", *, on_caller_stream: bool = False,
-            after: Optional["Fence"] = None) -> int:
-        """Append a step; returns its index (what :meth:`fence` takes)."""
-        assert self._lane is None, "steps are added before the batch is submitted"
-        self.steps.append(Step(fn, label, on_caller_stream, after))
-        return len(self.steps) - 1
+    def add(self, fn: Callable[[], None], label: str = "", nbytes: int = 0, *, on_caller_stream: bool = False,
+            new_step: bool = False) -> tuple[int, int]:
+        """Append an :class:`Action`; returns ``(step index, action index)`` of where it landed.
+
+        Actions are packed into steps of up to :attr:`step_bytes` copied bytes; ``new_step``
+        starts a new step whatever the size (a fence of its own).
+        """
+        assert self._lane is None, "actions are added before the batch is submitted"
+        if not self.steps or new_step or self.step_bytes <= 0 or self._last_bytes + nbytes > self.step_bytes:
+            self.steps.append([])
+            self._last_bytes = 0
+        self.steps[-1].append(Action(fn, label, on_caller_stream))
+        self._last_bytes += nbytes
+        return len(self.steps) - 1, len(self.steps[-1]) - 1
+
+    def set_after(self, where: tuple[int, int], fence: "Fence") -> None:
+        """Make the action at ``where`` ``(step, action)`` wait for ``fence`` (of another lane) first."""
+        assert self._lane is None, "set before the batch is submitted"
+        self._afters[where] = fence
+
+    def step_label(self, index: int) -> str:
+        return "; ".join(self.runner.describe(a) for a in self.steps[index])
+
+    def _afters_of(self, index: int) -> list["Fence"]:
+        return [f for (s, _), f in self._afters.items() if s == index] if self._afters else []
+
+    def _run_step(self, lane: str, index: int, cuda: Optional["_CudaLane"] = None) -> None:
+        """Run the actions of step ``index``; raises the first error (its action named on it)."""
+        runner, afters = self.runner, self._afters
+        for k, action in enumerate(self.steps[index]):
+            hook = _before_step
+            try:
+                if afters and cuda is None:
+                    after = afters.get((index, k))
+                    if after is not None:
+                        after._wait_reached()
+                if hook is not _NO_HOOK:
+                    hook(lane, runner.describe(action))
+                if cuda is not None and runner.on_caller_stream(action):
+                    with torch.cuda.stream(cuda.caller):
+                        runner.run(action)
+                    cuda.stream.wait_stream(cuda.caller)
+                else:
+                    runner.run(action)
+            except BaseException as e:
+                try:
+                    e._chatlearn_action = runner.describe(action)  # which action failed, for messages
+                except Exception:  # noqa: BLE001 - an exception type without a __dict__
+                    pass
+                raise
 
     def fence(self, index: int = -1) -> "Fence":
         """The completion of step ``index`` (the last step by default)."""
@@ -294,20 +366,17 @@ class _CpuLane:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._queue))
                 batch = self._queue.popleft()
-            for step in batch.steps:
+            for index in range(len(batch.steps)):
                 try:
                     if not batch._skip():
-                        if step.after is not None:
-                            step.after._wait_reached()
                         if batch.started_at is None:
                             batch.started_at = time.perf_counter()
-                        _before_step(self.name, step.label)
-                        step.fn()
+                        batch._run_step(self.name, index)
                         batch.completed += 1
                         batch.finished_at = time.perf_counter()
                 except BaseException as e:  # noqa: BLE001 - reported through the job, never lost
                     if batch.job is not None:
-                        batch.job._fail(e, step.label)
+                        batch.job._fail(e, getattr(e, "_chatlearn_action", None) or batch.step_label(index))
                 finally:
                     self._step_done()
 
@@ -319,6 +388,7 @@ class _CudaLane:
         self.name = name
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.caller = None  # the submitting thread's stream, while a step runs (R3)
 
     def begin(self, batch: Batch) -> None:
         batch._lane = self
@@ -326,25 +396,20 @@ class _CudaLane:
     def run_step(self, batch: Batch, index: int) -> None:
         """Enqueue step ``index`` (or record it skipped); a KeyboardInterrupt propagates after the
         step is recorded as failed, so that the caller can roll back what was submitted."""
-        step = batch.steps[index]
         event = None
         try:
             if not batch._skip():
                 if batch.started_at is None:
                     batch.started_at = time.perf_counter()
-                _before_step(self.name, step.label)
-                if step.on_caller_stream:
-                    step.fn()
-                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
-                else:
-                    with torch.cuda.stream(self.stream):
-                        step.fn()
+                self.caller = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(self.stream):
+                    batch._run_step(self.name, index, cuda=self)
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 batch.completed += 1
         except BaseException as e:  # noqa: BLE001 - reported through the job
             if batch.job is not None:
-                batch.job._fail(e, step.label)
+                batch.job._fail(e, getattr(e, "_chatlearn_action", None) or batch.step_label(index))
             if not isinstance(e, Exception):
                 batch._events.append(None)
                 raise
@@ -444,12 +509,13 @@ class CopyEngine:
                 for b in remaining:
                     lane = self.lanes[b.lane]
                     while cursor[id(b)] < len(b.steps):
-                        after = b.steps[cursor[id(b)]].after
-                        if after is not None and id(after.batch) in cursor and after.batch is not b \
-                                and cursor[id(after.batch)] <= after.index:
-                            break  # the step it waits for is not enqueued yet: go on with the others
-                        if after is not None and not b._skip():
-                            after._wait_reached()
+                        afters = b._afters_of(cursor[id(b)])
+                        if any(id(a.batch) in cursor and a.batch is not b and cursor[id(a.batch)] <= a.index
+                               for a in afters):
+                            break  # a step it waits for is not enqueued yet: go on with the others
+                        if not b._skip():
+                            for a in afters:
+                                a._wait_reached()
                         lane.run_step(b, cursor[id(b)])
                         cursor[id(b)] += 1
                         moved = True

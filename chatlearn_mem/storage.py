@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
-import functools
 import logging
 import sys
 import threading
@@ -155,6 +154,7 @@ class StorageGroup:
         self._readers = 0
         self._readers_done = threading.Condition()
         self._transfer: Optional[GroupTransfer] = None  # submitted to the copy engine, not yet settled
+        self._plans: dict = {}  # the actions of a transition, per layout (sizes, host store, users)
 
     @property
     def released(self) -> list[tuple[torch.UntypedStorage, int]]:
@@ -269,6 +269,7 @@ class StorageGroup:
         assert self._transfer is None, f"{self.name} has a transition in flight (R7)"
         self.wait_for_readers()
         self.store = None
+        self._plans.clear()  # they name the store's buckets
         self._host_token = None
         self._host_keys = ()
 
@@ -283,6 +284,7 @@ class StorageGroup:
         self.wait_for_readers()
         pin = self._config.resolved_pin_memory()
         old, self.store = self.store, None
+        self._plans.clear()  # they name the old store's buckets
         self._host_token = None
         del old  # free the old buckets before allocating the new ones: no 2x host peak
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
@@ -290,10 +292,9 @@ class StorageGroup:
     # -- transitions through the copy engine ------------------------------------------------
     def start_offload(self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None,
                       caller_event=None) -> "GroupTransfer":
-        """Submit the copy (if needed) and release of ``storages`` to the d2h lane; return at once.
-
-        The group is offloaded from now on (its state is the target state); the bytes move in the
-        background and :meth:`GroupTransfer.finish` settles it. Submit with ``CopyEngine.submit``.
+        """Start the copy (if needed) and release of ``storages``: the group is offloaded from now
+        on (its state is the target state). Submit :attr:`GroupTransfer.batch` to the copy engine;
+        :meth:`GroupTransfer.finish` settles it once done (:func:`transitions.run` does both).
 
         Args:
             storages: Resident device storages of this group.
@@ -306,34 +307,27 @@ class StorageGroup:
         """
         assert not self.offloaded, f"{self.name} is already offloaded"
         assert self._transfer is None, f"{self.name} has a transition in flight"
-        engine = CopyEngine.for_device(_device_of(storages))
         copy = self.keep_contents and not self.host_copy_current(token, storages)
         if copy:
             self.wait_for_readers()  # R5: a checkpoint save still reading the store: let it finish
             self.prepare(storages)
             self._host_token = None  # the copy may fail half way
-        batch = Batch("d2h", f"offload {self.name}")
-        t = GroupTransfer(self, "offload", batch, storages, copy, token)
-        if engine.is_cuda:
-            lane = engine.lanes["d2h"].stream
-            if caller_event is not None:
-                batch.add(lambda: lane.wait_event(caller_event), "wait for the caller's stream (R1)")
-        else:
-            lane = None
-        chunk = self._config.copy_chunk_bytes
-        for i, s in enumerate(storages):
-            if copy:
-                for host, off, n in _pieces(self.store.views(i), s.nbytes(), chunk):
-                    batch.add(functools.partial(_copy_out, host, s, off, n), f"copy {self.name}[{i}] {off}:{off + n}")
-            t._release_step[i] = batch.add(functools.partial(t._release, i, lane), f"release {self.name}[{i}]")
-        self._released = [(s, s.nbytes()) for s in storages]
+        sizes = tuple(s.nbytes() for s in storages)
+        key = ("offload", sizes, copy, id(self.store) if copy else None, caller_event is not None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _offload_plan(sizes, self.store if copy else None,
+                                                     self._config.copy_chunk_bytes, caller_event is not None)
+        t = GroupTransfer(self, "offload", plan, list(storages), list(sizes), copy, token, caller_event)
+        self._released = list(zip(storages, sizes))
         self.offloaded = True
         self._transfer = t
         return t
 
     def start_onload(self, users: Optional[list[list[tuple[int, int, int]]]] = None,
                      token: Optional[Hashable] = None) -> "GroupTransfer":
-        """Submit the regrow and copy back (or zeroing) of the released storages to the h2d lane.
+        """Start the regrow and copy back (or zeroing) of the released storages: the group is
+        resident from now on (its target state); submit and settle as :meth:`start_offload`.
 
         Args:
             users: Optional use order: ``users[u]`` lists the ``(storage key, first byte, end byte)``
@@ -345,32 +339,18 @@ class StorageGroup:
         """
         assert self.offloaded, f"{self.name} is not offloaded"
         assert self._transfer is None, f"{self.name} has a transition in flight"
-        released = self._released
-        batch = Batch("h2d", f"onload {self.name}")
-        t = GroupTransfer(self, "onload", batch, [s for s, _ in released], self.keep_contents, token)
-        chunk = self._config.copy_chunk_bytes
-        index = {storage_key(s): i for i, (s, _) in enumerate(released)}
-        order = _use_order(users or [], index, [n for _, n in released])
-        pieces_of: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
-        for i, start, end in order:
-            s, n = released[i]
-            if i not in t._grow_step:
-                t._grow_step[i] = batch.add(functools.partial(t._grow, i, n), f"regrow {self.name}[{i}]",
-                                            on_caller_stream=True)
-            if not self.keep_contents:
-                if start == 0 and end == n and n:
-                    step = batch.add(functools.partial(_zero, s), f"zero {self.name}[{i}]")
-                    pieces_of.setdefault(i, []).append((0, n, step))
-                continue
-            for host, off, size in _pieces(self.store.views(i), n, chunk, start, end):
-                step = batch.add(functools.partial(_copy_in, s, host, off, size), f"copy {self.name}[{i}] "
-                                 f"{off}:{off + size}")
-                pieces_of.setdefault(i, []).append((off, off + size, step))
-        for i, (s, n) in enumerate(released):  # storages of 0 bytes
-            if i not in t._grow_step:
-                t._grow_step[i] = batch.add(functools.partial(t._grow, i, n), f"regrow {self.name}[{i}]",
-                                            on_caller_stream=True)
-        t._user_steps = _user_steps(users or [], index, pieces_of, t._grow_step)
+        storages = [s for s, _ in self._released]
+        sizes = tuple(n for _, n in self._released)
+        index = {storage_key(s): i for i, s in enumerate(storages)}
+        use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
+        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 8:  # sizes or users changed many times: keep the cache small
+                self._plans.clear()
+            plan = self._plans[key] = _onload_plan(sizes, self.store if self.keep_contents else None,
+                                                    self._config.copy_chunk_bytes, use)
+        t = GroupTransfer(self, "onload", plan, storages, list(sizes), self.keep_contents, token, None)
         self.offloaded = False
         self._transfer = t
         return t
@@ -410,41 +390,92 @@ def _run_blocking(t: "GroupTransfer") -> TransferStats:
     return t.finish()
 
 
-def _copy_out(host: torch.Tensor, storage: torch.UntypedStorage, off: int, n: int) -> None:
-    # CUDA: asynchronous into pinned memory (the lane's event says when it landed); into pageable
-    # memory the driver copies synchronously, which is slower but as correct
-    host.copy_(_byte_view(storage)[off:off + n], non_blocking=storage.device.type == "cuda")
+# -- plans: the actions of one group's transition, built once per layout and reused ----------------
+# An action is a tuple of ints (nothing for the garbage collector to track):
+WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO = range(6)
+#   (WAIT,)                                  CUDA: the d2h stream waits for the caller's event (R1)
+#   (COPY_OUT, i, bucket, bucket offset, storage offset, bytes)    device -> host store
+#   (RELEASE, i)                             resize storage i to 0 (after its copies, R2)
+#   (GROW, i)                                regrow storage i (on the caller's stream on CUDA, R3)
+#   (COPY_IN, i, bucket, bucket offset, storage offset, bytes)     host store -> device
+#   (ZERO, i)                                zero storage i (grads)
 
 
-def _copy_in(storage: torch.UntypedStorage, host: torch.Tensor, off: int, n: int) -> None:
-    _byte_view(storage)[off:off + n].copy_(host, non_blocking=storage.device.type == "cuda")
+@dataclass(frozen=True)
+class _Plan:
+    steps: list  # list of lists of actions
+    release_step: dict  # storage -> step of its release (offload)
+    grow_at: dict  # storage -> (step, action) of its regrow (onload)
+    user_steps: tuple  # per user: the last step it reads (onload with users), None if none
 
 
-def _zero(storage: torch.UntypedStorage) -> None:
-    _byte_view(storage).zero_()
+class _Packer:
+    """Packs actions into steps of at most ``step_bytes`` copied bytes."""
+
+    def __init__(self, step_bytes: int):
+        self.step_bytes, self.steps, self.bytes = step_bytes, [], 0
+
+    def add(self, action: tuple, nbytes: int = 0) -> tuple[int, int]:
+        if not self.steps or self.bytes + nbytes > self.step_bytes:
+            self.steps.append([])
+            self.bytes = 0
+        self.steps[-1].append(action)
+        self.bytes += nbytes
+        return len(self.steps) - 1, len(self.steps[-1]) - 1
 
 
-def _pieces(spans: list[tuple[torch.Tensor, int]], nbytes: int, chunk: int, start: int = 0,
-            end: Optional[int] = None) -> list[tuple[torch.Tensor, int, int]]:
-    """``(host view, storage offset, bytes)`` pieces covering bytes ``[start, end)`` of a storage
-    in ascending order, each inside one host span and at most ``chunk`` bytes."""
-    end = nbytes if end is None else end
+def _spans(store: HostStore, i: int, start: int, end: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """``(bucket, bucket offset, storage offset, bytes)`` pieces of bytes ``[start, end)`` of storage
+    ``i`` in ascending order, each inside one bucket and at most ``chunk`` bytes."""
     out = []
-    for host, off in spans:
-        lo, hi = max(start, off), min(end, off + host.numel())
+    for span in store.spans[i]:
+        lo, hi = max(start, span.storage_offset), min(end, span.storage_offset + span.nbytes)
         while lo < hi:
             n = min(chunk, hi - lo)
-            out.append((host[lo - off:lo - off + n], lo, n))
+            out.append((span.bucket, span.bucket_offset + lo - span.storage_offset, lo, n))
             lo += n
     return out
 
 
-def _use_order(users: list[list[tuple[int, int, int]]], index: dict[int, int],
-               sizes: list[int]) -> list[tuple[int, int, int]]:
-    """``(storage index, start, end)`` byte ranges covering every released storage exactly once:
-    first the ranges users read, in user order (ranges read earlier are not repeated), then what
-    no user reads, per storage in ascending order. Adjacent ranges of one storage that follow each
-    other are merged."""
+def _offload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int, wait: bool) -> _Plan:
+    pack = _Packer(chunk)
+    if wait:
+        pack.add((WAIT,))
+    release = {}
+    for i, n in enumerate(sizes):
+        if store is not None:
+            for b, bo, so, size in _spans(store, i, 0, n, chunk):
+                pack.add((COPY_OUT, i, b, bo, so, size), size)
+        release[i] = pack.add((RELEASE, i))[0]
+    return _Plan(pack.steps, release, {}, ())
+
+
+def _onload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int,
+                 users: tuple[tuple[tuple[int, int, int], ...], ...]) -> _Plan:
+    pack = _Packer(chunk)
+    grow_at: dict[int, tuple[int, int]] = {}
+    pieces: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
+    for i, start, end in _use_order(users, sizes):
+        if i not in grow_at:
+            grow_at[i] = pack.add((GROW, i))
+        if store is None:
+            step = pack.add((ZERO, i), sizes[i])[0]
+            pieces.setdefault(i, []).append((0, sizes[i], step))
+            continue
+        for b, bo, so, size in _spans(store, i, start, end, chunk):
+            step = pack.add((COPY_IN, i, b, bo, so, size), size)[0]
+            pieces.setdefault(i, []).append((so, so + size, step))
+    for i in range(len(sizes)):  # storages of 0 bytes
+        if i not in grow_at:
+            grow_at[i] = pack.add((GROW, i))
+    return _Plan(pack.steps, {}, grow_at, _user_steps(users, pieces, grow_at))
+
+
+def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(storage index, start, end)`` byte ranges covering every storage exactly once: first the
+    ranges users read, in user order (ranges read earlier are not repeated), then what no user
+    reads, per storage in ascending order. Adjacent ranges of one storage that follow each other
+    are merged."""
     covered: dict[int, list[tuple[int, int]]] = {}
     order: list[tuple[int, int, int]] = []
 
@@ -459,9 +490,8 @@ def _use_order(users: list[list[tuple[int, int, int]]], index: dict[int, int],
             bisect.insort(covered[i], (lo, hi))
 
     for ranges in users:
-        for key, a, b in ranges:
-            i = index.get(key)
-            if i is not None and a < b:
+        for i, a, b in ranges:
+            if a < b:
                 add(i, max(0, a), min(sizes[i], b))
     for i, n in enumerate(sizes):
         if n:
@@ -484,18 +514,16 @@ def _subtract(r: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[in
     return out
 
 
-def _user_steps(users, index, pieces_of, grow_step) -> list[Optional[int]]:
+def _user_steps(users, pieces: dict[int, list[tuple[int, int, int]]],
+                grow_at: dict[int, tuple[int, int]]) -> tuple[Optional[int], ...]:
     """For each user, the last step whose bytes it reads (None: it reads nothing of this group)."""
-    starts = {i: [p[0] for p in sorted(ps)] for i, ps in pieces_of.items()}
-    ordered = {i: sorted(ps) for i, ps in pieces_of.items()}
+    ordered = {i: sorted(ps) for i, ps in pieces.items()}
+    starts = {i: [p[0] for p in ps] for i, ps in ordered.items()}
     out = []
     for ranges in users:
         last = None
-        for key, a, b in ranges:
-            i = index.get(key)
-            if i is None:
-                continue
-            last = max(last if last is not None else -1, grow_step[i])
+        for i, a, b in ranges:
+            last = max(-1 if last is None else last, grow_at[i][0])
             ps = ordered.get(i, [])
             k = max(0, bisect.bisect_right(starts.get(i, []), a) - 1)
             while k < len(ps) and ps[k][0] < b:
@@ -503,54 +531,94 @@ def _user_steps(users, index, pieces_of, grow_step) -> list[Optional[int]]:
                     last = max(last, ps[k][2])
                 k += 1
         out.append(last)
-    return out
+    return tuple(out)
 
 
 class GroupTransfer:
-    """One group's offload or onload submitted to the copy engine, settled once on the host.
+    """One group's offload or onload: the batch a lane runs, and its settling on the host.
 
     Created by :meth:`StorageGroup.start_offload` / :meth:`StorageGroup.start_onload`; the caller
     submits :attr:`batch` (``CopyEngine.submit``), waits for its job, then calls :meth:`finish`.
+    It is also the batch's runner: it runs the plan's actions on its own storages.
     """
 
-    def __init__(self, group: StorageGroup, direction: str, batch: Batch, storages: list[torch.UntypedStorage],
-                 copy: bool, token: Optional[Hashable]):
-        self.group, self.direction, self.batch = group, direction, batch
-        self.storages = list(storages)
-        self.sizes = [s.nbytes() for s in storages] if direction == "offload" else [n for _, n in group._released]
+    def __init__(self, group: StorageGroup, direction: str, plan: _Plan, storages: list[torch.UntypedStorage],
+                 sizes: list[int], copy: bool, token: Optional[Hashable], caller_event):
+        self.group, self.direction, self.plan = group, direction, plan
+        self.storages, self.sizes = storages, sizes
         self.copy, self.token = copy, token
         self.engine = CopyEngine.for_device(_device_of(storages))
+        self._cuda = self.engine.is_cuda
+        self._d2h_stream = self.engine.lanes["d2h"].stream if self._cuda else None
+        self._caller_event = caller_event
+        self._store = group.store
+        self._huge_pages = group._config.cpu_huge_pages
+        self.batch = Batch("d2h" if direction == "offload" else "h2d", f"{direction} {group.name}",
+                           steps=plan.steps, runner=self)
         self.released: list[int] = []  # offload: indices released so far (R2: after their copies)
         self.grown: list[int] = []  # onload: indices regrown so far
-        self._grow_step: dict[int, int] = {}
-        self._release_step: dict[int, int] = {}
-        self._user_steps: list[Optional[int]] = []
         self.stats: Optional[TransferStats] = None
         self.error: Optional[BaseException] = None
 
-    # -- lane steps --------------------------------------------------------------------------
-    def _release(self, i: int, stream) -> None:
-        s = self.storages[i]
-        if stream is not None and s.nbytes():
-            _byte_view(s).record_stream(stream)  # R2: the allocator waits for the d2h copies
-        s.resize_(0)
-        self.released.append(i)
+    # -- the runner of the plan's actions (called by the lane) -------------------------------------
+    def run(self, a: tuple) -> None:
+        op = a[0]
+        if op == COPY_OUT:
+            _, i, b, bo, so, n = a
+            # CUDA: asynchronous into pinned memory (the step's event says when it landed); into
+            # pageable memory the driver copies synchronously, slower but as correct
+            self._store.buckets[b][bo:bo + n].copy_(_byte_view(self.storages[i])[so:so + n], non_blocking=self._cuda)
+        elif op == COPY_IN:
+            _, i, b, bo, so, n = a
+            _byte_view(self.storages[i])[so:so + n].copy_(self._store.buckets[b][bo:bo + n], non_blocking=self._cuda)
+        elif op == RELEASE:
+            s = self.storages[a[1]]
+            if self._cuda and s.nbytes():
+                _byte_view(s).record_stream(self._d2h_stream)  # R2: the allocator waits for the d2h copies
+            s.resize_(0)
+            self.released.append(a[1])
+        elif op == GROW:
+            i = a[1]
+            _grow_storage(self.storages[i], self.sizes[i])
+            self.grown.append(i)
+            if self._huge_pages:
+                advise_huge_pages(self.storages[i])
+        elif op == ZERO:
+            _byte_view(self.storages[a[1]]).zero_()
+        elif op == WAIT:
+            self._d2h_stream.wait_event(self._caller_event)
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown action {a!r}")
 
-    def _grow(self, i: int, nbytes: int) -> None:
-        s = self.storages[i]
-        _grow_storage(s, nbytes)
-        self.grown.append(i)
-        if self.group._config.cpu_huge_pages:
-            advise_huge_pages(s)
+    def describe(self, a: tuple) -> str:
+        op, name = a[0], self.group.name
+        if op in (COPY_OUT, COPY_IN):
+            return f"copy {name}[{a[1]}] {a[4]}:{a[4] + a[5]}"
+        if op == WAIT:
+            return "wait for the caller's stream (R1)"
+        return f"{('release', 'regrow', '', 'zero')[op - RELEASE]} {name}[{a[1]}]"
+
+    @staticmethod
+    def on_caller_stream(a: tuple) -> bool:
+        return a[0] == GROW
 
     # -- for the managers ------------------------------------------------------------------------
     def release_steps(self) -> list[tuple[int, int]]:
-        """``(storage index, step index)`` of each release step, in order (offload)."""
-        return sorted(self._release_step.items(), key=lambda x: x[1])
+        """``(storage index, step index)`` of each release, in order (offload)."""
+        return sorted(self.plan.release_step.items(), key=lambda x: x[1])
 
-    def grow_steps(self) -> list[tuple[int, int]]:
-        """``(storage index, step index)`` of each regrow step, in order (onload)."""
-        return sorted(self._grow_step.items(), key=lambda x: x[1])
+    def grow_actions(self) -> list[tuple[int, tuple[int, int]]]:
+        """``(storage index, (step, action))`` of each regrow, in order (onload)."""
+        return sorted(self.plan.grow_at.items(), key=lambda x: x[1])
+
+    def user_fence(self, user: int) -> Optional[Fence]:
+        """The fence after which user ``user`` of :meth:`StorageGroup.start_onload` may read."""
+        steps = self.plan.user_steps
+        step = steps[user] if user < len(steps) else None
+        return None if step is None else self.batch.fence(step)
+
+    def done(self) -> bool:
+        return self.batch.done()
 
     def cancel(self) -> None:
         """Undo :meth:`StorageGroup.start_offload` / ``start_onload`` of a transition that was never
@@ -564,35 +632,26 @@ class GroupTransfer:
             group.offloaded = True
         group._transfer = None
 
-    def user_fence(self, user: int) -> Optional[Fence]:
-        """The fence after which user ``user`` of :meth:`StorageGroup.start_onload` may read."""
-        step = self._user_steps[user] if user < len(self._user_steps) else None
-        return None if step is None else self.batch.fence(step)
-
-    def done(self) -> bool:
-        return self.batch.done()
-
     def finish(self) -> TransferStats:
         """Settle the transition on the host, once its batch is done: record the outcome, or roll
-        the group back to where it was (R9) and raise the step's error (with a note saying so).
+        the group back to where it was (R9) and raise the error (with a note saying so).
 
         Raises:
-            The error of the step that failed (or of an earlier step of the same job).
+            The error of the action that failed (or of an earlier part of the same job).
         """
         assert self.batch.done(), f"{self.batch.label} is still running"
-        group = self.group
         if self.stats is not None:
             return self.stats
         if self.error is not None:
             raise self.error
-        job = self.batch.job
         if self.batch.completed == len(self.batch.steps):
             return self._succeed()  # a later part of the same job may have failed: this one is whole
+        job = self.batch.job
         error = job.error if job is not None and job.error is not None else TransferError(self.batch.label)
         try:
             note = self._roll_back()
         finally:
-            group._transfer = None
+            self.group._transfer = None
         if hasattr(error, "add_note"):
             error.add_note(note)
         self.error = error

@@ -233,13 +233,13 @@ def _pace(out_started: list[tuple[Part, GroupTransfer]], into_started: list[tupl
         for i, step in gt.release_steps():
             total += gt.sizes[i]
             releases.append((gt.batch.fence(step), total))
-    grows = [(gt, step, gt.sizes[i]) for _, gt in into_started for i, step in gt.grow_steps()]
+    grows = [(gt, where, gt.sizes[i]) for _, gt in into_started for i, where in gt.grow_actions()]
     if headroom_bytes is None:
         headroom_bytes = max([n for _, gt in out_started for n in gt.sizes] +
                              [n for _, gt in into_started for n in gt.sizes] + [0])
     grown = 0
     k = 0
-    for gt, step, n in grows:
+    for gt, where, n in grows:
         grown += n
         need = grown - headroom_bytes
         if need <= 0:
@@ -247,4 +247,4 @@ def _pace(out_started: list[tuple[Part, GroupTransfer]], into_started: list[tupl
         while k < len(releases) - 1 and releases[k][1] < need:
             k += 1
         if releases:
-            gt.batch.steps[step].after = releases[k][0]
+            gt.batch.set_after(where, releases[k][0])
