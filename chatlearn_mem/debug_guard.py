@@ -71,6 +71,7 @@ class ReleasedTensorGuard(TorchFunctionMode):
         super().__init__()
         self._message = weakref.WeakMethod(message)
         self.keys: frozenset[int] = frozenset()  # storage keys released now; empty: dormant
+        self.moving: frozenset[int] = frozenset()  # of those, the ones an offload in flight still copies
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -100,12 +101,20 @@ class ReleasedTensorGuard(TorchFunctionMode):
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
             return False
-        return s._cdata in self.keys and s.nbytes() == 0 and t.numel() > 0
+        key = s._cdata
+        return key in self.keys and t.numel() > 0 and (s.nbytes() == 0 or key in self.moving)
 
     # -- the per-thread mode stack ---------------------------------------------------------------
-    def update(self, keys: frozenset[int]) -> None:
-        """Watch these released storages (on this thread); none: stop watching it here."""
+    def update(self, keys: frozenset[int], moving: frozenset[int] = frozenset()) -> None:
+        """Watch these released storages (on this thread); none: stop watching it here.
+
+        Args:
+            keys: Storages the manager has released (or is releasing).
+            moving: Those of ``keys`` a non-blocking offload is still copying: flagged even
+                though they still hold their bytes (the copy engine frees them any moment).
+        """
         self.keys = frozenset(keys)
+        self.moving = frozenset(moving) & self.keys
         if self.keys:
             self._install_here()
         else:

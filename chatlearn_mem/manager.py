@@ -52,7 +52,7 @@ def serialized(method: Callable) -> Callable:
                 if outer:
                     self._active_call = None
                     if self._debug_guard is not None:
-                        self._debug_guard.update(self._released_keys())
+                        self._debug_guard.update(self._released_keys(), self._moving_keys())
 
     return wrapper
 
@@ -485,6 +485,8 @@ class MemoryManagerBase:
         if self._groups[Part.WEIGHTS].offloaded:  # also while an offload is in flight
             raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() "
                                  "(or onload()) first")
+        if not self._weight_users_of:  # no per-module fences (megatron's overlapped param gather)
+            self._await_parts((Part.WEIGHTS,))
 
     def _require(self, what: str, parts: Iterable[Part], hint: str = "") -> None:
         """Raise :class:`OffloadedError` when one of ``parts`` (which ``what`` needs) is offloaded.
@@ -550,6 +552,11 @@ class MemoryManagerBase:
         self._require("load_state_dict()", (Part.WEIGHTS,))
 
     # -- the debug guard ---------------------------------------------------------------------------
+    def _moving_keys(self) -> frozenset[int]:
+        """Storages a non-blocking offload in flight is still copying from."""
+        return frozenset(s._cdata for _, gt in self._pending.values() if gt.direction == "offload"
+                         for s in gt.storages)
+
     def _released_keys(self) -> frozenset[int]:
         return frozenset(s._cdata for g in self._groups.values() if g.offloaded for s, _ in g.released)
 

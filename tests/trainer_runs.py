@@ -12,6 +12,7 @@ puts ``tests/`` on sys.path, and spawn hands sys.path to the children.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -22,12 +23,16 @@ from typing import Callable, Optional
 
 import torch
 
-from chatlearn_mem import TrainerMemoryManager
+from chatlearn_mem import MemoryConfig, TrainerMemoryManager
 
 from chatlearn_mem.testbed import cpu_backend, gpt
 from chatlearn_mem.mcore import layout
 
 _T0 = time.perf_counter()  # module import in the spawned process, before megatron's
+
+NON_BLOCKING = MemoryConfig(copy_chunk_mb=16 / 1024)
+"""The config of the non-blocking runs: 16 KiB pieces, so that even the test GPT's weights arrive in
+many steps and each module really waits for its own (R4)."""
 
 STEPS = 8  # train() default: the single-rank runs and the multi-rank exactness specs
 LAYOUT_STEPS = 4  # layout_spec() default: the multi-rank layouts (each step costs more there)
@@ -93,29 +98,67 @@ def data_parallel_rank() -> int:
 
 
 def train(cfg: gpt.GPTTrainerConfig | dict, steps: int = STEPS, between: Optional[Callable] = None,
-          rank: int = 0, pipeline: bool = False):
+          rank: int = 0, pipeline: bool = False, config: Optional[MemoryConfig] = None):
     """Build a trainer, train ``steps`` steps calling ``between(mm, trainer, step)`` after each.
 
     ``pipeline=False`` builds the single-model ``GPTTrainer`` (``gpt.build_gpt_trainer``),
     ``pipeline=True`` the ``GPTPipelineTrainer`` (a list of chunks stepped by megatron's
-    schedule). ``rank`` is the data-parallel rank the synthetic batches are drawn for.
+    schedule). ``rank`` is the data-parallel rank the synthetic batches are drawn for; ``config``
+    the manager's (:data:`NON_BLOCKING` when ``between`` is non-blocking, see :func:`slow_lanes`).
     Returns ``(losses, snapshot(trainer), mm, trainer)``.
     """
     if isinstance(cfg, dict):
         cfg = gpt.GPTTrainerConfig(**cfg)
     trainer = (gpt.build_gpt_pipeline_trainer if pipeline else gpt.build_gpt_trainer)(cfg)
-    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, config)
     losses = []
-    for step in range(steps):
-        losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step, batch_size=BATCH, rank=rank)))
-        if between is not None:
-            between(mm, trainer, step)
+    with slow_lanes() if config is NON_BLOCKING else contextlib.nullcontext():
+        for step in range(steps):
+            losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step, batch_size=BATCH, rank=rank)))
+            if between is not None:
+                between(mm, trainer, step)
+    mm.residency()  # waits for what is in flight: snapshot() reads the tensors directly, unguarded
     return losses, snapshot(trainer), mm, trainer
 
 
-def train_spec(spec: dict, between: Optional[Callable] = None):
+@contextlib.contextmanager
+def slow_lanes(seconds: float = 2e-4):
+    """Make every copy of the copy engine take ``seconds`` longer, so that the training step after a
+    non-blocking onload really runs while the bytes are still arriving: every guard's wait (R4) is
+    exercised, not only the path where the copies have long finished."""
+    from chatlearn_mem import copy_engine
+
+    real = copy_engine._before_step
+
+    def slow(lane: str, label: str) -> None:
+        if label.startswith(("copy", "zero")):
+            time.sleep(seconds)
+
+    copy_engine._before_step = slow
+    try:
+        yield
+    finally:
+        copy_engine._before_step = real
+
+
+def full_cycle_non_blocking(mm, trainer, step):
+    """:func:`full_cycle` without waiting: offload, check the device is empty (residency waits),
+    onload and leave it in flight: the next train step's guards wait for what each needs. The audit
+    runs every other step (it waits for the onload; the other steps overlap)."""
+    mm.offload(blocking=False)
+    res = mm.residency()
+    assert res.device_bytes == 0, str(res)
+    handle = mm.onload(blocking=False)
+    if step % 2:
+        handle.wait()
+        report = mm.audit()
+        assert report.ok, str(report)
+
+
+def train_spec(spec: dict, between: Optional[Callable] = None, config: Optional[MemoryConfig] = None):
     """:func:`train` for a multi-rank layout spec: the pipeline trainer, this rank's data."""
-    return train(spec["cfg"], steps=spec["steps"], between=between, rank=data_parallel_rank(), pipeline=True)
+    return train(spec["cfg"], steps=spec["steps"], between=between, rank=data_parallel_rank(), pipeline=True,
+                 config=config)
 
 
 def full_cycle(mm, trainer, step):
@@ -143,6 +186,10 @@ def assert_exact(cfg, steps: int, between: Callable, base=None, rank: int = 0):
     assert got[0] == base[0], f"losses differ: {got[0]} vs {base[0]}"
     assert bit_equal(got[1], base[1]), "weights, main weights or optimizer states differ"
     return got
+
+
+TRANSITIONS = {"blocking": (full_cycle, None), "non_blocking": (full_cycle_non_blocking, NON_BLOCKING)}
+"""``{name: (between, memory config)}``: the exactness tests run each way (parametrize over the keys)."""
 
 
 def reachable_storages(*roots) -> dict[int, tuple[str, torch.UntypedStorage]]:
@@ -283,9 +330,24 @@ def run_layout(spec: dict) -> dict:
     setup_parallel(spec)
     losses, state, mm, trainer = train_spec(spec, between=cycle)
     bugs = inject_bugs(mm, trainer) if spec.get("inject_bugs") else {}
+
+    nb_ratios, nb_problems = [], []
+
+    def cycle_non_blocking(mm, trainer, step):
+        before = mm.residency().device_bytes  # waits for the previous step's onload
+        mm.offload(blocking=False)
+        nb_ratios.append(mm.residency().device_bytes / before)
+        nb_problems.extend(f"step {step} offloaded: {p}" for p in mm.audit().problems)
+        mm.onload(blocking=False)  # still in flight when the next step starts
+
+    setup_parallel(spec)
+    nb_losses, nb_state, nb_mm, _ = train_spec(spec, between=cycle_non_blocking, config=NON_BLOCKING)
+    nb_problems.extend(f"end: {p}" for p in nb_mm.audit().problems)
     return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state), bugs=bugs,
                 n_tensors=len(state), losses=losses, ratios=ratios, audit_problems=problems,
                 reach_ratios=reach_ratios, leftovers=leftovers,
+                nb_losses_equal=nb_losses == base_losses, nb_weights_equal=bit_equal(nb_state, base_state),
+                nb_ratios=nb_ratios, nb_audit_problems=nb_problems,
                 **describe(trainer, mm))
 
 
@@ -295,8 +357,12 @@ def exactness(spec: dict) -> dict:
     rank = data_parallel_rank()
     base_losses, base_weights, _, _ = train(spec["cfg"], steps=spec["steps"], rank=rank)
     losses, weights, mm, _ = train(spec["cfg"], steps=spec["steps"], between=full_cycle, rank=rank)
+    nb_losses, nb_weights, nb_mm, _ = train(spec["cfg"], steps=spec["steps"], between=full_cycle_non_blocking,
+                                            rank=rank, config=NON_BLOCKING)
     return dict(losses_equal=base_losses == losses, weights_equal=bit_equal(base_weights, weights),
-                audit_ok=mm.audit().ok, losses=losses, n_tensors=len(weights))
+                audit_ok=mm.audit().ok, losses=losses, n_tensors=len(weights),
+                nb_losses_equal=base_losses == nb_losses, nb_weights_equal=bit_equal(base_weights, nb_weights),
+                nb_audit_ok=nb_mm.audit().ok)
 
 
 def _rss_bytes() -> int:

@@ -3,7 +3,7 @@ the multi-rank runs are in tests/multirank/test_trainer_exactness_multirank.py).
 
 import pytest
 
-from trainer_runs import STEPS, bit_equal, full_cycle, train
+from trainer_runs import STEPS, TRANSITIONS, bit_equal, train
 from chatlearn_mem import Part
 from chatlearn_mem.testbed import gpt
 
@@ -16,60 +16,85 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_full_cycle_every_step_is_bit_exact(dist1, name):
+def test_full_cycle_every_step_is_bit_exact(dist1, name, transitions):
     cfg = gpt.GPTTrainerConfig(**LAYOUTS[name])
     base_losses, base_state, _, _ = train(cfg)
-    losses, state, mm, trainer = train(cfg, between=full_cycle)
+    between, config = TRANSITIONS[transitions]
+    losses, state, mm, trainer = train(cfg, between=between, config=config)
     assert len(losses) == STEPS
     assert losses == base_losses
     assert bit_equal(state, base_state)
     assert losses[-1] < losses[0]  # it really trained
 
 
-def _weights_only(mm, trainer, step):
-    mm.offload_weights()
-    mm.onload_weights()
-
-
-def _grads_only(mm, trainer, step):
-    mm.free_grad_buffers()
-    mm.build_grad_buffers()
-
-
-def _optimizer_only(mm, trainer, step):
-    mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
-    mm.onload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
-
-
-def _forward_only_phase(mm, trainer, step):
-    # What a PPO loop does around a scoring phase: sleep fully, wake weights alone, sleep, wake all.
-    mm.offload()
-    mm.onload(Part.WEIGHTS)
-    assert mm.audit().ok
-    mm.offload()
-    mm.onload()
-
-
-def _alternating(mm, trainer, step):
-    if step % 2:
-        mm.offload_main_weights()
-        mm.offload_optimizer_states()
-        mm.onload_optimizer_states()
-        mm.onload_main_weights()
-    else:
-        mm.free_grad_buffers()
+def _weights_only(mm, trainer, step, blocking=True):
+    if blocking:
         mm.offload_weights()
         mm.onload_weights()
+    else:
+        mm.offload_weights(blocking=False)
+        mm.onload_weights(blocking=False)
+
+
+def _grads_only(mm, trainer, step, blocking=True):
+    if blocking:
+        mm.free_grad_buffers()
         mm.build_grad_buffers()
+    else:
+        mm.offload(Part.GRADS, blocking=False)
+        mm.onload(Part.GRADS, blocking=False)
 
 
+def _optimizer_only(mm, trainer, step, blocking=True):
+    mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES], blocking=blocking)
+    mm.onload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES], blocking=blocking)
+
+
+def _forward_only_phase(mm, trainer, step, blocking=True):
+    # What a PPO loop does around a scoring phase: sleep fully, wake weights alone, sleep, wake all.
+    mm.offload(blocking=blocking)
+    mm.onload(Part.WEIGHTS, blocking=blocking)
+    assert mm.audit().ok
+    mm.offload(blocking=blocking)
+    mm.onload(blocking=blocking)
+
+
+def _alternating(mm, trainer, step, blocking=True):
+    if step % 2:
+        if blocking:
+            mm.offload_main_weights()
+            mm.offload_optimizer_states()
+            mm.onload_optimizer_states()
+            mm.onload_main_weights()
+        else:
+            mm.offload(Part.MAIN_WEIGHTS, blocking=False)
+            mm.offload(Part.OPTIMIZER_STATES, blocking=False)
+            mm.onload(Part.OPTIMIZER_STATES, blocking=False)
+            mm.onload(Part.MAIN_WEIGHTS, blocking=False)
+    else:
+        if blocking:
+            mm.free_grad_buffers()
+            mm.offload_weights()
+            mm.onload_weights()
+            mm.build_grad_buffers()
+        else:
+            mm.offload(Part.GRADS, blocking=False)
+            mm.offload_weights(blocking=False)
+            mm.onload_weights(blocking=False)
+            mm.onload(Part.GRADS, blocking=False)
+
+
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
 @pytest.mark.parametrize("between", [_weights_only, _grads_only, _optimizer_only, _forward_only_phase, _alternating])
 @pytest.mark.parametrize("name", ["bf16-distopt", "bf16-float16opt"])
-def test_partial_offload_is_bit_exact(dist1, name, between):
+def test_partial_offload_is_bit_exact(dist1, name, between, transitions):
     cfg = gpt.GPTTrainerConfig(**LAYOUTS[name])
     base_losses, base_state, _, _ = train(cfg)
-    losses, state, mm, _ = train(cfg, between=between)
+    blocking = transitions == "blocking"
+    losses, state, mm, _ = train(cfg, between=lambda *a: between(*a, blocking=blocking),
+                                 config=TRANSITIONS[transitions][1])
     assert losses == base_losses
     assert bit_equal(state, base_state)
     assert mm.audit().ok

@@ -4,22 +4,24 @@ parallelism, megatron's no-pipelining schedule, config checks."""
 import pytest
 import torch
 
-from trainer_runs import STEPS, bit_equal, full_cycle, train
+from trainer_runs import STEPS, TRANSITIONS, bit_equal, slow_lanes, train
 from chatlearn_mem import TrainerMemoryManager
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 
 
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
 @pytest.mark.parametrize("cfg", [
     dict(frozen_params=("embedding", "final_layernorm")),
     dict(frozen_params=("layernorm",), precision="fp32", use_distributed_optimizer=False),
     dict(num_moe_experts=4, moe_router_topk=2),
     dict(num_moe_experts=2, moe_router_topk=1, overlap_grad_reduce=True, ddp_bucket_size=2000),
 ], ids=["frozen-bf16-distopt", "frozen-fp32-fp32opt", "moe4-top2", "moe2-top1-overlap"])
-def test_new_options_are_bit_exact_under_full_cycles(dist1, cfg):
+def test_new_options_are_bit_exact_under_full_cycles(dist1, cfg, transitions):
     cfg = gpt.GPTTrainerConfig(**cfg)
     base_losses, base_state, _, _ = train(cfg)
-    losses, state, mm, trainer = train(cfg, between=full_cycle)
+    between, config = TRANSITIONS[transitions]
+    losses, state, mm, trainer = train(cfg, between=between, config=config)
     assert len(losses) == STEPS and losses == base_losses
     assert bit_equal(state, base_state)
     assert len(set(losses)) > 1
@@ -40,18 +42,22 @@ def test_frozen_params_are_released_and_restored(dist1):
     assert mm.audit().ok
 
 
-def test_pipeline_trainer_without_pipelining_matches_itself_under_cycles(dist1):
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
+def test_pipeline_trainer_without_pipelining_matches_itself_under_cycles(dist1, transitions):
     cfg = gpt.GPTTrainerConfig(num_microbatches=2)
+    between, config = TRANSITIONS[transitions]
 
     def run(cycle):
         trainer = gpt.build_gpt_pipeline_trainer(cfg)
         assert isinstance(trainer.model, list) and len(trainer.model) == 1
-        mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+        mm = TrainerMemoryManager(trainer.model, trainer.optimizer, config)
         losses = []
-        for step in range(4):
-            losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step)))
-            if cycle:
-                full_cycle(mm, trainer, step)
+        with slow_lanes():
+            for step in range(4):
+                losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step)))
+                if cycle:
+                    between(mm, trainer, step)
+        mm.residency()  # waits for what is in flight before reading the weights directly
         return losses, [p.detach().clone() for p in trainer.model[0].parameters()]
 
     base_losses, base_weights = run(False)

@@ -228,16 +228,24 @@ def _dropped_with_model(results: list) -> None:
                     "warnings": [str(w.message) for w in caught if "garbage collected" in str(w.message)]})
 
 
-def child(out_path: str, names: list[str]) -> None:
-    """Run the cases; append one JSON object per case to ``out_path`` as soon as it is done."""
+def child(out_path: str, names: list[str], blocking: bool = True) -> None:
+    """Run the cases; append one JSON object per case to ``out_path`` as soon as it is done.
+
+    ``blocking=False``: the offload before the misuse and the onload after it are non-blocking
+    (the copies slowed down): the misuse meets an offload in flight, the training after it an
+    onload in flight."""
+    import contextlib
     import faulthandler
     import tempfile
 
     faulthandler.enable()
     warnings.simplefilter("ignore")
-    from trainer_runs import bit_equal, snapshot, train
+    from trainer_runs import NON_BLOCKING, bit_equal, slow_lanes, snapshot, train
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager, manager_of
     from chatlearn_mem.testbed import gpt
+
+    chunk = {} if blocking else {"copy_chunk_mb": NON_BLOCKING.copy_chunk_mb}
+    slow = contextlib.nullcontext if blocking else slow_lanes
 
     tmp = tempfile.mkdtemp()
     gpt.init_distributed(init_method=f"file://{os.path.join(tmp, 'init')}")
@@ -251,23 +259,24 @@ def child(out_path: str, names: list[str]) -> None:
     for name in names:
         trainer = gpt.build_gpt_trainer(cfg)
         mm = TrainerMemoryManager(trainer.model, trainer.optimizer,
-                                  MemoryConfig(debug_guard=name.startswith("debug_guard")))
+                                  MemoryConfig(debug_guard=name.startswith("debug_guard"), **chunk))
         losses = [trainer.train_step(_batch(s)) for s in range(2)]
         ctx = {"trainer": trainer, "mm": mm, "tmp": tmp,
                "state_dict": {k: v.clone() if isinstance(v, torch.Tensor) else v
                               for k, v in trainer.model.state_dict().items()}}
         del mm
-        ctx["mm"].offload()
         result = {"case": name, "error": None}
-        try:
-            CASES[name](ctx)
-        except Exception as e:  # noqa: BLE001 - recorded and asserted by the test
-            result.update(error=type(e).__name__, message=str(e))
-        ctx.pop("mm", None)
-        mm = manager_of(trainer.model)
-        mm.onload()
+        with slow():
+            ctx["mm"].offload(blocking=blocking)
+            try:
+                CASES[name](ctx)
+            except Exception as e:  # noqa: BLE001 - recorded and asserted by the test
+                result.update(error=type(e).__name__, message=str(e))
+            ctx.pop("mm", None)
+            mm = manager_of(trainer.model)
+            mm.onload(blocking=blocking)
+            losses += [trainer.train_step(_batch(s)) for s in range(2, STEPS)]
         result["audit_ok"] = mm.audit().ok
-        losses += [trainer.train_step(_batch(s)) for s in range(2, STEPS)]
         result["exact"] = losses == base_losses and bit_equal(snapshot(trainer), base_state)
         emit(result)
     extra: list = []
@@ -279,16 +288,18 @@ def child(out_path: str, names: list[str]) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # trainer_runs
-    child(sys.argv[1], sys.argv[2:] or list(CASES))
+    blocking = sys.argv[2] == "blocking"
+    child(sys.argv[1], sys.argv[3:] or list(CASES), blocking=blocking)
     sys.exit(0)
 
 
 # -- the tests (in the pytest process) ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def misuse(tmp_path_factory):
-    """Run every case in one child process; ``{case: result}`` plus the process outcome."""
+@pytest.fixture(scope="module", params=["blocking", "non_blocking"])
+def misuse(request, tmp_path_factory):
+    """Run every case in one child process; ``{case: result}`` plus the process outcome. Once with
+    blocking transitions, once with the offload before the misuse (and the onload after it) in flight."""
     out = tmp_path_factory.mktemp("misuse") / "results.jsonl"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), *CASES],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), request.param, *CASES],
                           capture_output=True, text=True, timeout=600)
     results = {}
     if out.exists():

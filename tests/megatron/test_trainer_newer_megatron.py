@@ -5,7 +5,7 @@ recommends over GPTModel, and fp32 local gradient accumulation (0.17+), whose se
 import pytest
 import torch
 
-from trainer_runs import BATCH, STEPS, bit_equal, full_cycle, train
+from trainer_runs import BATCH, STEPS, TRANSITIONS, bit_equal, train
 from chatlearn_mem import ChatlearnMemError, Part
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
@@ -22,14 +22,16 @@ needs_017 = pytest.mark.skipif(_release() < (0, 17),
 
 
 @needs_018
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
 @pytest.mark.parametrize("precision,distributed", [("bf16", True), ("bf16", False), ("fp32", True), ("fp32", False)])
-def test_hybrid_model_is_exact_under_full_cycles(dist1, precision, distributed):
+def test_hybrid_model_is_exact_under_full_cycles(dist1, precision, distributed, transitions):
     cfg = dict(model_class="hybrid", num_layers=4, precision=precision, use_distributed_optimizer=distributed)
     losses, weights, _, trainer = train(cfg)
     assert type(trainer.model.module).__name__ == "HybridModel"
     names = [n for n, _ in trainer.model.module.named_parameters()]
     assert any(".self_attention." in n for n in names) and any(".mlp." in n for n in names)
-    cycled_losses, cycled, mm, _ = train(cfg, between=full_cycle)  # full_cycle audits after every onload
+    between, config = TRANSITIONS[transitions]
+    cycled_losses, cycled, mm, _ = train(cfg, between=between, config=config)  # audits after onloads
     assert cycled_losses == losses and len(losses) == STEPS
     assert bit_equal(cycled, weights)
     mm.offload()
@@ -42,8 +44,9 @@ FP32_LOCAL = dict(grad_reduce_in_fp32=False, fp32_accumulation_params=("*linear_
 
 
 @needs_017
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
 @pytest.mark.parametrize("distributed", [True, False])
-def test_fp32_local_accumulation_main_grads_are_released_and_exact(dist1, distributed):
+def test_fp32_local_accumulation_main_grads_are_released_and_exact(dist1, distributed, transitions):
     cfg = dict(FP32_LOCAL, use_distributed_optimizer=distributed)
     losses, weights, mm, trainer = train(cfg)
     extra = [g for b in trainer.model.buffers for g in b.extra_main_grads]
@@ -54,7 +57,8 @@ def test_fp32_local_accumulation_main_grads_are_released_and_exact(dist1, distri
     assert mm.residency().device_bytes == 0
     mm.onload()
     assert all(g.untyped_storage().nbytes() == g.numel() * 4 and not g.any() for g in extra)
-    cycled_losses, cycled, _, _ = train(cfg, between=full_cycle)
+    between, config = TRANSITIONS[transitions]
+    cycled_losses, cycled, _, _ = train(cfg, between=between, config=config)
     assert cycled_losses == losses and bit_equal(cycled, weights)
 
 

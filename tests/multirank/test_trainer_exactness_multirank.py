@@ -24,6 +24,7 @@ def test_multirank_full_cycles_are_bit_exact(world2, name):
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["losses_equal"] and r["weights_equal"] and r["audit_ok"], r
+        assert r["nb_losses_equal"] and r["nb_weights_equal"] and r["nb_audit_ok"], r  # blocking=False
         assert r["n_tensors"] > 0
     if LAYOUTS[name]["tp"] == 1:  # data parallel ranks see different data
         assert results[0]["losses"] != results[1]["losses"]

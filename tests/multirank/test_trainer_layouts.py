@@ -83,6 +83,19 @@ def test_full_cycles_are_bit_exact_audit_clean_and_free_the_device(request, name
 
 
 @pytest.mark.parametrize("name", list(SPECS))
+def test_non_blocking_full_cycles_are_bit_exact_and_audit_clean(request, name):
+    """The same, with offload(blocking=False) and the onload left in flight into the next train
+    step (the copies slowed so that every guard waits for them)."""
+    for r in _results(request, name):
+        rank = f"rank {r['rank']}"
+        assert r["nb_losses_equal"], rank
+        assert r["nb_weights_equal"], rank
+        assert r["nb_audit_problems"] == [], rank
+        assert len(r["nb_ratios"]) == SPECS[name]["steps"]
+        assert max(r["nb_ratios"]) < 0.01, (rank, r["nb_ratios"])
+
+
+@pytest.mark.parametrize("name", list(SPECS))
 def test_layout_is_what_it_claims(request, name):
     spec = SPECS[name]
     cfg = spec["cfg"]
