@@ -9,6 +9,8 @@ sizes, so repeated cycles neither allocate nor grow host memory.
 
 from __future__ import annotations
 
+import mmap
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +31,34 @@ class Span:
 
 
 def _allocate_host_bucket(nbytes: int, pin: bool) -> torch.Tensor:
-    """Allocate one flat host bucket. Module-level so tests can inject allocation failures."""
-    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    """Allocate one flat host bucket. Module-level so tests can inject allocation failures.
+
+    A bucket to be pinned is anonymous page-aligned memory of exactly ``nbytes`` (``mmap``), which
+    :class:`HostStore` registers with CUDA itself: torch's pinned allocator would round it up to
+    a power of two (a 384 MiB bucket takes 512 MiB) and keep it cached for the life of the process
+    after it is freed. The mapping is returned to the OS when the last tensor over it goes.
+    """
+    if pin:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+
+
+def _register(bucket: torch.Tensor) -> None:
+    """Page-lock a bucket with ``cudaHostRegister`` (portable: usable from every device)."""
+    err = int(torch.cuda.cudart().cudaHostRegister(bucket.data_ptr(), bucket.numel(), 1))
+    if err:
+        raise RuntimeError(f"cudaHostRegister of a {bucket.numel()} byte host bucket failed (cudaError {err}); "
+                           "the locked-memory limit (ulimit -l) may be too low, or set "
+                           "MemoryConfig(pin_memory=False)")
+
+
+def _unregister(pointers: list[int]) -> None:
+    """Undo :func:`_register` for every pointer (after the device finished any copy from them)."""
+    if not pointers:
+        return
+    torch.cuda.synchronize()  # no copy may still read or write pages being unlocked
+    while pointers:
+        torch.cuda.cudart().cudaHostUnregister(pointers.pop())
 
 
 def _plan(sizes: tuple[int, ...], bucket_size: int) -> tuple[list[list[Span]], list[int]]:
@@ -63,18 +91,37 @@ class HostStore:
     Args:
         sizes: Byte size of each storage, in the order the storages are copied.
         bucket_size: Largest bucket in bytes.
-        pin: Page-lock the buckets (only meaningful with CUDA).
+        pin: Page-lock the buckets (only meaningful with CUDA): each bucket is registered with
+            ``cudaHostRegister`` at its exact size and unregistered by :meth:`close` (or when the
+            store is collected), so the pinned memory goes back to the OS with the store.
 
     Raises:
-        MemoryError / RuntimeError: When a bucket cannot be allocated; then nothing is kept.
+        MemoryError / RuntimeError: When a bucket cannot be allocated or pinned; then nothing is kept.
     """
 
     def __init__(self, sizes: list[int], bucket_size: int, pin: bool):
         self.sizes = tuple(int(s) for s in sizes)
         self.pinned = pin
         self.spans, bucket_sizes = _plan(self.sizes, bucket_size)
-        # All or nothing: a failing allocation drops the buckets made so far.
-        self.buckets: list[torch.Tensor] = [_allocate_host_bucket(n, pin) for n in bucket_sizes]
+        self._registered: list[int] = []  # pointers this store registered (emptied by close)
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
+        self.buckets: list[torch.Tensor] = []
+        try:  # all or nothing: a failing allocation drops the buckets made so far
+            for n in bucket_sizes:
+                bucket = _allocate_host_bucket(n, pin)
+                if pin:
+                    _register(bucket)
+                    self._registered.append(bucket.data_ptr())
+                self.buckets.append(bucket)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Unpin the buckets and drop them: their memory goes back to the OS once no tensor views
+        it. The store is empty afterwards. Call it only when no copy to or from it is pending."""
+        _unregister(self._registered)
+        self.buckets = []
 
     @staticmethod
     def planned_nbytes(sizes: list[int], bucket_size: int) -> int:

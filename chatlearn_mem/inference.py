@@ -11,7 +11,6 @@ from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.manager import MemoryManagerBase, serialized
 from chatlearn_mem.parts import Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
-from chatlearn_mem.storage import TransferStats
 
 __all__ = ["InferenceMemoryManager"]
 

@@ -19,7 +19,7 @@ from chatlearn_mem.copy_engine import CopyEngine
 from chatlearn_mem.debug_guard import ReleasedTensorGuard, function_name
 from chatlearn_mem.errors import ChatlearnMemError, HostMemoryError, OffloadedError
 from chatlearn_mem.parts import Part, PartsArg, parse_parts
-from chatlearn_mem.storage import GroupTransfer, StorageGroup, TransferStats, extent, storage_key, unique_storages
+from chatlearn_mem.storage import GroupTransfer, StorageGroup, extent, storage_key, unique_storages
 
 __all__ = ["MemoryManagerBase", "manager_of", "serialized"]
 

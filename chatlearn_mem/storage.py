@@ -17,7 +17,6 @@ import ctypes.util
 import logging
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional
@@ -268,6 +267,8 @@ class StorageGroup:
         assert not self.offloaded, f"{self.name} is offloaded; its host store holds the only copy"
         assert self._transfer is None, f"{self.name} has a transition in flight (R7)"
         self.wait_for_readers()
+        if self.store is not None:
+            self.store.close()  # unpinned and returned to the OS now, not when collected
         self.store = None
         self._plans.clear()  # they name the store's buckets
         self._host_token = None
@@ -286,7 +287,9 @@ class StorageGroup:
         old, self.store = self.store, None
         self._plans.clear()  # they name the old store's buckets
         self._host_token = None
-        del old  # free the old buckets before allocating the new ones: no 2x host peak
+        if old is not None:
+            old.close()  # free the old buckets before allocating the new ones: no 2x host peak
+        del old
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
 
     # -- transitions through the copy engine ------------------------------------------------
@@ -550,6 +553,7 @@ class GroupTransfer:
         self.engine = CopyEngine.for_device(_device_of(storages))
         self._cuda = self.engine.is_cuda
         self._d2h_stream = self.engine.lanes["d2h"].stream if self._cuda else None
+        self._h2d_stream = self.engine.lanes["h2d"].stream if self._cuda else None
         self._caller_event = caller_event
         self._store = group.store
         self._huge_pages = group._config.cpu_huge_pages
@@ -581,6 +585,10 @@ class GroupTransfer:
             i = a[1]
             _grow_storage(self.storages[i], self.sizes[i])
             self.grown.append(i)
+            if self._cuda and self.sizes[i]:
+                # the block lives in the caller's pool (R3) and the h2d stream writes it: were the
+                # storage freed before the copy ran, the allocator must wait for that stream too
+                _byte_view(self.storages[i]).record_stream(self._h2d_stream)
             if self._huge_pages:
                 advise_huge_pages(self.storages[i])
         elif op == ZERO:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from typing import Any, Callable, Hashable, Iterable, Optional
 
 import torch

@@ -171,13 +171,13 @@ def full_cycle(mm, trainer, step):
     assert report.ok, str(report)
 
 
-def assert_exact(cfg, steps: int, between: Callable, base=None, rank: int = 0):
+def assert_exact(cfg, steps: int, between: Callable, base=None, rank: int = 0, config: Optional[MemoryConfig] = None):
     """Train ``cfg`` with ``between`` after every step and require the same losses and bits as a run
     without it (``base``: a :func:`train` result, made here when None). On a mismatch the baseline
     is run again: if it does not reproduce itself, the device is not deterministic and the
     failure says so instead of blaming the manager. Returns the run's :func:`train` result."""
     base = base or train(cfg, steps=steps, rank=rank)
-    got = train(cfg, steps=steps, between=between, rank=rank)
+    got = train(cfg, steps=steps, between=between, rank=rank, config=config)
     if got[0] != base[0] or not bit_equal(got[1], base[1]):
         again = train(cfg, steps=steps, rank=rank)
         assert again[0] == base[0] and bit_equal(again[1], base[1]), (

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import chatlearn_mem.copy_engine as engine_mod
-import chatlearn_mem.storage as storage_mod
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig, Part, Transfer, TransferError, swap
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Job
 from chatlearn_mem.storage import StorageGroup, unique_storages

@@ -132,3 +132,80 @@ def test_allocation_failure_propagates_and_keeps_nothing(monkeypatch):
 def test_non_positive_bucket_size(bucket_size):
     with pytest.raises(ValueError, match="bucket_size must be > 0"):
         HostStore([10], bucket_size, pin=False)
+
+
+# -- pinned stores: registered at their exact size, unregistered with the store ------------------------
+@pytest.fixture
+def fake_cuda_pinning(monkeypatch):
+    """Stand-ins for cudaHostRegister / cudaHostUnregister recording what the store asks for (the
+    real calls run in the GPU tier, tests/gpu/test_gpu_manager.py)."""
+    calls = {"register": [], "unregister": []}
+
+    def register(bucket):
+        calls["register"].append((bucket.data_ptr(), bucket.numel()))
+
+    def unregister(pointers):
+        calls["unregister"].extend(pointers)
+        pointers.clear()
+
+    monkeypatch.setattr(host_store_mod, "_register", register)
+    monkeypatch.setattr(host_store_mod, "_unregister", unregister)
+    return calls
+
+
+def test_pinned_buckets_are_page_aligned_exact_and_registered_once(fake_cuda_pinning):
+    sizes = [3 * 2**20 + 100, 5000, 2**20]
+    store = HostStore(sizes, 2 * 2**20, pin=True)
+    check_plan(store, sizes, 2 * 2**20)
+    assert [n for _, n in fake_cuda_pinning["register"]] == [b.numel() for b in store.buckets]
+    assert store.nbytes == HostStore.planned_nbytes(sizes, 2 * 2**20)  # no power-of-two rounding
+    assert all(b.data_ptr() % 4096 == 0 for b in store.buckets)
+    ptrs = [p for p, _ in fake_cuda_pinning["register"]]
+    store.close()
+    assert sorted(fake_cuda_pinning["unregister"]) == sorted(ptrs) and store.buckets == []
+    store.close()  # again: nothing left to unregister
+    assert len(fake_cuda_pinning["unregister"]) == len(ptrs)
+
+
+def test_collected_pinned_store_is_unregistered(fake_cuda_pinning):
+    store = HostStore([10000, 20000], 16384, pin=True)
+    n = len(store.buckets)
+    del store
+    gc.collect()
+    assert len(fake_cuda_pinning["unregister"]) == n
+
+
+def test_failed_registration_unregisters_what_was_registered(fake_cuda_pinning, monkeypatch):
+    done = []
+
+    def flaky(bucket):
+        if len(done) == 2:
+            raise RuntimeError("cudaHostRegister of a host bucket failed (cudaError 2)")
+        done.append(bucket.data_ptr())
+
+    monkeypatch.setattr(host_store_mod, "_register", flaky)
+    with pytest.raises(RuntimeError, match="cudaError 2"):
+        HostStore([4096] * 5, 4096, pin=True)
+    assert sorted(fake_cuda_pinning["unregister"]) == sorted(done)
+
+
+def test_group_closes_its_store_when_dropped_or_replanned(fake_cuda_pinning, monkeypatch):
+    from chatlearn_mem import MemoryConfig
+    from chatlearn_mem.storage import StorageGroup, unique_storages
+
+    monkeypatch.setattr(MemoryConfig, "resolved_pin_memory", lambda self: True)
+    tensors = [torch.randn(3000), torch.randn(500)]
+    before = [t.clone() for t in tensors]
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=8 / 1024))
+    storages = unique_storages(tensors, torch.device("cpu"))
+    group.offload(storages)
+    group.onload()
+    first = len(fake_cuda_pinning["register"])
+    assert first > 0 and not fake_cuda_pinning["unregister"]
+    tensors[1].untyped_storage().resize_(4000)  # a size change re-plans the store: the old one is closed
+    group.offload(unique_storages(tensors, torch.device("cpu")))
+    assert len(fake_cuda_pinning["unregister"]) == first
+    group.onload()
+    group.drop_host_store()
+    assert len(fake_cuda_pinning["unregister"]) == len(fake_cuda_pinning["register"])
+    assert torch.equal(tensors[0], before[0])
