@@ -208,8 +208,11 @@ class Batch:
     def _afters_of(self, index: int) -> list["Fence"]:
         return [f for (s, _), f in self._afters.items() if s == index] if self._afters else []
 
-    def _run_step(self, lane: str, index: int, cuda: Optional["_CudaLane"] = None) -> None:
-        """Run the actions of step ``index``; raises the first error (its action named on it)."""
+    def _run_step(self, lane: str, index: int, cuda: Optional["_CudaLane"] = None, caller=None) -> None:
+        """Run the actions of step ``index``; raises the first error (its action named on it).
+
+        ``cuda``: the lane when it is a CUDA stream (current while this runs); ``caller``: the
+        submitting thread's stream, where actions that allocate run (R3)."""
         runner, afters = self.runner, self._afters
         for k, action in enumerate(self.steps[index]):
             hook = _before_step
@@ -221,9 +224,9 @@ class Batch:
                 if hook is not _NO_HOOK:
                     hook(lane, runner.describe(action))
                 if cuda is not None and runner.on_caller_stream(action):
-                    with torch.cuda.stream(cuda.caller):
+                    with torch.cuda.stream(caller):
                         runner.run(action)
-                    cuda.stream.wait_stream(cuda.caller)
+                    cuda.stream.wait_stream(caller)
                 else:
                     runner.run(action)
             except BaseException as e:
@@ -388,7 +391,6 @@ class _CudaLane:
         self.name = name
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.caller = None  # the submitting thread's stream, while a step runs (R3)
 
     def begin(self, batch: Batch) -> None:
         batch._lane = self
@@ -401,9 +403,9 @@ class _CudaLane:
             if not batch._skip():
                 if batch.started_at is None:
                     batch.started_at = time.perf_counter()
-                self.caller = torch.cuda.current_stream(self.device)
+                caller = torch.cuda.current_stream(self.device)
                 with torch.cuda.stream(self.stream):
-                    batch._run_step(self.name, index, cuda=self)
+                    batch._run_step(self.name, index, cuda=self, caller=caller)
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 batch.completed += 1

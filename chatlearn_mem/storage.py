@@ -477,8 +477,9 @@ def _onload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int,
 def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """``(storage index, start, end)`` byte ranges covering every storage exactly once: first the
     ranges users read, in user order (ranges read earlier are not repeated), then what no user
-    reads, per storage in ascending order. Adjacent ranges of one storage that follow each other
-    are merged."""
+    reads, per storage in ascending order. A range that continues the previous one upwards is
+    merged with it; one that lies below it is not (megatron lays a buffer out in reverse: merged,
+    the first layer's weights would come last)."""
     covered: dict[int, list[tuple[int, int]]] = {}
     order: list[tuple[int, int, int]] = []
 
@@ -486,8 +487,6 @@ def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
         for lo, hi in _subtract((a, b), covered.setdefault(i, [])):
             if order and order[-1][0] == i and order[-1][2] == lo:
                 order[-1] = (i, order[-1][1], hi)
-            elif order and order[-1][0] == i and order[-1][1] == hi:
-                order[-1] = (i, lo, order[-1][2])
             else:
                 order.append((i, lo, hi))
             bisect.insort(covered[i], (lo, hi))

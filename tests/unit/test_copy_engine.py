@@ -160,6 +160,35 @@ def test_r4_weights_queued_in_forward_order():
     handle.wait()
 
 
+def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
+    """megatron's DDP lays parameters out in one buffer in reverse order (the last layer first): the
+    first layer's bytes are at the end. They must still be copied first."""
+    model = make_model(n_layers=6, width=64)
+    params = list(model.parameters())
+    flat = torch.empty(sum(p.numel() for p in params))
+    end = flat.numel()
+    for p in params:  # first parameter at the end of the buffer
+        end -= p.numel()
+        view = flat[end:end + p.numel()].view_as(p)
+        view.copy_(p.data)
+        p.data = view
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, MemoryConfig(bucket_size_mb=1, copy_chunk_mb=8 / 1024, check_host_memory=False))
+    mm.offload()
+    handle = mm.onload(blocking=False)
+    gt = mm._pending[Part.WEIGHTS][1]
+    fences = [gt.user_fence(u).index for u in range(len(model))]
+    assert fences == sorted(fences) and fences[0] < fences[-1]
+    layer0 = sum(p.numel() * 4 for p in model[0].parameters())
+    chunk = mm.config.copy_chunk_bytes
+    assert fences[0] <= -(-layer0 // chunk), "the first layer waits for later layers' bytes"
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    handle.wait()
+
+
 def test_r5_offload_waits_for_host_store_readers(monkeypatch):
     tensors, storages = storages_of()
     group = StorageGroup("weights", True, CFG)

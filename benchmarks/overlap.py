@@ -1,0 +1,186 @@
+"""The overlap rows: each transition the copy engine overlaps with something, timed against its serial
+counterpart in the same run, interleaved repeat by repeat.
+
+* ``onload_then_forward``: serial = ``onload(weights)`` then a no-grad forward pass; overlapped =
+  ``onload(weights, blocking=False)`` and the forward at once (each module waits for its own
+  weights only), then ``wait()``. The forward pass alone is timed too: no schedule can beat it.
+* ``swap``: the benchmark trainer (policy-sized) goes to sleep while a critic-sized trainer (half the
+  layers, a value head) wakes up. Serial = ``a.offload()`` then ``b.onload()``; overlapped =
+  ``swap(out=a, into=b)`` (both copy directions at once, b's storages regrown as a's are released).
+  Both managers copy every time (the benchmark's ``skip_unchanged_weights=False``), as after a
+  training step.
+* ``full_cycle``: offload and onload of every part. Serial = one blocking call per part (one wait per
+  part, the way transitions ran before the copy engine); overlapped = one ``offload()`` and one
+  ``onload()`` (every part in one job, storages released and regrown as their copies complete).
+
+On a CPU "device" the copy engine's lanes are worker threads, so the copies and the compute share the
+machine's cores and memory bus; ``BenchConfig.overlap_threads`` (default 1) gives the compute one
+intra-op thread, leaving a core for the copy lane, the way a GPU's copy engines are hardware of
+their own. Both sides of every row run with the same setting. Ignored on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager, swap
+from chatlearn_mem_bench.measure import stats, timed
+
+__all__ = ["OVERLAP_ROWS", "TARGETS", "measure_overlap", "overlap_targets"]
+
+log = logging.getLogger("benchmarks")
+
+OVERLAP_ROWS = ("onload_then_forward", "swap", "full_cycle")
+TARGETS = {
+    # (CPU, GPU): the largest overlapped/serial ratio that passes (None: reported, no target)
+    "onload_then_forward": (0.85, None),  # on a GPU: overlapped <= 1.1x the forward alone, checked apart
+    "swap": (0.85, 0.65),
+    "full_cycle": (None, None),
+}
+
+
+def _row(name: str, serial: list[float], overlapped: list[float], **extra) -> dict:
+    s, o = stats(serial), stats(overlapped)
+    pairs = sorted(b / a for a, b in zip(serial, overlapped) if a)
+    return {"name": name, "serial_s": s["median"], "overlapped_s": o["median"],
+            "ratio": o["median"] / s["median"] if s["median"] else None,
+            "serial_spread_s": [s["q25"], s["q75"]], "overlapped_spread_s": [o["q25"], o["q75"]],
+            "ratio_spread": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]] if pairs else None,
+            "serial_samples_s": serial, "overlapped_samples_s": overlapped, **extra}
+
+
+def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device,
+                    threads: Optional[int] = None) -> list[dict]:
+    """The three rows for ``trainer`` (whose manager is ``mm``); every part resident before and after.
+
+    Args:
+        cfg: The :class:`~chatlearn_mem_bench.config.BenchConfig` (trainer, batch size, repeats).
+        threads: Intra-op threads while measuring (CPU only; restored afterwards).
+    """
+    from chatlearn_mem.testbed import gpt
+
+    before = torch.get_num_threads()
+    if threads and device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        batch = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
+        rows = [_onload_then_forward(cfg, trainer, mm, device, batch),
+                _swap(cfg, trainer, mm, device),
+                _full_cycle(cfg, mm, device)]
+    finally:
+        torch.set_num_threads(before)
+    for r in rows:
+        r["threads"] = torch.get_num_threads() if not threads or device.type != "cpu" else threads
+        log.info("overlap %s: %.3f s serial, %.3f s overlapped (ratio %.2f)", r["name"], r["serial_s"],
+                 r["overlapped_s"], r["ratio"])
+    return rows
+
+
+def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
+    def forward():
+        with torch.no_grad():
+            trainer.loss(batch)
+
+    def serial():
+        mm.onload(Part.WEIGHTS)
+        forward()
+
+    def overlapped():
+        handle = mm.onload(Part.WEIGHTS, blocking=False)
+        forward()
+        handle.wait()
+
+    forward()  # warm
+    samples = {"serial": [], "overlapped": [], "forward": []}
+    for r in range(cfg.warmup + cfg.repeats):
+        for name, fn in (("forward", forward), ("serial", serial), ("overlapped", overlapped)):
+            if name != "forward":
+                mm.offload(Part.WEIGHTS)
+            t, _ = timed(fn, device)
+            if r >= cfg.warmup:
+                samples[name].append(t)
+    fwd = stats(samples["forward"])["median"]
+    row = _row("onload_then_forward", samples["serial"], samples["overlapped"], forward_alone_s=fwd,
+               forward_samples_s=samples["forward"])
+    row["best_possible_ratio"] = fwd / row["serial_s"] if row["serial_s"] else None
+    row["overlapped_vs_forward"] = row["overlapped_s"] / fwd if fwd else None
+    return row
+
+
+def _critic_config(trainer_cfg):
+    return trainer_cfg.model_copy(update={"num_layers": max(1, trainer_cfg.num_layers // 2),
+                                          "seed": trainer_cfg.seed + 1})
+
+
+def _swap(cfg, trainer, mm, device) -> dict:
+    from chatlearn_mem.testbed import gpt
+
+    assert not mm.config.skip_unchanged_weights, "the benchmark's manager copies every time"
+    critic_cfg = _critic_config(cfg.trainer)
+    critic = gpt.build_gpt_trainer(critic_cfg, value_head=True)
+    critic.train_step(gpt.synthetic_batch(critic_cfg, 0, batch_size=cfg.batch_size))
+    b = TrainerMemoryManager(critic.model, critic.optimizer, mm.config)
+    out_bytes, in_bytes = mm.residency().device_bytes, b.residency().device_bytes
+    b.offload()
+    samples = {"serial": [], "overlapped": []}
+    try:
+        for r in range(cfg.warmup + cfg.repeats):
+            t_serial, _ = timed(lambda: (mm.offload(force=True), b.onload()), device)
+            b.offload(force=True)
+            mm.onload()
+            t_swap, _ = timed(lambda: swap(out=mm, into=b, force=True), device)
+            swap(out=b, into=mm, force=True)
+            if r >= cfg.warmup:
+                samples["serial"].append(t_serial)
+                samples["overlapped"].append(t_swap)
+    finally:
+        for p in mm.parts:
+            if mm.is_offloaded(p):
+                mm.onload(p)
+        b.onload()
+        b.close()
+    return _row("swap", samples["serial"], samples["overlapped"], out_bytes=out_bytes, in_bytes=in_bytes,
+                critic_layers=critic_cfg.num_layers)
+
+
+def _full_cycle(cfg, mm, device) -> dict:
+    parts = list(mm.parts)
+
+    def serial():
+        for p in mm._OFFLOAD_ORDER:
+            mm.offload(p, force=True)
+        for p in mm._ONLOAD_ORDER:
+            mm.onload(p)
+
+    def overlapped():
+        mm.offload(force=True)
+        mm.onload()
+
+    samples = {"serial": [], "overlapped": []}
+    for r in range(cfg.warmup + cfg.repeats):
+        for name, fn in (("serial", serial), ("overlapped", overlapped)):
+            t, _ = timed(fn, device)
+            if r >= cfg.warmup:
+                samples[name].append(t)
+    return _row("full_cycle", samples["serial"], samples["overlapped"], parts=[str(p) for p in parts])
+
+
+def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
+    """The issue's targets for the overlap rows, each ``{"name", "passed", "detail"}``."""
+    out = []
+    for r in rows:
+        spread = r.get("ratio_spread") or [r["ratio"], r["ratio"]]
+        limit = TARGETS[r["name"]][1 if gpu else 0]
+        if limit is not None:
+            out.append({"name": f"overlap {r['name']}: overlapped <= {limit} of serial", "passed": r["ratio"] <= limit,
+                        "detail": f"{r['ratio']:.2f} (IQR {spread[0]:.2f}-{spread[1]:.2f}; {r['overlapped_s']:.3f} s "
+                                  f"vs {r['serial_s']:.3f} s serial, {r['threads']} compute thread(s))"})
+        if r["name"] == "onload_then_forward" and gpu:
+            out.append({"name": "overlap onload_then_forward: <= 1.1x the forward alone",
+                        "passed": r["overlapped_vs_forward"] <= 1.1,
+                        "detail": f"{r['overlapped_vs_forward']:.2f}x ({r['overlapped_s']:.4f} s vs "
+                                  f"{r['forward_alone_s']:.4f} s)"})
+    return out
