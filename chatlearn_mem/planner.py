@@ -36,11 +36,16 @@ pattern per item:
    saves more than the item's current pattern and fits, then single-item improvement until none
    helps. Several passes: every phase weighted 1; phases priced by a few subgradient steps of the
    Lagrangian relaxation of the budgets (a crowded phase costs more); bytes saved alone. The best
-   pass is the incumbent;
-2. exact branch and bound over the items from that incumbent, pruned by the sum of each remaining
-   item's best pattern that fits the room left (and cut short when that sum is reachable as is).
-   It stops after ``_MAX_WORK`` units of work; when it finishes within them the plan is proven
-   optimal (:attr:`ResidencyPlan.optimal`), otherwise it is the best found.
+   pass is then improved by pairwise exchanges (an item steps down so that another steps up by
+   more);
+2. exact branch and bound over all items from that incumbent, pruned by the sum of each
+   remaining item's best pattern that fits the room left (and cut short when that sum is
+   reachable as is). When it finishes within a quarter of ``_MAX_WORK`` units of work, the plan is
+   proven optimal (:attr:`ResidencyPlan.optimal`). Schedules of a PPO loop's size need a few
+   dozen units;
+3. otherwise a large-neighbourhood search spends the rest: groups of up to ten items that share a
+   phase are re-solved exactly by the same branch and bound, the other items held fixed (groups
+   drawn with a fixed seed, so the plan is deterministic). The plan is then the best found.
 
 Every step starts from or improves on the all-or-nothing plan (each phase keeps exactly what it
 needs), so a plan never moves more bytes than that.
@@ -49,6 +54,7 @@ needs), so a plan never moves more bytes than that.
 from __future__ import annotations
 
 import numbers
+import random
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Collection, Mapping, Optional, Sequence
@@ -57,10 +63,11 @@ from chatlearn_mem.host_memory import gib
 
 __all__ = ["BoundaryMoves", "ResidencyPlan", "plan_residency", "residency_bytes_moved"]
 
-_MAX_WORK = 50_000
-"""Search work (nodes plus items bounded at each) before the planner settles for the best plan
-found: about 35 ms of one core on the largest schedule it is sized for, 64 items x 8 phases
-(``scripts/measure_planner.py``), and enough to finish on schedules of a dozen items."""
+_MAX_WORK = 40_000
+"""Search work (one per node plus one per item bounded at it) before the planner settles for the
+best plan found: about 40 ms of one core on the largest schedule it is sized for, 64 items x 8
+phases (``scripts/measure_planner.py``). A quarter goes to the whole branch and bound, which
+needs under 100 on the PPO schedule and on random ones up to 6 items x 6 phases."""
 
 _MAX_GAPS = 10
 """An item with more gaps between its needed phases than this gets only the patterns that keep
@@ -104,7 +111,8 @@ class ResidencyPlan:
         resident_bytes: Device bytes of each phase's resident set (each <= ``budget_bytes``).
         kept: The items resident in each phase beyond its needs (``resident[i] - phases[i]``).
         budget_bytes: The budget the plan was made for.
-        search_nodes: Branch-and-bound nodes explored (a measure of the planner's work).
+        search_nodes: Branch-and-bound nodes explored, over the whole search and the
+            neighbourhoods (a measure of the planner's work, at most ``_MAX_WORK``).
     """
 
     resident: tuple[frozenset[str], ...]
@@ -297,8 +305,6 @@ def _pattern_cost(size: int, mask: int, wmask: int, n: int) -> int:
 class _Item:
     name: str
     size: int
-    need: int  # mask of the phases that need it
-    base_cost: int  # bytes of keeping exactly `need`
     options: list[tuple[int, int, tuple[int, ...]]]  # (saving, extra mask, extra phases), best first
 
 
@@ -356,10 +362,13 @@ def _plan(sizes, phases, budget_bytes, *, written, scratch, max_work: int) -> Re
         opts, tried_all = _options(size, need, wmask, n, slack)
         complete &= tried_all
         if opts:
-            items.append(_Item(name, size, need, _pattern_cost(size, need, wmask, n), opts))
+            items.append(_Item(name, size, opts))
 
     choice, saving = _greedy(items, slack)
-    choice, saving, nodes, finished = _branch_and_bound(items, slack, choice, saving, max_work)
+    choice, saving, nodes, finished, work = _branch_and_bound(items, slack, choice, saving, max_work // 4)
+    if not finished:
+        choice, saving, more = _neighbourhoods(items, slack, choice, max_work - work)
+        nodes += more
 
     extra_by_name = {it.name: it.options[c][1] for it, c in zip(items, choice) if c is not None}
     resident = tuple(frozenset(ph | {x for x, e in extra_by_name.items() if e >> i & 1})
@@ -426,8 +435,10 @@ def _greedy(items: list[_Item], slack: list[int]) -> tuple[list, int]:
         _improve(items, choice, room)
         total = _saving(items, choice)
         if best is None or total > best[1]:
-            best = (choice, total)
-    return best
+            best = (choice, total, room)
+    choice, _, room = best
+    _exchange(items, choice, room)
+    return choice, _saving(items, choice)
 
 
 def _prices(items: list[_Item], slack: list[int], steps: int = 12) -> list[list[float]]:
@@ -478,17 +489,65 @@ def _improve(items: list[_Item], choice: list, room: list[int]) -> None:
                     break
 
 
+def _exchange(items: list[_Item], choice: list, room: list[int]) -> None:
+    """Pairwise exchange: give an item a better option when another, holding every phase that
+    lacks room for it, can step down to an option that frees them for less than is gained; then
+    refill item by item. Repeats until no exchange helps."""
+    n = len(room)
+    changed = True
+    while changed:
+        changed = False
+        holders = [{k for k, (it, c) in enumerate(zip(items, choice)) if c is not None and it.options[c][1] >> p & 1}
+                   for p in range(n)]
+        for b, it in enumerate(items):
+            cur = choice[b]
+            have = it.options[cur][0] if cur is not None else 0
+            held = it.options[cur][1] if cur is not None else 0
+            for c, (s, extra, phases) in enumerate(it.options):
+                if s <= have:
+                    break
+                blocking = [p for p in phases if room[p] + (it.size if held >> p & 1 else 0) < it.size]
+                if not blocking:
+                    continue
+                block_mask = sum(1 << p for p in blocking)
+                for a in sorted(set.intersection(*(holders[p] for p in blocking)) - {b}):
+                    other, cur_a = items[a], choice[a]
+                    have_a = other.options[cur_a][0]
+                    steps = [c2 for c2 in range(len(other.options))
+                             if other.options[c2][0] < have_a and not other.options[c2][1] & block_mask]
+                    for c2 in [*steps, None]:
+                        gain = s - have - (have_a - (other.options[c2][0] if c2 is not None else 0))
+                        if gain <= 0 or not _fits(other, c2, cur_a, room):
+                            continue
+                        _switch(other, c2, cur_a, room)
+                        if _fits(it, c, cur, room):
+                            _switch(it, c, cur, room)
+                            choice[a], choice[b] = c2, c
+                            changed = True
+                            break
+                        _switch(other, cur_a, c2, room)
+                    if changed:
+                        break
+                if changed:
+                    break
+            if changed:
+                break
+        if changed:
+            _improve(items, choice, room)
+
+
 class _OutOfWork(Exception):
     pass
 
 
 def _branch_and_bound(items: list[_Item], slack: list[int], choice: list, saving: int,
-                      max_work: int) -> tuple[list, int, int, bool]:
+                      max_work: int) -> tuple[list, int, int, bool, int]:
     """Depth-first search over one option per item, starting from the incumbent ``choice``.
 
-    Returns the best choice, its saving, the nodes explored and whether the search finished (then
-    the choice is optimal). The work counted against ``max_work`` is one per node plus one per item
-    whose best fitting option the node's bound looks up, so it follows the time spent.
+    Returns the best choice, its saving, the nodes explored, whether the search finished (then
+    the choice is optimal) and the work done. The work counted against ``max_work`` is one per
+    node plus one per item whose best fitting option the node's bound looks up, so it follows
+    the time spent.
     """
     order = sorted(range(len(items)), key=lambda k: (-items[k].options[0][0], items[k].name))
     seq = [items[k] for k in order]
@@ -510,14 +569,17 @@ def _branch_and_bound(items: list[_Item], slack: list[int], choice: list, saving
             prefix.append(prefix[-1] | 1 << p)
         return lambda size: prefix[bisect_left(rooms, size)]
 
+    def spend(work: int) -> None:
+        if counts["work"] + work > max_work:
+            raise _OutOfWork
+        counts["work"] += work
+
     def dfs(d: int, got: int) -> None:
+        spend(1)
         counts["nodes"] += 1
-        counts["work"] += 1
         if got + suffix[d] <= best["saving"]:
             return
-        counts["work"] += len(seq) - d
-        if counts["work"] > max_work:
-            raise _OutOfWork
+        spend(len(seq) - d)
         tight = tight_masks()
         ub, opts = 0, []  # each remaining item's best option that fits alone
         for it in seq[d:]:
@@ -553,4 +615,42 @@ def _branch_and_bound(items: list[_Item], slack: list[int], choice: list, saving
     result = [None] * len(items)
     for d, k in enumerate(order):
         result[k] = best["choice"][d]
-    return result, best["saving"], counts["nodes"], finished
+    return result, best["saving"], counts["nodes"], finished, counts["work"]
+
+
+_NEIGHBOURHOOD = 10
+"""Items re-optimized together in one step of :func:`_neighbourhoods`."""
+
+
+def _neighbourhoods(items: list[_Item], slack: list[int], choice: list, max_work: int) -> tuple[list, int, int]:
+    """Large-neighbourhood search: re-solve small groups of items exactly, the others held fixed.
+
+    Each step picks a phase and up to ``_NEIGHBOURHOOD`` items with a pattern through it
+    (seeded, so the plan is deterministic), frees their room and runs the branch and bound on
+    them alone; a better choice is kept, then the others are improved item by item. Stops after
+    ``max_work`` (the branch and bound's work units). Returns the choice, its saving and the nodes.
+    """
+    rng = random.Random(0)
+    room = list(slack)
+    for it, c in zip(items, choice):
+        _switch(it, c, None, room)
+    touching = [[k for k, it in enumerate(items) if any(o[1] >> p & 1 for o in it.options)] for p in range(len(room))]
+    touching = [ks for ks in touching if ks]
+    choice, work, nodes = list(choice), 0, 0
+    while touching and work < max_work:
+        pool = touching[rng.randrange(len(touching))]
+        group = sorted(rng.sample(pool, min(_NEIGHBOURHOOD, len(pool))))
+        sub = [items[k] for k in group]
+        sub_room = list(room)
+        for it, k in zip(sub, group):
+            _switch(it, None, choice[k], sub_room)
+        before = _saving(sub, [choice[k] for k in group])
+        got, got_saving, n, _, w = _branch_and_bound(sub, sub_room, [choice[k] for k in group], before,
+                                                     min(2_000, max_work - work))
+        work, nodes = work + w, nodes + n
+        if got_saving > before:
+            for it, k, c in zip(sub, group, got):
+                _switch(it, c, choice[k], room)
+                choice[k] = c
+            _improve(items, choice, room)
+    return choice, _saving(items, choice), nodes
