@@ -200,18 +200,18 @@ def _check_int(value, what: str) -> int:
 def _check_sets(sets, name: str, known: Mapping[str, int]) -> list[frozenset[str]]:
     if isinstance(sets, (str, bytes)) or not isinstance(sets, Sequence):
         raise TypeError(f"{name} must be a sequence of collections of item names, got {sets!r}")
-    out = []
-    for i, items in enumerate(sets):
-        if isinstance(items, str):
-            raise TypeError(f"{name}[{i}] is the string {items!r}; give a collection of item names, "
-                            f"e.g. {{{items!r}}}")
-        items = frozenset(items)
-        unknown = sorted(map(str, items - known.keys()))
-        if unknown:
-            raise ValueError(f"{name}[{i}] names {unknown[0]!r}, which is not in sizes "
-                             f"(sizes has {len(known)} items: {_first(sorted(known))}); add its size or fix the name")
-        out.append(items)
-    return out
+    return [_check_items(items, f"{name}[{i}]", known) for i, items in enumerate(sets)]
+
+
+def _check_items(items, where: str, known: Mapping[str, int]) -> frozenset[str]:
+    if isinstance(items, str):
+        raise TypeError(f"{where} is the string {items!r}; give a collection of item names, e.g. {{{items!r}}}")
+    items = frozenset(items)
+    unknown = sorted(map(str, items - known.keys()))
+    if unknown:
+        raise ValueError(f"{where} names {unknown[0]!r}, which is not in sizes "
+                         f"(sizes has {len(known)} items: {_first(sorted(known))}); add its size or fix the name")
+    return items
 
 
 def _first(names: list[str], n: int = 5) -> str:
@@ -241,9 +241,7 @@ def _check_schedule(sizes, sets, written, scratch, name: str):
             if not w <= s:
                 raise ValueError(f"written[{i}] names {sorted(w - s)[0]!r}, which {name}[{i}] lacks; "
                                  f"an item modified in a phase must be resident in it")
-    if isinstance(scratch, str):
-        raise TypeError(f"scratch is the string {scratch!r}; give a collection of item names")
-    scratch_ = _check_sets([scratch], "scratch", sizes_)[0]
+    scratch_ = _check_items(scratch, "scratch", sizes_)
     return sizes_, sets_, written_, scratch_
 
 

@@ -11,8 +11,8 @@ Two kinds of seeded schedules, each at budgets of 1.0, 1.25, 1.5 and 2.0 times t
 Each plan is timed ``--repeats`` times (``time.perf_counter``, one process, after one untimed run);
 the script prints the median and the min-max spread of each, the plan's bytes against
 all-or-nothing, whether it is proven optimal and the search nodes, then the overall median and worst
-time. Run: ``python scripts/measure_planner.py [--repeats 20] [--seeds 3]``. Needs only the planner
-module (no torch at run time beyond the package import).
+time. Run: ``python scripts/measure_planner.py [--repeats 20] [--seeds 3]`` in the project's
+environment (importing ``chatlearn_mem`` loads torch; the planner itself runs no torch code).
 """
 
 from __future__ import annotations

@@ -319,7 +319,7 @@ def test_a_phase_over_the_budget_is_named_with_its_bytes():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(phases=[{"a", "x"}]), r"phases\[0\] names 'x', which is not in sizes \(sizes has 2 items: 'a', 'b'\)"),
     (dict(written=[{"y"}]), r"written\[0\] names 'y', which is not in sizes"),
-    (dict(scratch={"z"}), r"scratch\[0\] names 'z', which is not in sizes"),
+    (dict(scratch={"z"}), r"scratch names 'z', which is not in sizes"),
     (dict(written=[{"a"}, set()]), r"written has 2 entries but phases has 1"),
     (dict(written=[{"b"}]), r"written\[0\] names 'b', which phases\[0\] lacks; an item modified in a phase must be "
                             r"resident in it"),
@@ -341,6 +341,8 @@ def test_wrong_types_raise_type_errors():
         plan_residency({"a": 1.5}, [{"a"}], 2)
     with pytest.raises(TypeError, match=r"budget_bytes must be an integer number of bytes, got True \(bool\)"):
         plan_residency({"a": 1}, [{"a"}], True)
+    with pytest.raises(TypeError, match=r"scratch is the string 'a'; give a collection of item names"):
+        plan_residency({"a": 1}, [{"a"}], 1, scratch="a")
 
 
 def test_the_cost_function_checks_its_schedule():
