@@ -11,6 +11,7 @@ Public API::
     print(device_report(model, optimizer, managers=[mm]))   # what stays on the device, who holds it
     save_checkpoint(mm, "ckpt", step=10, async_=True)   # even asleep: read from the host store
     load_checkpoint(mm, latest_checkpoint("ckpt"))
+    plan = plan_residency(sizes, phases, budget_bytes, written=written)   # which parts stay resident
 
 Beside the managers: :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
 names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exercise the manager).
@@ -26,12 +27,14 @@ from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChange
 from chatlearn_mem.inference import InferenceMemoryManager
 from chatlearn_mem.manager import manager_of
 from chatlearn_mem.parts import Part
+from chatlearn_mem.planner import BoundaryMoves, ResidencyPlan, plan_residency, residency_bytes_moved
 from chatlearn_mem.residency import Residency
 from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
 from chatlearn_mem.transitions import Transfer, swap
 
 __all__ = [
+    "BoundaryMoves", "ResidencyPlan", "plan_residency", "residency_bytes_moved",  # the residency planner
     "AuditReport", "ChatlearnMemError", "CheckpointError", "ConfigError", "DeviceReport", "ExternalChangeError",
     "HostMemoryError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "SaveHandle",
     "TrainerMemoryManager", "Transfer", "TransferError", "TransferStats", "UnsupportedLayoutError", "device_report", "estimate_checkpoint_nbytes",
