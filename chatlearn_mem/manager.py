@@ -697,6 +697,10 @@ class MemoryManagerBase:
         except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
             pass
 
+    def _released_bytes(self) -> dict[str, int]:
+        """Per offloaded part, the bytes its storages had when released (what an onload regrows)."""
+        return {part.value: sum(n for _, n in g.released) for part, g in self._groups.items() if g.offloaded}
+
     def _host_bytes(self) -> dict[str, int]:
         return {part.value: g.host_bytes for part, g in self._groups.items()}
 

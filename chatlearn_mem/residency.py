@@ -26,12 +26,16 @@ class Residency:
         by_category: Device bytes per category (weights, grads, main_weights,
             optimizer_states, other).
         host_by_category: Host bytes per category.
+        resident_by_category: Device bytes each part holds when resident: ``by_category`` for a
+            resident part, the bytes its onload would regrow for an offloaded one (what a
+            residency plan needs to know whatever the part's state now).
     """
 
     device_bytes: int
     host_bytes: int
     by_category: dict = field(default_factory=dict)
     host_by_category: dict = field(default_factory=dict)
+    resident_by_category: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k}={v / 2**20:.2f}" for k, v in self.by_category.items())
@@ -40,8 +44,11 @@ class Residency:
 
 
 def measure(tensors_by_category: Mapping[str, Iterable[torch.Tensor]], device: torch.device,
-            host_by_category: Mapping[str, int]) -> Residency:
-    """Sum storage bytes on ``device`` per category; a storage goes to the first category listing it."""
+            host_by_category: Mapping[str, int], released_by_category: Mapping[str, int] = {}) -> Residency:
+    """Sum storage bytes on ``device`` per category; a storage goes to the first category listing it.
+
+    ``released_by_category``: for each offloaded part, the bytes its storages had (they count in
+    ``resident_by_category`` instead of what the released storages hold now, 0)."""
     seen: set[int] = set()
     by_category = {}
     for category, tensors in tensors_by_category.items():
@@ -56,4 +63,5 @@ def measure(tensors_by_category: Mapping[str, Iterable[torch.Tensor]], device: t
             total += s.nbytes()
         by_category[category] = total
     host = dict(host_by_category)
-    return Residency(sum(by_category.values()), sum(host.values()), by_category, host)
+    resident = {c: released_by_category.get(c, n) for c, n in by_category.items()}
+    return Residency(sum(by_category.values()), sum(host.values()), by_category, host, resident)

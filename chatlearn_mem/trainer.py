@@ -333,7 +333,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         in flight have finished."""
         self._settle()
         return measure({p.value: self._part_tensors(p) for p in Part} | {OTHER: self._stale_grads()},
-                       self.device, self._host_bytes())
+                       self.device, self._host_bytes(), self._released_bytes())
 
     @serialized
     def audit(self) -> AuditReport:

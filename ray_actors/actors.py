@@ -51,6 +51,7 @@ class _ManagedActor:
         self.name = name
         self.memory = MemoryConfig(**memory)
         self.manager = None
+        self._in_flight: list = []  # Transfer handles of non-blocking offloads and onloads (see settle)
 
     def master_address(self) -> str:
         """A ``tcp://ip:port`` init method on this actor's node (call on rank 0)."""
@@ -67,23 +68,58 @@ class _ManagedActor:
 
         gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed)
 
-    def offload(self, parts: PartsArg = None) -> list[dict]:
-        """Offload the chosen parts (None: every part of the manager; offloaded ones are skipped)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _stats(self.manager.offload(parts))
+    def offload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
+        """Offload the chosen parts (None: every part of the manager; offloaded ones are skipped).
 
-    def onload(self, parts: PartsArg = None) -> list[dict]:
-        """Onload the chosen parts (None: every part of the manager; resident ones are skipped)."""
+        ``blocking=False``: return at once; the copies run behind this actor's next calls (each
+        waits for what it needs) and :meth:`settle` reports them."""
+        return self._transition(self.manager.offload, parts, blocking)
+
+    def onload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
+        """Onload the chosen parts (None: every part of the manager; resident ones are skipped);
+        ``blocking`` as in :meth:`offload` (a forward pass then waits per module)."""
+        return self._transition(self.manager.onload, parts, blocking)
+
+    def _transition(self, call: Callable, parts: PartsArg, blocking: bool) -> list[dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _stats(self.manager.onload(parts))
+            out = call(parts, blocking=blocking)
+        if blocking:
+            return _stats(out)
+        self._in_flight.append(out)
+        return []
+
+    def settle(self) -> dict:
+        """Wait for the non-blocking transitions this actor started.
+
+        Returns:
+            ``{"seconds": how long this call waited, "stats": one dict per part moved}``.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        stats = []
+        while self._in_flight:
+            stats += _stats(self._in_flight.pop(0).wait())
+        return {"seconds": time.perf_counter() - t0, "stats": stats}
+
+    def part_sizes(self) -> dict[str, int]:
+        """Device bytes of each part when resident, whether resident now or not (for a residency plan)."""
+        return {p: int(b) for p, b in self.manager.residency().resident_by_category.items() if p in set(Part)}
+
+    def device_free_bytes(self) -> Optional[int]:
+        """Free bytes on this actor's GPU (``torch.cuda.mem_get_info``); None without CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info()[0])
 
     def residency(self) -> dict:
         """Device and host bytes of the model, per part; on CUDA also what the allocator holds."""
         r = self.manager.residency()
         out = {"device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
-               "by_part": dict(r.by_category), "host_by_part": dict(r.host_by_category)}
+               "by_part": dict(r.by_category), "host_by_part": dict(r.host_by_category),
+               "resident_by_part": self.part_sizes()}
         if torch.cuda.is_available():
             out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
             out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
@@ -138,6 +174,21 @@ class TrainerActor(_ManagedActor):
         return {"rank": rank, "dp_rank": parallel_state.get_data_parallel_rank(),
                 "dp_size": parallel_state.get_data_parallel_world_size(),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+
+    def part_sizes(self) -> dict[str, int]:
+        """As :meth:`_ManagedActor.part_sizes`; before the optimizer's first step, which creates
+        Adam's states, their size is what that step will allocate: ``exp_avg`` and ``exp_avg_sq`` like
+        each main weight, and torch's 4-byte ``step`` counter, which lives on the CPU (so on the
+        device only when the device is the CPU)."""
+        sizes = super().part_sizes()
+        if not sizes.get(Part.OPTIMIZER_STATES.value):
+            from chatlearn_mem.mcore import layout
+
+            params = [p for leaf in layout.leaf_optimizers(self.trainer.optimizer)
+                      for g in layout.torch_optimizer(leaf).param_groups for p in g["params"]]
+            sizes[Part.OPTIMIZER_STATES.value] = sum(2 * p.numel() * p.element_size() + 4 * (p.device.type == "cpu")
+                                                     for p in params)
+        return sizes
 
     def _outputs(self, tokens: torch.Tensor) -> torch.Tensor:
         model = self.trainer.model

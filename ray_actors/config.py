@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatlearn_mem import MemoryConfig
 from chatlearn_mem.config import load_config as _load
@@ -154,6 +154,41 @@ class MemoryPolicy(_Strict):
     weight sync (costs a pass over the weights on both sides)."""
     manager: MemoryConfig = Field(default_factory=MemoryConfig)
     """Host store settings of every manager."""
+    device_budget_mb: Union[None, float, Literal["auto"]] = None
+    """Device memory (MiB per device) the models may hold at once. None: each phase onloads the
+    models it needs and offloads them when it ends (all or nothing). A number: the run plans, once
+    it has measured every model's parts, which parts stay resident across the phases that do not
+    need them so that the fewest bytes move per iteration within this budget
+    (:func:`chatlearn_mem.plan_residency`; see ``docs/residency_planner.md``). ``auto`` (GPUs only):
+    what ``torch.cuda.mem_get_info`` reports free on each device once every model is asleep, less
+    ``device_budget_margin_mb``. A budget below what one phase needs stops the run before it starts."""
+    device_budget_margin_mb: float = Field(2048.0, ge=0)
+    """With ``device_budget_mb=auto``: MiB per device left out of the budget for what the plan does
+    not see (activations, the rollout's caches, allocator fragmentation, communication buffers)."""
+    prefetch: bool = True
+    """With a budget: run transitions non-blocking and overlap them with compute. A phase's models
+    start loading before the phase when the device has room for them beside the current phase's
+    (each module of a forward pass waits only for its own weights), and moves out that are not
+    needed for room run behind the next phase. False: every move completes before the phase."""
+
+    @field_validator("device_budget_mb", mode="before")
+    @classmethod
+    def _budget_value(cls, v):
+        if v is None or v == "auto" or isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a number of MiB, 'auto' or null, got {v!r}") from None
+
+    @model_validator(mode="after")
+    def _budget_needs_the_manager(self) -> "MemoryPolicy":
+        if self.device_budget_mb is not None and not self.enabled:
+            raise ValueError("memory.device_budget_mb plans what the memory manager keeps resident: it needs "
+                             "memory.enabled=true (or set memory.device_budget_mb=null)")
+        if isinstance(self.device_budget_mb, float) and self.device_budget_mb <= 0:
+            raise ValueError(f"memory.device_budget_mb must be > 0 MiB, got {self.device_budget_mb:g}")
+        return self
 
 
 class CheckpointConfig(_Strict):

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 from chatlearn_mem import ChatlearnMemError
 
-__all__ = ["ActorFailedError", "AuditFailedError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
+__all__ = ["ActorFailedError", "AuditFailedError", "BudgetError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
            "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError", "ResumeError", "RunError",
            "RunInterrupted", "WeightSyncError"]
 
 
 class RunError(ChatlearnMemError):
     """Base class: the run cannot go on; the message says why and, where it can, what to do."""
+
+
+class BudgetError(RunError):
+    """``memory.device_budget_mb`` cannot hold a phase's models (checked before Ray starts from the
+    config, and again once the models are measured); the message names the phase, its bytes and
+    the budget."""
 
 
 class ResourceError(RunError):

@@ -43,8 +43,10 @@ from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir
                                            remove_temporaries, write_json_atomic)
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
-from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, NonFiniteLossError,
-                                      OutputDirError, PhaseTimeoutError, ResumeError, RunInterrupted, WeightSyncError)
+from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, BudgetError, CheckpointDirError,
+                                      NonFiniteLossError, OutputDirError, PhaseTimeoutError, ResumeError, RunInterrupted,
+                                      WeightSyncError)
+from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, estimate_sizes
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
 __all__ = ["PPORun", "TASKS", "check_finite", "gae", "policy_loss", "prepare_output_dir", "run_ppo",
@@ -134,6 +136,8 @@ class PPORun:
         self.sync_checks: list[dict] = []
         self.audits = {"runs": 0, "checks_clean": 0}
         self.manager_on = cfg.memory.enabled
+        self.schedule: Optional[ResidencySchedule] = None  # with memory.device_budget_mb: see plan_memory()
+        self.over_budget: list[dict] = []  # phases measured above their device's budget
         p = cfg.parallel
         self.tp = p.tensor_model_parallel_size
         self.dp = p.data_parallel_size
@@ -177,6 +181,36 @@ class PPORun:
         """Offload every model (after setup, before the first phase)."""
         c = self.colo
         c.call("sleep", {a: a.offload.remote() for a in c.all_actors})
+        if self.schedule is not None:
+            self.schedule.clear()
+
+    def plan_memory(self) -> Optional[ResidencySchedule]:
+        """With ``memory.device_budget_mb``: measure every model's parts and plan what each device
+        keeps resident in each phase (call with every model asleep: ``auto`` reads the free memory).
+
+        Raises:
+            BudgetError: A phase alone needs more than the budget (or ``auto`` without a GPU).
+        """
+        mem, c = self.cfg.memory, self.colo
+        if mem.device_budget_mb is None or not self.manager_on:
+            return None
+        sizes = {c.names[a]: s for a, s in c.call("plan", {a: a.part_sizes.remote() for a in c.all_actors}).items()}
+        sizes = {n: {Part(p): b for p, b in s.items()} for n, s in sizes.items()}
+        if mem.device_budget_mb == "auto":
+            if not c.use_gpu:
+                raise BudgetError("memory.device_budget_mb=auto reads the free memory of each GPU, and this run "
+                                  "has none; give the budget in MiB, or null (all or nothing)")
+            one = {bundle_of(c.names[a]): a for a in reversed(c.policy)}  # one actor per device
+            free = c.call("plan", {a: a.device_free_bytes.remote() for a in one.values()})
+            margin = int(mem.device_budget_margin_mb * 2**20)
+            budget = {b: max(0, free[a] - margin) for b, a in one.items()}
+        else:
+            budget = int(mem.device_budget_mb * 2**20)
+        try:
+            self.schedule = ResidencySchedule(sizes, budget)
+        except ValueError as e:
+            raise BudgetError(str(e)) from None
+        return self.schedule
 
     def wake_all(self) -> None:
         """Onload every model and keep it resident: the run continues with the manager off."""
@@ -184,30 +218,105 @@ class PPORun:
         c.call("wake", {a: a.onload.remote() for a in c.all_actors})
         self.manager_on = False
 
+    def _audit(self, name: str, actors) -> None:
+        c = self.colo
+        for a, problems in c.call(name, {a: a.audit.remote() for a in actors}).items():
+            self.audits["runs"] += 1
+            if problems:
+                raise AuditFailedError(f"audit of {c.names[a]} after onload in phase {name!r} "
+                                       f"found {len(problems)} problem(s): {problems[:5]}")
+            self.audits["checks_clean"] += 1
+
     def _phase(self, iteration: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
         """Onload what ``needs`` names, do ``work``, record everyone's residency, offload."""
         c = self.colo
         self.where = (iteration, name)
         if self.on_phase is not None:
             self.on_phase(self, iteration, name)
+        if self.schedule is not None and self.manager_on:
+            return self._planned_phase(iteration, name, needs, work)
         t0 = time.perf_counter()
+        moved = []
         if self.manager_on:
-            c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()})
-            if self.cfg.memory.audit:
-                for a, problems in c.call(name, {a: a.audit.remote() for a in needs}).items():
-                    self.audits["runs"] += 1
-                    if problems:
-                        raise AuditFailedError(f"audit of {c.names[a]} after onload in phase {name!r} "
-                                               f"found {len(problems)} problem(s): {problems[:5]}")
-                    self.audits["checks_clean"] += 1
+            moved += [s for stats in c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()}).values()
+                      for s in stats]
+        t_in = time.perf_counter() - t0
+        if self.manager_on and self.cfg.memory.audit:
+            self._audit(name, needs)
         result = work()
         residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
+        t1 = time.perf_counter()
         if self.manager_on:
-            c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()})
+            moved += [s for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()}).values()
+                      for s in stats]
         seconds = time.perf_counter() - t0
         self.timeline.add(iteration, name, self.manager_on, seconds,
                           {c.names[a]: parts for a, parts in needs.items()},
-                          {c.names[a]: r for a, r in residency.items()})
+                          {c.names[a]: r for a, r in residency.items()},
+                          moved=moved, transition_seconds=t_in + time.perf_counter() - t1)
+        return result
+
+    def _moves(self, name: str, moves: dict[str, tuple[Part, ...]], direction: str, blocking: bool) -> list[dict]:
+        """Offload or onload ``moves`` (actor name -> parts) on every actor at once; the stats of
+        blocking calls (non-blocking ones report through ``settle``)."""
+        if not moves:
+            return []
+        c = self.colo
+        by_name = {c.names[a]: a for a in c.all_actors}
+        refs = {by_name[n]: getattr(by_name[n], direction).remote(list(parts), blocking)
+                for n, parts in moves.items()}
+        return [s for stats in c.call(name, refs).values() for s in stats]
+
+    def _planned_phase(self, iteration: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
+        """A phase under the residency plan (``memory.device_budget_mb``): at the boundary the
+        plan's out-moves (first, and waited for, only when the device needs their room), then its
+        in-moves; the next phase's in-moves start now when they fit beside this phase's models
+        (prefetch); the work; then every transition still running is waited for and the residency
+        recorded. With ``memory.prefetch`` the transitions are non-blocking: a forward pass waits
+        per module for its weights, a training step for the parts it touches."""
+        c, s = self.colo, self.schedule
+        phase = PHASES.index(name)
+        nb = self.cfg.memory.prefetch
+        t0 = time.perf_counter()
+        moves = s.boundary(phase)
+        moved = []
+        if moves.out and not s.fits(s.resident | s.target(phase)):  # their room is needed first
+            moved += self._moves(name, moves.out, "offload", blocking=True)
+            s.moved(BoundaryPlan(moves.out, {}))
+            moves = BoundaryPlan({}, moves.into)
+        moved += self._moves(name, moves.into, "onload", blocking=not nb)
+        moved += self._moves(name, moves.out, "offload", blocking=not nb)  # behind this phase
+        s.moved(moves)
+        if nb:  # the next phase's in-moves, when they fit beside what is resident now
+            ahead = s.boundary((phase + 1) % len(PHASES)).into
+            items = {(a, p) for a, parts in ahead.items() for p in parts}
+            if ahead and s.fits(s.resident | items):
+                self._moves(name, ahead, "onload", blocking=False)
+                s.moved(BoundaryPlan({}, ahead))
+        t_before = time.perf_counter() - t0
+        result = work()
+        t1 = time.perf_counter()
+        waits = c.call(name, {a: a.settle.remote() for a in c.all_actors})
+        moved += [x for w in waits.values() for x in w["stats"]]
+        t_settle = time.perf_counter() - t1
+        if self.cfg.memory.audit:
+            self._audit(name, needs)
+        residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
+        self.timeline.add(iteration, name, True, time.perf_counter() - t0,
+                          {c.names[a]: parts for a, parts in needs.items()},
+                          {c.names[a]: r for a, r in residency.items()},
+                          moved=moved, transition_seconds=t_before + t_settle,
+                          budget_bytes=s.budget, kept=s.kept(phase))
+        over = {b: n for b, n in self.timeline.records[-1].bundle_bytes.items() if n > s.budget[int(b)]}
+        if over:  # never silently: a measured phase above its device's budget is said and logged
+            self.over_budget.append({"iteration": iteration, "phase": name, "device_bytes": over})
+            self.progress(f"warning: {name} of iteration {iteration} held " + ", ".join(
+                f"{n / 2**20:.2f} MiB on device {b}" for b, n in over.items()) + " (the budget is "
+                f"{max(s.budget.values()) / 2**20:.2f} MiB); a model grew past what was measured")
+        sizes = {c.names[a]: {Part(p): b for p, b in r["resident_by_part"].items()} for a, r in residency.items()}
+        if s.update_sizes(sizes):
+            self.progress(f"re-planned the device memory after {name} of iteration {iteration}: a model's "
+                          "parts changed size")
         return result
 
     def _by_dp_rank(self, group: list) -> list[list]:
@@ -307,7 +416,14 @@ class PPORun:
                "policy_grad_norm": policy["grad_norm"], "seconds": time.perf_counter() - t_start,
                "checkpoint_seconds": checkpoint_wait,
                "phase_seconds": {r.phase: r.seconds for r in phases},
-               "phase_colocated_bytes": {r.phase: r.colocated_bytes for r in phases}}
+               "phase_colocated_bytes": {r.phase: r.colocated_bytes for r in phases},
+               "moved_in_bytes": sum(r.moved_in_bytes for r in phases),
+               "moved_out_bytes": sum(r.moved_out_bytes for r in phases),
+               "transition_seconds": sum(r.transition_seconds for r in phases),
+               "peak_device_bytes": {b: max(r.bundle_bytes.get(b, 0) for r in phases)
+                                     for b in (phases[0].bundle_bytes if phases else {})}}
+        if self.schedule is not None and self.manager_on:
+            out["budget_bytes"] = {str(b): v for b, v in self.schedule.budget.items()}
         self.iterations.append(out)
         return out
 
@@ -424,6 +540,23 @@ def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -
     return newest, state
 
 
+def check_budget(cfg: RunConfig) -> None:
+    """Before Ray starts: a ``memory.device_budget_mb`` below what one phase needs, estimated from
+    the config (:func:`chatlearn_mem_ray.residency.estimate_sizes`), stops the run here. The plan
+    made once the models are measured checks again, exactly.
+
+    Raises:
+        BudgetError: Naming the phase, its bytes and the budget.
+    """
+    budget = cfg.memory.device_budget_mb
+    if budget is None or budget == "auto" or not cfg.memory.enabled:
+        return
+    try:
+        ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20))
+    except ValueError as e:
+        raise BudgetError(f"{e} (estimated from the config, before starting)") from None
+
+
 def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:
     """Before Ray starts: the checkpoint directory is writable, and holds no other run's checkpoints."""
     root = cfg.checkpoint_dir
@@ -453,6 +586,7 @@ def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, sec
             "iterations": run.iterations if run is not None else [], "memory_timeline": timeline.to_json(),
             "sync_checks": run.sync_checks if run is not None else [],
             "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
+            "over_budget": run.over_budget if run is not None else [],
             "summary": {"memory_manager_on": timeline.summary(True), "memory_manager_off": timeline.summary(False),
                         "seconds": seconds}, **(extra or {})}
 
@@ -519,6 +653,7 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         RunInterrupted: Ctrl-C (a ``KeyboardInterrupt``), after the log was written and Ray shut down.
     """
     resume = find_resume_point(cfg, progress)
+    check_budget(cfg)
     log_path = prepare_output_dir(cfg, resuming=resume is not None)
     _prepare_checkpoints(cfg, resume, progress)
     out_dir = log_path.parent
@@ -558,6 +693,14 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
             start = run.next_iteration
             if cfg.memory.enabled:
                 run.sleep_all()
+                schedule = run.plan_memory()
+                if schedule is not None:
+                    record["residency_plan"] = schedule.summary()
+                    moved = {b: p["bytes_moved"] for b, p in record["residency_plan"].items()}
+                    aon = {b: p["all_or_nothing_bytes"] for b, p in record["residency_plan"].items()}
+                    progress(f"device budget {', '.join(f'{v / 2**20:.1f} MiB' for v in schedule.budget.values())}: "
+                             f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
+                             f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)")
             for it in range(start, total + extra_its):
                 if it == total:
                     if run.checkpointer is not None:

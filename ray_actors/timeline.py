@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 from chatlearn_mem import Part
 from chatlearn_mem.parts import OTHER
@@ -51,6 +51,16 @@ class PhaseRecord:
     # actor -> part (weights, grads, main_weights, optimizer_states, other) -> device bytes at the
     # phase's peak; sums to ``device_bytes[actor]``. Empty in logs written before it was recorded.
     device_by_part: dict[str, dict[str, int]] = field(default_factory=dict)
+    # bytes copied by the phase's transitions (gradients are dropped, never copied) and the seconds
+    # the driver waited on transitions (those that did not overlap the phase's work)
+    moved_in_bytes: int = 0
+    moved_out_bytes: int = 0
+    transition_seconds: float = 0.0
+    # with a device budget (memory.device_budget_mb): bytes per device (bundle) at the phase's peak,
+    # each device's budget, and actor -> the parts kept resident beyond what the phase needs
+    bundle_bytes: dict[str, int] = field(default_factory=dict)
+    budget_bytes: dict[str, int] = field(default_factory=dict)
+    kept: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def colocated_bytes(self) -> int:
@@ -64,13 +74,32 @@ class MemoryTimeline:
     records: list[PhaseRecord] = field(default_factory=list)
 
     def add(self, iteration: int, phase: str, manager_on: bool, seconds: float,
-            active: dict[str, list[str]], residency: dict[str, dict]) -> PhaseRecord:
-        """Record a phase from every actor's ``residency()`` taken at its peak."""
+            active: dict[str, list[str]], residency: dict[str, dict], moved: Sequence[dict] = (),
+            transition_seconds: float = 0.0, budget_bytes: Optional[Mapping[int, int]] = None,
+            kept: Optional[dict[str, list[str]]] = None) -> PhaseRecord:
+        """Record a phase from every actor's ``residency()`` taken at its peak.
+
+        Args:
+            moved: The actors' transfer stats of the phase (``{"direction", "copied_bytes", ...}``).
+            transition_seconds: Seconds the driver waited on transitions.
+            budget_bytes: Device (bundle) -> budget, with a residency plan.
+            kept: Actor -> parts kept resident beyond the phase's need, with a residency plan.
+        """
+        from chatlearn_mem_ray.residency import bundle_of
+
         need = sum(residency[a]["by_part"].get(p, 0) for a, parts in active.items() for p in parts)
+        bundles: dict[str, int] = {}
+        for a, r in residency.items():
+            bundles[str(bundle_of(a))] = bundles.get(str(bundle_of(a)), 0) + r["device_bytes"]
         rec = PhaseRecord(iteration, phase, manager_on, seconds, {a: list(p) for a, p in active.items()},
                           {a: r["device_bytes"] for a, r in residency.items()}, need,
                           {a: r["cuda_allocated_bytes"] for a, r in residency.items() if "cuda_allocated_bytes" in r},
-                          {a: {p: int(b) for p, b in r.get("by_part", {}).items()} for a, r in residency.items()})
+                          {a: {p: int(b) for p, b in r.get("by_part", {}).items()} for a, r in residency.items()},
+                          moved_in_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "onload"),
+                          moved_out_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "offload"),
+                          transition_seconds=transition_seconds, bundle_bytes=bundles,
+                          budget_bytes={str(b): int(v) for b, v in (budget_bytes or {}).items()},
+                          kept=dict(kept or {}))
         self.records.append(rec)
         return rec
 
@@ -193,7 +222,9 @@ def _holders(rec: PhaseRecord, actors: list[str]) -> str:
 def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
     """Panel 1: one iteration, a stacked bar per phase; colour = actor, hatch and shade = part."""
     recs = stat["records"]
-    top = max([r.colocated_bytes for r in recs] + [r.need_bytes for r in recs] + [1]) / MiB
+    budget = max((max(r.budget_bytes.values()) for r in recs if r.budget_bytes), default=0)
+    top = max([r.colocated_bytes for r in recs] + [r.need_bytes for r in recs] + [budget, 1]) / MiB
+    kept_seen = False
     for x, rec in enumerate(recs):
         bottom = 0.0
         for a in actors:
@@ -201,8 +232,11 @@ def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
                 if nbytes <= 0:
                     continue
                 h = nbytes / MiB
+                kept = part in rec.kept.get(a, ())
+                kept_seen |= kept
                 ax.bar(x, h, bottom=bottom, width=0.62, color=colors[a], alpha=PART_ALPHA.get(part, 1.0),
-                       hatch=PART_HATCH.get(part, ""), edgecolor="0.15", linewidth=0.5)
+                       hatch=PART_HATCH.get(part, ""), edgecolor="tab:red" if kept else "0.15",
+                       linewidth=1.6 if kept else 0.5, linestyle="--" if kept else "-")
                 if h > 0.07 * top:  # room for a label inside the segment
                     ax.text(x, bottom + h / 2, f"{a} {part} {_fmt_mib(nbytes)}", ha="center", va="center",
                             fontsize=8, bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
@@ -211,6 +245,12 @@ def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
                 ha="center", va="bottom", fontsize=8)
         ax.plot([x - 0.36, x + 0.36], [rec.need_bytes / MiB] * 2, color="black", ls="--", lw=1.2)
     ax.plot([], [], color="black", ls="--", lw=1.2, label="the phase's need")
+    if budget:
+        per = " per device" if any(len(r.budget_bytes) > 1 for r in recs) else ""
+        ax.axhline(budget / MiB, color="tab:red", lw=1.4, label=f"device budget{per} ({_fmt_mib(budget)} MiB)")
+    if kept_seen:
+        ax.bar([0], [0], color="white", edgecolor="tab:red", linestyle="--", linewidth=1.6,
+               label="kept resident beyond the phase's need (residency plan)")
     ax.set_xticks(range(len(recs)))
     ax.set_xticklabels([r.phase for r in recs], fontsize=9)
     ax.set_xlim(-0.6, len(recs) - 0.4)

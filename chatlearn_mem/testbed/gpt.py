@@ -430,6 +430,45 @@ class GPTPipelineTrainer:
         return loss.item()
 
 
+def estimate_part_bytes(config: GPTTrainerConfig, value_head: bool = False, tensor_parallel_size: int = 1,
+                        data_parallel_size: int = 1, trainer: bool = True) -> dict[str, int]:
+    """About how many device bytes each part of one rank of this model takes, from the config alone
+    (no megatron, no device): for checking a device budget before anything starts.
+
+    Exact for the dense GPT of the local layer spec without tensor parallelism, up to megatron's
+    padding of its DDP buffers (a few % on tiny models, nothing on real ones); tensor-parallel
+    splits are divided evenly (layer norms and row-parallel biases are in fact replicated). MoE,
+    hybrid and frozen-parameter configs are estimated as the dense model.
+
+    Args:
+        value_head: A critic (:class:`GPTValueModel`): no output layer and no final norm in the
+            trunk, a norm and a ``hidden -> 1`` head instead.
+        trainer: False for an inference copy (weights only).
+
+    Returns:
+        ``{"weights", "grads", "main_weights", "optimizer_states"}`` (the last three 0 when not
+        ``trainer``), in bytes.
+    """
+    h, v, s, n = config.hidden_size, config.vocab_size, config.seq_length, config.num_layers
+    tp, dp = tensor_parallel_size, data_parallel_size
+    split = v * h // tp + n * (12 * h * h + 7 * h) // tp  # embedding, QKV / proj / fc1 / fc2, QKV and fc1 biases
+    replicated = s * h + n * 4 * h + n * 2 * h  # position embedding, layer norms, row-parallel biases (proj, fc2)
+    if value_head:
+        replicated += 2 * h + h + 1  # the head's norm and linear layer
+    else:
+        replicated += 2 * h  # final norm
+        split += v * h // tp  # output layer (not shared with the embedding)
+    params = split + replicated
+    width = 2 if config.precision == "bf16" else 4
+    out = {"weights": params * width, "grads": 0, "main_weights": 0, "optimizer_states": 0}
+    if trainer:
+        owned = -(-params // dp) if config.use_distributed_optimizer else params
+        out["grads"] = params * (4 if config.grad_reduce_in_fp32 else width)
+        out["main_weights"] = owned * 4 if config.precision == "bf16" else 0
+        out["optimizer_states"] = owned * 4 * 2  # Adam's exp_avg and exp_avg_sq, fp32
+    return out
+
+
 def synthetic_batch(config: GPTTrainerConfig, step: int, batch_size: int = 4, rank: int = 0) -> torch.Tensor:
     """A deterministic batch of token ids (B, T) for ``step`` on data-parallel ``rank``."""
     g = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + rank)

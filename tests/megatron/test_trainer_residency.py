@@ -3,6 +3,7 @@
 import pytest
 
 from trainer_runs import train
+from chatlearn_mem import Part
 from chatlearn_mem.testbed import gpt
 from chatlearn_mem.mcore import layout
 
@@ -44,3 +45,18 @@ def test_fifty_cycles_grow_neither_device_nor_host(dist1):
         assert mm.residency().device_bytes == resident
     assert {name: g.store for name, g in mm._groups.items()} == stores  # allocated once, reused
     assert mm.audit().ok
+
+
+def test_resident_bytes_are_known_while_offloaded(dist1):
+    """What a residency plan needs: each part's resident size, whatever its state now."""
+    from trainer_runs import train
+
+    _, _, mm, _ = train(gpt.GPTTrainerConfig(), steps=1)
+    before = mm.residency()
+    assert before.resident_by_category == before.by_category
+    mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
+    during = mm.residency()
+    assert during.by_category[Part.OPTIMIZER_STATES] == 0
+    for p in Part:
+        assert during.resident_by_category[p.value] == before.by_category[p.value] > 0
+    mm.onload()

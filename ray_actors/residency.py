@@ -1,0 +1,223 @@
+"""What stays on each device in each phase of a colocated PPO run: the residency planner
+(:func:`chatlearn_mem.plan_residency`) applied to the run's five phases.
+
+An *item* is one part of one actor's model (``"critic_0/optimizer_states"``); the phases need and
+write these items:
+
+===============  =================================  ==========================================
+phase            needs                              writes
+===============  =================================  ==========================================
+generate         rollout/weights                    rollout/weights (the weight sync)
+reference        reference/weights                  -
+values           critic_i/weights                   -
+train_critic     every part of critic_i             critic_i weights, main weights, states
+train_policy     every part of policy_i             policy_i weights, main weights, states
+===============  =================================  ==========================================
+
+Gradients are scratch (dropped on offload, rebuilt zeroed). Each placement-group bundle is one
+device with its own budget, so each bundle gets its own plan over the items of the actors on it
+(bundle ``i`` holds ``policy_i`` and ``critic_i``; bundle 0 also the rollout and the reference).
+
+:class:`ResidencySchedule` holds the plans and the driver's view of what is resident now; at each
+phase it says what moves out, what moves in, and whether the next phase's in-moves may start
+early (prefetch: when what is resident now and what comes in fit the budget together). A model
+whose sizes change (the optimizer states the first step creates, a buffer that grows) is planned
+again: :meth:`ResidencySchedule.update_sizes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+from chatlearn_mem import Part, ResidencyPlan, plan_residency
+
+__all__ = ["PHASES", "ResidencySchedule", "bundle_of", "estimate_sizes", "phase_needs", "phase_writes"]
+
+PHASES = ("generate", "reference", "values", "train_critic", "train_policy")
+_TRAINED = (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+
+Item = tuple[str, Part]  # (actor name, part)
+
+
+def _role(name: str) -> str:
+    return name.rpartition("_")[0] if name.rpartition("_")[2].isdigit() else name
+
+
+def bundle_of(name: str) -> int:
+    """The placement-group bundle (device) an actor lives on: ``policy_3`` and ``critic_3`` on 3; the
+    rollout and the reference on 0 (see :class:`chatlearn_mem_ray.cluster.Colocation`)."""
+    base, _, rank = name.rpartition("_")
+    return int(rank) if base and rank.isdigit() else 0
+
+
+def phase_needs(names: Iterable[str]) -> list[dict[str, tuple[Part, ...]]]:
+    """Per phase (in :data:`PHASES` order): actor name -> the parts the phase uses."""
+    names = list(names)
+    by = {r: [n for n in names if _role(n) == r] for r in ("policy", "critic", "rollout", "reference")}
+    return [{n: (Part.WEIGHTS,) for n in by["rollout"]},
+            {n: (Part.WEIGHTS,) for n in by["reference"]},
+            {n: (Part.WEIGHTS,) for n in by["critic"]},
+            {n: tuple(Part) for n in by["critic"]},
+            {n: tuple(Part) for n in by["policy"]}]
+
+
+def phase_writes(names: Iterable[str]) -> list[dict[str, tuple[Part, ...]]]:
+    """Per phase: actor name -> the parts the phase changes (grads are scratch and not listed)."""
+    names = list(names)
+    return [{n: (Part.WEIGHTS,) for n in names if _role(n) == "rollout"}, {}, {},
+            {n: _TRAINED for n in names if _role(n) == "critic"},
+            {n: _TRAINED for n in names if _role(n) == "policy"}]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+
+
+def _key(item: Item) -> str:
+    return f"{item[0]}/{item[1].value}"
+
+
+def estimate_sizes(cfg) -> dict[str, dict[Part, int]]:
+    """Per actor and part, the device bytes a run of ``cfg`` (a :class:`RunConfig`) will hold, from
+    the config alone: for a budget check before Ray starts (:func:`check_budget`)."""
+    from chatlearn_mem.testbed import gpt
+
+    p = cfg.parallel
+    tp, dp = p.tensor_model_parallel_size, p.data_parallel_size
+    out: dict[str, dict[Part, int]] = {}
+    for rank in range(p.world_size):
+        for role, model, head in (("policy", cfg.policy, False), ("critic", cfg.critic, True)):
+            est = gpt.estimate_part_bytes(model, head, tp, dp)
+            out[f"{role}_{rank}"] = {Part(k): v for k, v in est.items()}
+    for name in ("rollout", "reference"):
+        out[name] = {Part.WEIGHTS: gpt.estimate_part_bytes(cfg.policy, trainer=False)["weights"]}
+    return out
+
+
+@dataclass(frozen=True)
+class BoundaryPlan:
+    """What changes at the boundary into one phase, per actor: ``out`` and ``into`` map an actor
+    name to the parts it offloads and onloads."""
+
+    out: dict[str, tuple[Part, ...]]
+    into: dict[str, tuple[Part, ...]]
+
+
+class ResidencySchedule:
+    """The residency plan of every bundle of a run, and what is resident now.
+
+    Args:
+        sizes: Actor name -> part -> device bytes when resident (every actor of the run).
+        budget_bytes: Device bytes each bundle may hold (the same for all when an int).
+
+    Raises:
+        ValueError: A phase alone exceeds a bundle's budget (naming the bundle, the phase, its
+            bytes and the budget).
+    """
+
+    def __init__(self, sizes: Mapping[str, Mapping[Part, int]], budget_bytes: int | Mapping[int, int]):
+        self.names = list(sizes)
+        self.bundles = sorted({bundle_of(n) for n in self.names})
+        self.budget = ({b: int(budget_bytes) for b in self.bundles} if isinstance(budget_bytes, (int, float))
+                       else {b: int(budget_bytes[b]) for b in self.bundles})
+        self.sizes: dict[Item, int] = {}
+        self.resident: set[Item] = set()  # what the driver has onloaded (or is onloading) and not offloaded
+        self.plans: dict[int, ResidencyPlan] = {}
+        self.replans = 0
+        self._needs = phase_needs(self.names)
+        self._writes = phase_writes(self.names)
+        self._plan(sizes)
+
+    # -- planning ---------------------------------------------------------------------------
+    def _plan(self, sizes: Mapping[str, Mapping[Part, int]]) -> None:
+        self.sizes = {(n, Part(p)): int(b) for n, parts in sizes.items() for p, b in parts.items()}
+        plans = {}
+        for b in self.bundles:
+            names = [n for n in self.names if bundle_of(n) == b]
+            items = {_key(i): n for i, n in self.sizes.items() if i[0] in names}
+            phases = [[_key((a, p)) for a, parts in need.items() if a in names for p in parts]
+                      for need in self._needs]
+            written = [[_key((a, p)) for a, parts in w.items() if a in names for p in parts] for w in self._writes]
+            scratch = [_key((n, Part.GRADS)) for n in names if _key((n, Part.GRADS)) in items]
+            needs = [sum(items[k] for k in ph) for ph in phases]
+            worst = max(range(len(PHASES)), key=lambda i: needs[i])
+            if needs[worst] > self.budget[b]:
+                where = f"device {b} (bundle {b})" if len(self.bundles) > 1 else "the device"
+                raise ValueError(
+                    f"memory.device_budget_mb is below what one phase needs on {where}: {PHASES[worst]} needs "
+                    f"{_mib(needs[worst])} but the budget is {_mib(self.budget[b])}; raise memory.device_budget_mb "
+                    f"to at least {-(-needs[worst] // 2**20)}, or set it to null (onload each phase's models, "
+                    "offload them after)")
+            plans[b] = plan_residency(items, phases, self.budget[b], written=written, scratch=scratch)
+        self.plans = plans
+
+    def update_sizes(self, sizes: Mapping[str, Mapping[Part, int]]) -> bool:
+        """Plan again when any item's size changed (measured after a phase); returns whether it did.
+
+        Raises:
+            ValueError: A phase no longer fits the budget.
+        """
+        new = {(n, Part(p)): int(b) for n, parts in sizes.items() for p, b in parts.items()}
+        if all(self.sizes.get(i) == b for i, b in new.items()):
+            return False
+        merged = {n: {p: self.sizes.get((n, p), 0) for p in Part} for n in self.names}
+        for (n, p), b in new.items():
+            merged[n][p] = b
+        self._plan(merged)
+        self.replans += 1
+        return True
+
+    # -- the phases -------------------------------------------------------------------------
+    def target(self, phase: int) -> set[Item]:
+        """The items resident during phase ``phase`` (index into :data:`PHASES`), over all bundles."""
+        out: set[Item] = set()
+        for plan in self.plans.values():
+            for key in plan.resident[phase]:
+                name, _, part = key.rpartition("/")
+                out.add((name, Part(part)))
+        return out
+
+    def kept(self, phase: int) -> dict[str, list[str]]:
+        """Actor -> the parts resident now beyond what phase ``phase`` needs: kept by the plan, or
+        already loaded for the next phase (prefetch)."""
+        need = {(a, p) for a, parts in self._needs[phase].items() for p in parts}
+        out: dict[str, list[str]] = {}
+        for a, p in sorted(self.resident - need, key=lambda i: (i[0], i[1].value)):
+            out.setdefault(a, []).append(p.value)
+        return out
+
+    def boundary(self, phase: int) -> BoundaryPlan:
+        """What moves at the boundary into ``phase`` from what is resident now."""
+        target = self.target(phase)
+        return BoundaryPlan(_by_actor(self.resident - target), _by_actor(target - self.resident))
+
+    def fits(self, items: Iterable[Item]) -> bool:
+        """Whether ``items`` fit every bundle's budget together."""
+        items = set(items)
+        return all(sum(self.sizes.get(i, 0) for i in items if bundle_of(i[0]) == b) <= self.budget[b]
+                   for b in self.bundles)
+
+    def moved(self, moves: BoundaryPlan) -> None:
+        """Record a boundary's moves as made (the driver issued them)."""
+        for a, parts in moves.out.items():
+            self.resident.difference_update((a, p) for p in parts)
+        for a, parts in moves.into.items():
+            self.resident.update((a, p) for p in parts)
+
+    def clear(self) -> None:
+        """Everything was offloaded (or put back on the device by hand): nothing resident."""
+        self.resident = set()
+
+    def summary(self) -> dict:
+        """Per bundle: budget, planned bytes moved per iteration, all-or-nothing's, resident sets."""
+        return {str(b): {"budget_bytes": self.budget[b], "bytes_moved": p.bytes_moved,
+                         "all_or_nothing_bytes": p.all_or_nothing_bytes, "optimal": p.optimal,
+                         "resident": [sorted(r) for r in p.resident]} for b, p in self.plans.items()}
+
+
+def _by_actor(items: Iterable[Item]) -> dict[str, tuple[Part, ...]]:
+    out: dict[str, list[Part]] = {}
+    for a, p in sorted(items, key=lambda i: (i[0], list(Part).index(i[1]))):
+        out.setdefault(a, []).append(p)
+    return {a: tuple(ps) for a, ps in out.items()}
