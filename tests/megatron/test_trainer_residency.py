@@ -60,3 +60,25 @@ def test_resident_bytes_are_known_while_offloaded(dist1):
     for p in Part:
         assert during.resident_by_category[p.value] == before.by_category[p.value] > 0
     mm.onload()
+
+
+@pytest.mark.parametrize("cfg,value_head", [
+    (dict(num_layers=2, hidden_size=64, vocab_size=64, seq_length=16), False),
+    (dict(num_layers=2, hidden_size=64, vocab_size=64, seq_length=16), True),
+    (dict(num_layers=3, hidden_size=128, vocab_size=512, seq_length=32, precision="fp32",
+          use_distributed_optimizer=False), True),
+    (dict(num_layers=2, hidden_size=64, grad_reduce_in_fp32=False), False),
+], ids=["policy", "critic", "critic-fp32", "bf16-grads"])
+def test_estimated_part_bytes_match_the_built_trainer(dist1, cfg, value_head):
+    """The config-only estimate a budget is checked with before anything starts (PPO driver)."""
+    from chatlearn_mem import TrainerMemoryManager
+
+    config = gpt.GPTTrainerConfig(**cfg)
+    trainer = gpt.build_gpt_trainer(config, value_head=value_head)
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    trainer.train_step(gpt.synthetic_batch(config, 0, batch_size=2))
+    measured = mm.residency().by_category
+    estimated = gpt.estimate_part_bytes(config, value_head)
+    for part, nbytes in estimated.items():
+        assert abs(nbytes - measured[part]) <= 0.001 * measured[part] + 256, (part, nbytes, measured[part])
+    mm.close()
