@@ -138,6 +138,8 @@ class PPORun:
         self.manager_on = cfg.memory.enabled
         self.schedule: Optional[ResidencySchedule] = None  # with memory.device_budget_mb: see plan_memory()
         self.over_budget: list[dict] = []  # phases measured above their device's budget
+        self.prefetch = cfg.memory.prefetch  # with a residency plan: non-blocking transitions, prefetch
+        self._unsettled: set = set()  # actors with non-blocking transitions not yet waited for
         p = cfg.parallel
         self.tp = p.tensor_model_parallel_size
         self.dp = p.data_parallel_size
@@ -265,6 +267,8 @@ class PPORun:
         by_name = {c.names[a]: a for a in c.all_actors}
         refs = {by_name[n]: getattr(by_name[n], direction).remote(list(parts), blocking)
                 for n, parts in moves.items()}
+        if not blocking:
+            self._unsettled.update(refs)
         return [s for stats in c.call(name, refs).values() for s in stats]
 
     def _planned_phase(self, iteration: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
@@ -276,7 +280,7 @@ class PPORun:
         per module for its weights, a training step for the parts it touches."""
         c, s = self.colo, self.schedule
         phase = PHASES.index(name)
-        nb = self.cfg.memory.prefetch
+        nb = self.prefetch
         t0 = time.perf_counter()
         moves = s.boundary(phase)
         moved = []
@@ -296,7 +300,8 @@ class PPORun:
         t_before = time.perf_counter() - t0
         result = work()
         t1 = time.perf_counter()
-        waits = c.call(name, {a: a.settle.remote() for a in c.all_actors})
+        waits = c.call(name, {a: a.settle.remote() for a in self._unsettled})
+        self._unsettled.clear()
         moved += [x for w in waits.values() for x in w["stats"]]
         t_settle = time.perf_counter() - t1
         if self.cfg.memory.audit:
