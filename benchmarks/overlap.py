@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager, swap
+from chatlearn_mem import Part, TrainerMemoryManager, swap
 from chatlearn_mem_bench.measure import stats, timed
 
 __all__ = ["OVERLAP_ROWS", "TARGETS", "measure_overlap", "overlap_targets"]

@@ -28,7 +28,7 @@ again: :meth:`ResidencySchedule.update_sizes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping
 
 from chatlearn_mem import Part, ResidencyPlan, plan_residency
 
