@@ -1,0 +1,314 @@
+"""What a benchmark run will hold and how long it will take, known before the first timing.
+
+Both are pure functions of the bytes the trainer's parts occupy (sizes in, bytes or seconds out),
+so they can be checked anywhere: on the trainer just built (:func:`measured_part_sizes`) before
+the first timing, or from a config alone (:func:`estimate_part_sizes`) where the trainer cannot
+be built, as the GPU validation's dry run does on a CPU machine.
+
+**Host memory** (:func:`plan_host_memory`). What the run holds for all of it: the manager's host
+store (pinned on CUDA, registered at its exact size), one ceiling host buffer sized for the
+largest copy and shared by ``ceiling`` and ``release_bound`` (no host buffer for grads, which are
+never copied), and megatron-core's own ``param_data_cpu`` when ``megatron_builtin`` runs on CUDA
+(torch's pinned allocator rounds each block up to a power of two and megatron keeps it for the
+life of the buffer). On top, what one method holds at a time: every alternative releases its
+host copies (and on CPU its new "device" buffers, which are host memory there) before the next
+method starts. The peak pinned and peak pageable figures add the largest of those to what is
+held throughout; their sum is what the run is checked against.
+
+**Time** (:func:`estimate_seconds`). Every (part, method, direction) is timed ``warmup +
+repeats`` times after one untimed manager cycle per round; each costs its bytes over the
+bandwidth of its kind of host memory (on CUDA 55 GB/s pinned and 16 GB/s pageable, the H100
+figures in the design notes; on CPU one measured copy bandwidth) times the method's measured
+cost relative to the ceiling, :data:`METHOD_COST`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+from chatlearn_mem import ChatlearnMemError, Part
+from chatlearn_mem.host_memory import HostMemory, gib
+from chatlearn_mem.host_store import HostStore
+from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS
+
+__all__ = ["HostMemoryPlan", "HostMemoryPlanError", "METHOD_COST", "PAGEABLE_GBPS", "PINNED_GBPS", "TimeEstimate",
+           "estimate_part_sizes", "estimate_seconds", "format_bytes", "measured_part_sizes", "method_parts", "part_bytes", "plan_host_memory",
+           "refuse_unless_fits"]
+
+PINNED_GBPS = 55.0
+"""Pinned host <-> device copy bandwidth of an H100 host, GB/s (DESIGN.md, "Lessons")."""
+PAGEABLE_GBPS = 16.0
+"""Pageable host <-> device copy bandwidth of an H100 host, GB/s (the same source)."""
+DEVICE_FILL_GBPS = 1000.0
+"""A device zero-fill (the grads rebuild) on a GPU, GB/s; an H100 writes about 3 TB/s."""
+CALL_OVERHEAD_S = 0.005
+"""Fixed cost of one offload or onload call (Python, module walks, ``empty_cache``), seconds."""
+
+METHOD_COST = {
+    "manager": (1.4, 2.0),
+    "ceiling": (1.0, 1.0),
+    "release_bound": (1.1, 1.7),
+    "per_tensor_new_host": (3.5, 6.8),
+    "fresh_host_alloc": (3.4, 3.8),
+    "replace_rebuild": (4.0, 3.9),
+    "megatron_builtin": (1.4, 2.9),
+}
+"""``(offload, onload)`` time of each method over the ceiling's for the same bytes: the largest
+ratio over the copied parts in the committed CPU run ``results/2026-11-23_cpu-2core-xeon-24gib``
+(medians of 9 interleaved repeats), rounded up. On CPU those ratios include page zeroing that a
+GPU's ``cudaMalloc`` does not pay, so on CUDA they overestimate (a budget wants that side)."""
+
+
+class HostMemoryPlanError(ChatlearnMemError, MemoryError):
+    """The benchmark would need more host memory than the process can use; nothing was measured.
+    The message (one line) gives the planned and available bytes and a smaller preset."""
+
+
+def method_parts(name: str, cuda: bool, builtin_available: bool = True) -> tuple[str, ...]:
+    """The parts method ``name`` is timed on: the manager and the two copy baselines on every part,
+    the alternatives on the copied parts, megatron-core's own calls on weights and grads (and on
+    CUDA the full trainer: its optimizer offload moves CUDA tensors only), where it has them."""
+    if name in ("manager", "ceiling", "release_bound"):
+        return PARTS
+    if name == "megatron_builtin":
+        return ((Part.WEIGHTS, Part.GRADS) + ((FULL,) if cuda else ())) if builtin_available else ()
+    return COPY_PARTS
+
+
+# -- sizes --------------------------------------------------------------------------------------
+def measured_part_sizes(storages: Mapping[str, Sequence]) -> dict[str, list[int]]:
+    """Byte size of every storage per part, from ``{part: [UntypedStorage, ...]}``."""
+    return {str(p): [int(s.nbytes()) for s in ss] for p, ss in storages.items()}
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as GiB from 1 GiB up, else MiB."""
+    return gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def estimate_part_sizes(trainer) -> dict[str, list[int]]:
+    """Storage sizes per part of the trainer ``trainer`` (a ``GPTTrainerConfig``) would build, one rank.
+
+    Weights and grads: one DDP buffer each (megatron pads each parameter's start to 64 elements
+    and the buffer's end to 128 with the distributed optimizer); main weights: one fp32 tensor
+    per parameter (bf16 only; fp32 parameters are their own); optimizer states: Adam's two fp32
+    moments and a 4-byte step per parameter.
+
+    Raises:
+        ValueError: A trainer the count does not cover (see ``gpt.parameter_numels``).
+    """
+    from chatlearn_mem.testbed.gpt import parameter_numels
+
+    numels = parameter_numels(trainer)
+    distopt = trainer.use_distributed_optimizer
+    elements = sum(_pad(n, 64) for n in numels) if distopt else sum(numels)
+    elements = _pad(elements, 128) if distopt else elements
+    bf16 = trainer.precision == "bf16"
+    grad_bytes = 4 if trainer.grad_reduce_in_fp32 or not bf16 else 2
+    return {Part.WEIGHTS.value: [elements * (2 if bf16 else 4)],
+            Part.GRADS.value: [elements * grad_bytes],
+            Part.MAIN_WEIGHTS.value: [4 * n for n in numels] if bf16 else [],
+            Part.OPTIMIZER_STATES.value: [4 * n for n in numels for _ in range(2)] + [4] * len(numels)}
+
+
+def part_bytes(sizes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """Bytes per part, and for ``full`` the bytes copied (the three copied parts; grads are dropped)."""
+    out = {str(p): sum(sizes.get(str(p), ())) for p in Part}
+    out[FULL] = sum(out[str(p)] for p in COPY_PARTS)
+    return out
+
+
+# -- host memory --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanItem:
+    """One host allocation of the plan: what holds it, bytes, pinned or pageable, and whether it
+    is held for the whole run (``held_by`` None) or only while method ``held_by`` runs."""
+
+    what: str
+    nbytes: int
+    pinned: bool
+    held_by: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class HostMemoryPlan:
+    """Host memory a benchmark run will hold at its peak (see the module docstring)."""
+
+    items: tuple[PlanItem, ...]
+
+    def _peak(self, pinned: bool) -> int:
+        run = sum(i.nbytes for i in self.items if i.held_by is None and i.pinned == pinned)
+        per_method: dict[str, int] = {}
+        for i in self.items:
+            if i.held_by is not None and i.pinned == pinned:
+                per_method[i.held_by] = per_method.get(i.held_by, 0) + i.nbytes
+        return run + max(per_method.values(), default=0)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Peak page-locked bytes: held throughout plus the method that pins the most."""
+        return self._peak(True)
+
+    @property
+    def pageable_bytes(self) -> int:
+        """Peak pageable bytes: held throughout plus the method that allocates the most."""
+        return self._peak(False)
+
+    @property
+    def peak_bytes(self) -> int:
+        """``pinned_bytes + pageable_bytes``: what must fit in the host memory the process can use."""
+        return self.pinned_bytes + self.pageable_bytes
+
+    def summary(self) -> str:
+        """One line: the peaks, then every allocation."""
+        parts = "; ".join(f"{i.what} {format_bytes(i.nbytes)}{' pinned' if i.pinned else ''}"
+                          f"{f' (while {i.held_by} runs)' if i.held_by else ''}" for i in self.items if i.nbytes)
+        return (f"host memory plan: peak {format_bytes(self.peak_bytes)} = {format_bytes(self.pinned_bytes)} pinned + "
+                f"{format_bytes(self.pageable_bytes)} pageable ({parts})")
+
+    def to_dict(self) -> dict:
+        return {"pinned_bytes": self.pinned_bytes, "pageable_bytes": self.pageable_bytes,
+                "peak_bytes": self.peak_bytes,
+                "items": [{"what": i.what, "bytes": i.nbytes, "pinned": i.pinned, "held_by": i.held_by}
+                          for i in self.items]}
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], cuda: bool, pin: bool,
+                     bucket_size: int, builtin_available: bool = True) -> HostMemoryPlan:
+    """The host memory a run with these parts and methods holds (sizes in, bytes out).
+
+    Args:
+        sizes: Byte size of every storage per part name (:func:`measured_part_sizes`,
+            :func:`estimate_part_sizes`).
+        methods: The alternatives the run times (``BenchConfig.methods``).
+        cuda: The trainer lives on a GPU; otherwise its "device" memory is host memory too, and the
+            ceiling's and the alternatives' device buffers count.
+        pin: Host buffers are pinned (the manager's store, the ceiling, ``fresh_host_alloc``).
+        bucket_size: The manager's host store bucket, bytes (``MemoryConfig.bucket_size_bytes``).
+        builtin_available: The installed megatron-core has its own offload calls (0.16+).
+    """
+    b = part_bytes(sizes)
+    copy_max = max(b[str(p)] for p in COPY_PARTS)
+    items = [PlanItem("manager host store", sum(HostStore.planned_nbytes(list(sizes.get(str(p), ())), bucket_size)
+                                                for p in COPY_PARTS), pin),
+             PlanItem("ceiling host buffer (shared with release_bound)", b[FULL], pin)]
+    if not cuda:  # the "device" buffers are host memory
+        items += [PlanItem("ceiling device buffer", max(b[FULL], b[Part.GRADS.value]), False),
+                  PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False, "release_bound")]
+    for name in methods:
+        if name == "per_tensor_new_host":
+            items.append(PlanItem("per_tensor_new_host host copies", copy_max, False, name))
+        elif name == "fresh_host_alloc":
+            items.append(PlanItem("fresh_host_alloc host buffers", copy_max, pin, name))
+        elif name == "replace_rebuild":
+            items.append(PlanItem("replace_rebuild host copies", copy_max, False, name))
+            if not cuda:
+                items.append(PlanItem("replace_rebuild new device buffers", copy_max, False, name))
+        elif name == "megatron_builtin" and builtin_available:
+            weights = list(sizes.get(Part.WEIGHTS.value, ()))
+            if cuda:  # .cpu().pin_memory(): torch's pinned allocator, power-of-two blocks, kept
+                items.append(PlanItem("megatron-core param_data_cpu", sum(_pow2(n) for n in weights), True))
+                moved = b[Part.MAIN_WEIGHTS.value] + b[Part.OPTIMIZER_STATES.value]
+                items.append(PlanItem("megatron-core .cpu() copies", max(sum(weights), moved), False, name))
+            else:
+                items.append(PlanItem("megatron-core param_data_cpu", sum(weights), False))
+    return HostMemoryPlan(tuple(items))
+
+
+def refuse_unless_fits(plan: HostMemoryPlan, usable: HostMemory, margin_bytes: int,
+                       instead: Callable[[int], str]) -> None:
+    """Raise :class:`HostMemoryPlanError` when ``plan`` does not fit in ``usable`` minus ``margin_bytes``.
+
+    Args:
+        instead: Given the bytes that are left, what to run instead (e.g. ``--config tiny``), for
+            the message.
+    """
+    if usable.nbytes is None:
+        return
+    room = max(0, usable.nbytes - margin_bytes)
+    if plan.peak_bytes > room:
+        raise HostMemoryPlanError(
+            f"the benchmark would hold up to {format_bytes(plan.pinned_bytes)} pinned + {format_bytes(plan.pageable_bytes)} pageable "
+            f"= {format_bytes(plan.peak_bytes)} of host memory, but the process can use {format_bytes(room)} ({usable.describe()}; "
+            f"minus a {format_bytes(margin_bytes)} margin); nothing was measured. {instead(room)}")
+
+
+# -- time ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Expected seconds of a run: building the trainer, each part's repeats, the full cycles."""
+
+    setup_s: float
+    parts_s: dict
+    cycles_s: float
+    bandwidths_gbps: dict
+
+    @property
+    def total_s(self) -> float:
+        return self.setup_s + sum(self.parts_s.values()) + self.cycles_s
+
+    def summary(self) -> str:
+        per = ", ".join(f"{p} {s:.0f} s" for p, s in self.parts_s.items())
+        bw = ", ".join(f"{k} {v:.0f} GB/s" for k, v in self.bandwidths_gbps.items())
+        return (f"time estimate: {self.total_s:.0f} s = setup {self.setup_s:.0f} s + parts ({per}) + cycles "
+                f"{self.cycles_s:.0f} s (copies at {bw}, method costs measured on CPU)")
+
+    def to_dict(self) -> dict:
+        return {"total_s": self.total_s, "setup_s": self.setup_s, "parts_s": dict(self.parts_s),
+                "cycles_s": self.cycles_s, "bandwidths_gbps": dict(self.bandwidths_gbps)}
+
+
+def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], repeats: int, warmup: int,
+                     cycles: int, cuda: bool, pin: bool, builtin_available: bool = True,
+                     copy_gbps: Optional[float] = None) -> TimeEstimate:
+    """Seconds a run with these parts and settings should take (sizes in, seconds out).
+
+    Args:
+        sizes: Byte size of every storage per part name.
+        methods: The alternatives the run times.
+        copy_gbps: On CPU, the measured bandwidth of one copy between preallocated buffers (GB/s);
+            every copy and fill runs at it. Ignored on CUDA (:data:`PINNED_GBPS`, :data:`PAGEABLE_GBPS`).
+    """
+    if cuda:
+        bw = {"pinned": PINNED_GBPS if pin else PAGEABLE_GBPS, "pageable": PAGEABLE_GBPS, "fill": DEVICE_FILL_GBPS}
+    else:
+        if not copy_gbps or copy_gbps <= 0:
+            raise ValueError(f"copy_gbps must be > 0 on CPU, got {copy_gbps}")
+        bw = {"pinned": copy_gbps, "pageable": copy_gbps, "fill": copy_gbps}
+    b = part_bytes(sizes)
+    pageable = {"per_tensor_new_host", "replace_rebuild"}
+
+    def call(name: str, part: str, direction: int) -> float:
+        factor = METHOD_COST[name][direction]
+        if part == Part.GRADS.value:  # nothing copied: a drop, then a zero-fill on the rebuild
+            return CALL_OVERHEAD_S + (b[part] / 1e9 / bw["fill"] * factor if direction else 0.0)
+        if name == "megatron_builtin" and part == FULL:  # pinned weights, pageable per-tensor optimizer
+            seconds = (b[Part.WEIGHTS.value] / bw["pinned"]
+                       + (b[FULL] - b[Part.WEIGHTS.value]) / bw["pageable"]) / 1e9
+        else:
+            seconds = b[part] / 1e9 / bw["pageable" if name in pageable else "pinned"]
+        return CALL_OVERHEAD_S + seconds * factor
+
+    every = ["manager", "ceiling", "release_bound", *methods]
+    parts_s = {}
+    for part in PARTS:
+        timed = [m for m in every if part in method_parts(m, cuda, builtin_available)]
+        per_round = sum(call("manager", part, d) for d in (0, 1))  # the untimed manager cycle first
+        per_round += sum(call(m, part, d) for m in timed for d in (0, 1))
+        parts_s[part] = (warmup + repeats) * per_round
+    cycles_s = cycles * sum(call("manager", FULL, d) for d in (0, 1))
+    n_params = b[Part.OPTIMIZER_STATES.value] / 8  # two fp32 moments per parameter
+    # Building and one train step: megatron's import and NCCL start, then CPU initialisation
+    # (use_cpu_initialization) of every parameter; plus the two integrity checksums.
+    setup_s = (30.0 + 20.0 * n_params / 1e9 if cuda else 5.0 + 60.0 * n_params / 1e9)
+    setup_s += 2 * b[FULL] / 1e9 / bw["fill"]
+    return TimeEstimate(setup_s, parts_s, cycles_s, bw)
