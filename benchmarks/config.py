@@ -74,6 +74,9 @@ class BenchConfig(BaseModel):
     silently replaces another, committed results included."""
     plot: bool = True
     """Write the PNG plot (matplotlib)."""
+    revision: Optional[str] = None
+    """Source revision recorded in the results (e.g. a git hash); None: ``git rev-parse HEAD`` of
+    the checkout the package runs from, when it runs from one."""
 
 
 def load_config(source: Optional[str | os.PathLike] = DEFAULT_PRESET, overrides: Sequence[str] = ()) -> BenchConfig:

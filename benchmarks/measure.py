@@ -12,7 +12,8 @@ from typing import Callable
 import psutil
 import torch
 
-__all__ = ["git_revision", "stats", "timed", "compare", "memory_snapshot", "versions", "hardware", "hardware_slug"]
+__all__ = ["copy_gbps", "git_revision", "stats", "timed", "compare", "memory_snapshot", "versions", "hardware",
+           "hardware_slug"]
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -41,6 +42,19 @@ def timed(fn: Callable[[], int], device: torch.device) -> tuple[float, int]:
     return time.perf_counter() - t0, out
 
 
+def copy_gbps(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bandwidth of one copy between two preallocated host buffers, GB/s (median of ``repeats``):
+    the CPU's ceiling, which the time estimate scales by."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src).fill_(0)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / stats(times)["median"] / 1e9
+
+
 def compare(manager: dict, other: dict) -> str:
     """``faster`` / ``slower`` when the manager's interquartile range lies wholly below / above
     the other's; otherwise ``noise`` (the difference is within the measured spread)."""
@@ -67,11 +81,13 @@ def memory_snapshot(device: torch.device) -> dict:
     return snap
 
 
-def git_revision() -> str | None:
-    """``HEAD`` of the checkout the benchmark runs from, with ``+dirty`` for uncommitted changes."""
+def git_revision(path: str | os.PathLike | None = None) -> str | None:
+    """``HEAD`` of the git checkout at ``path`` (default: the one this package runs from), with
+    ``+dirty`` for uncommitted changes; None outside a checkout (an installed wheel, a copy of the
+    tree without ``.git``): pass the revision in then (``BenchConfig.revision``)."""
     import subprocess
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.fspath(path) if path is not None else os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

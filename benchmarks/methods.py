@@ -7,20 +7,30 @@ one process on one trainer, interleaved repeat by repeat.
 * ``manager``: :class:`chatlearn_mem.TrainerMemoryManager` (host store reused, storages released
   and regrown in place).
 * ``ceiling``: not a way to offload anything; one copy of the same number of bytes between a
-  preallocated device buffer and a preallocated host buffer (pinned on GPU). No allocation, no
-  release: the fastest a copy of these bytes can be on this machine.
-* ``release_bound``: not a way to offload either; the same copy, but the device buffer is really
-  released after the offload copy and regrown before the onload copy (with the manager's huge
-  page advice on CPU). What any method that frees the memory must at least pay: on CPU the kernel
-  zeroes every page it hands back, an extra pass the preallocated ceiling never makes.
+  device buffer and a host buffer, both allocated once per run (the host one sized for the
+  largest copy, pinned on GPU the way the manager pins its store) and sliced per part. No
+  allocation, no release: the fastest a copy of these bytes can be on this machine.
+* ``release_bound``: not a way to offload either; the same copy (into the ceiling's host
+  buffer), but the device buffer is really released after the offload copy and regrown before
+  the onload copy (with the manager's huge page advice on CPU). What any method that frees the
+  memory must at least pay. On CPU the kernel zeroes every page it hands back, an extra pass the
+  preallocated ceiling never makes. On CUDA ``resize_(0)`` alone would only return the block to
+  torch's caching allocator (no release at all), so the bound calls ``torch.cuda.empty_cache()``
+  after it: the block goes back to the driver (``cudaFree``) and the regrow is a ``cudaMalloc``.
 * ``per_tensor_new_host`` (alternative): every tensor copied one by one into a newly allocated,
   unpinned host tensor (``t.to("cpu")`` on a GPU; an explicit copy on CPU, where ``.to("cpu")``
   copies nothing), as several RLHF systems move optimizer state; copied back tensor by tensor.
   Device memory is released and regrown in place like the manager, so the difference is the
   per-tensor copies and the fresh host allocations.
 * ``fresh_host_alloc`` (alternative): one host buffer per storage, allocated anew (pinned on GPU)
-  on every offload and dropped after onload, instead of a reused store. Copies whole storages
-  like the manager, so the difference is the allocation (and, on GPU, pinning) every cycle.
+  on every offload and freed after onload, instead of a reused store. Copies whole storages
+  like the manager, so the difference is the allocation (and, on GPU, pinning) every cycle. On
+  GPU each buffer is fresh anonymous memory page-locked with ``cudaHostRegister`` at its exact
+  size and unregistered and unmapped after the onload (a one-storage
+  :class:`chatlearn_mem.host_store.HostStore`, the manager's own pinning). torch's pinned
+  allocator (``pin_memory=True``) is not used: it hands back blocks cached from the previous
+  cycle, so the alternative would tie with the manager without ever allocating, and it rounds
+  every block up to a power of two, which makes the host peak depend on the storage sizes.
 * ``replace_rebuild`` (alternative): ``t.data = <host copy>`` for every tensor (``param.data``
   replacement), the device storage dropped; onload allocates a new device buffer per storage,
   copies every tensor back into it and rebuilds every view megatron keeps (params, buffer and
@@ -36,29 +46,41 @@ one process on one trainer, interleaved repeat by repeat.
   moved back as new device tensors). That last call acts on CUDA tensors only, so on CPU the
   method covers weights and grads alone. Parameters outside the DDP buffers (frozen ones) and
   module buffers stay on the device.
+
+Like with like on CUDA: every method that releases device memory returns it to the driver with
+``torch.cuda.empty_cache()`` when the manager does (``MemoryConfig.empty_cache``, on by default):
+the manager after each offload, ``release_bound`` always, the alternatives after their release,
+megatron-core's optimizer offload by itself. Only the ceiling never releases and never pays it.
+:attr:`Method.pays_empty_cache` says which (recorded in the results). Host memory: see
+:mod:`chatlearn_mem_bench.plan`; pageable copies are freed, and the C heap trimmed
+(:func:`return_freed_host_memory`), before the next method runs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Optional
 
 import torch
 
 from chatlearn_mem import Part
+from chatlearn_mem.host_store import HostStore
 from chatlearn_mem.mcore import layout
-from chatlearn_mem_bench.config import COPY_PARTS, FULL
 from chatlearn_mem.storage import advise_huge_pages
+from chatlearn_mem_bench.config import FULL
+from chatlearn_mem_bench.plan import method_parts
 
 __all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
            "ReplaceRebuild", "MegatronBuiltin", "ReleaseBound", "LABELS", "sync", "part_storages",
-           "logical_tensors"]
+           "logical_tensors", "return_freed_host_memory"]
 
 LABELS = {
     "manager": "chatlearn-mem manager (reused host store, in-place release)",
     "ceiling": "ceiling: one copy between preallocated buffers",
-    "release_bound": "bound: one copy plus release/regrow of one device buffer",
+    "release_bound": "bound: one copy plus a real release/regrow of one device buffer",
     "per_tensor_new_host": "alternative: per-tensor copy into new host tensors",
-    "fresh_host_alloc": "alternative: fresh host allocation every offload",
+    "fresh_host_alloc": "alternative: host buffers allocated (pinned on GPU) and freed every cycle",
     "replace_rebuild": "alternative: replace .data, then rebuild views",
     "megatron_builtin": "alternative: megatron-core's own offload calls",
 }
@@ -68,6 +90,26 @@ def sync(device: torch.device) -> None:
     """Wait for the device (CUDA) so wall time covers the copies."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+_LIBC = None
+
+
+def return_freed_host_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; elsewhere nothing), so
+    that host copies a method freed are not still counted when the next method runs."""
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        lib = ctypes.CDLL(name) if name else None
+        _LIBC = lib if lib is not None and hasattr(lib, "malloc_trim") else False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -133,8 +175,18 @@ class Method:
         self.device = mm.device
 
     def parts(self) -> tuple[str, ...]:
-        """The parts this method can move (an alternative: the parts whose bytes are copied)."""
-        return COPY_PARTS
+        """The parts this method is timed on (an alternative: the parts whose bytes are copied)."""
+        return method_parts(self.name, self.device.type == "cuda")
+
+    @property
+    def pays_empty_cache(self) -> bool:
+        """Whether the method returns released device memory to the CUDA driver (``empty_cache``)."""
+        return self.device.type == "cuda" and self.mm.config.empty_cache
+
+    def _released(self) -> None:
+        """After releasing device storages: to the driver, when the manager would do so too."""
+        if self.pays_empty_cache:
+            torch.cuda.empty_cache()
 
     def offload(self, part: str) -> int:
         raise NotImplementedError
@@ -181,30 +233,52 @@ class ManagerMethod(Method):
 
 
 class CeilingMethod(Method):
-    """A copy of ``nbytes`` between preallocated buffers; for grads, a zero-fill (what rebuilding
-    zeroed grads must at least do) and no offload copy at all."""
+    """A copy of a part's bytes between buffers allocated once per run (:meth:`prepare`) and
+    sliced per part (:meth:`use`); for grads, a zero-fill (what rebuilding zeroed grads must at
+    least do) and no offload copy at all."""
 
     name = "ceiling"
 
     def __init__(self, mm, trainer, pin: bool):
         super().__init__(mm, trainer, pin)
-        self.dev: Optional[torch.Tensor] = None
-        self.host: Optional[torch.Tensor] = None
+        self._dev: Optional[torch.Tensor] = None
+        self._store: Optional[HostStore] = None
         self.nbytes = 0
 
-    def prepare(self, nbytes: int) -> None:
-        """Allocate and touch both buffers (untimed), replacing the previous ones."""
-        self.dev = self.host = None
-        self.nbytes = nbytes
-        self.dev = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
-        self.host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-        self.host.fill_(1)
+    @property
+    def pays_empty_cache(self) -> bool:
+        return False  # never releases
+
+    def prepare(self, device_bytes: int, host_bytes: int) -> None:
+        """Allocate and touch both buffers (untimed): ``device_bytes`` for the largest part (grads
+        included, which only zero-fill), ``host_bytes`` for the largest copy. The host buffer is
+        pinned on GPU exactly as the manager's store is (registered at its exact size)."""
+        self.release()
+        self._dev = torch.ones(device_bytes, dtype=torch.uint8, device=self.device)
+        self._store = HostStore([host_bytes], max(host_bytes, 1), self.pin) if host_bytes else None
+        if self._store is not None:
+            self._store.buckets[0].fill_(1)
         sync(self.device)
 
+    def use(self, nbytes: int) -> None:
+        """Copy ``nbytes`` (a part's) from now on."""
+        self.nbytes = nbytes
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self._store.buckets[0][:self.nbytes]
+
+    @property
+    def dev(self) -> torch.Tensor:
+        return self._dev[:self.nbytes]
+
     def release(self) -> None:
-        self.dev = self.host = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Free both buffers (the pinned one unregistered), back to the driver on CUDA."""
+        self._dev = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        _empty_cache(self.device)
 
     def offload(self, part: str) -> int:
         if part == Part.GRADS:
@@ -223,30 +297,66 @@ class CeilingMethod(Method):
         return self.nbytes
 
     def device_bytes(self, part: str) -> int:
-        return self.nbytes
+        return self._dev.numel() if self._dev is not None else 0
 
     def host_bytes(self) -> tuple[int, int]:
-        n = self.host.numel() if self.host is not None else 0
+        n = self._store.nbytes if self._store is not None else 0
         return n, n if self.pin else 0
 
 
-class ReleaseBound(CeilingMethod):
+class ReleaseBound(Method):
+    """The ceiling's copy into the ceiling's host buffer, from a device buffer of the part's size
+    (:meth:`prepare`, per part) that is released for real after the offload copy and regrown
+    before the onload copy."""
+
     name = "release_bound"
 
+    def __init__(self, mm, trainer, pin: bool, ceiling: CeilingMethod):
+        super().__init__(mm, trainer, pin)
+        self.ceiling = ceiling
+        self._dev: Optional[torch.Tensor] = None
+        self.nbytes = 0
+
+    @property
+    def pays_empty_cache(self) -> bool:
+        return self.device.type == "cuda"  # the definition of a real release on CUDA
+
+    def prepare(self, nbytes: int) -> None:
+        """A device buffer of ``nbytes`` (untimed), replacing the previous part's."""
+        self.release()
+        self.nbytes = nbytes
+        self._dev = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        sync(self.device)
+
+    def release(self) -> None:
+        self._dev = None
+        _empty_cache(self.device)
+
     def offload(self, part: str) -> int:
-        n = super().offload(part)
-        self.dev.untyped_storage().resize_(0)
+        n = 0
+        if part != Part.GRADS:
+            self.ceiling.host.copy_(self._dev, non_blocking=self.pin)
+            sync(self.device)
+            n = self.nbytes
+        self._dev.untyped_storage().resize_(0)
+        _empty_cache(self.device)  # resize_(0) alone leaves the block in torch's CUDA cache
         return n
 
     def onload(self, part: str) -> int:
-        s = self.dev.untyped_storage()
+        s = self._dev.untyped_storage()
         s.resize_(self.nbytes)
         if self.mm.config.cpu_huge_pages:
             advise_huge_pages(s)
-        return super().onload(part)
+        if part == Part.GRADS:
+            self._dev.zero_()
+            sync(self.device)
+            return 0
+        self._dev.copy_(self.ceiling.host, non_blocking=self.pin)
+        sync(self.device)
+        return self.nbytes
 
     def device_bytes(self, part: str) -> int:
-        return self.dev.untyped_storage().nbytes() if self.dev is not None else 0
+        return self._dev.untyped_storage().nbytes() if self._dev is not None else 0
 
 
 class PerTensorNewHost(Method):
@@ -272,6 +382,7 @@ class PerTensorNewHost(Method):
         released = [(s, s.nbytes()) for s in storages]
         for s, _ in released:
             s.resize_(0)
+        self._released()
         self._state = (tensors, hosts, released)
         return sum(h.numel() * h.element_size() for h in hosts)
 
@@ -303,27 +414,33 @@ class FreshHostAlloc(Method):
     def offload(self, part: str) -> int:
         out = []
         for s in part_storages(self.mm, part):
-            h = torch.empty(s.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-            h.copy_(_byte_view(s), non_blocking=self.pin)
-            out.append((s, s.nbytes(), h))
+            n = s.nbytes()
+            store = HostStore([n], max(n, 1), self.pin)  # new memory, pinned on GPU at its exact size
+            if n:
+                store.buckets[0].copy_(_byte_view(s), non_blocking=self.pin)
+            out.append((s, n, store))
         sync(self.device)
         for s, _, _ in out:
             s.resize_(0)
+        self._released()
         self._state = out
         return sum(n for _, n, _ in out)
 
     def onload(self, part: str) -> int:
         for s, n, _ in self._state:
             s.resize_(n)
-        for s, _, h in self._state:
-            _byte_view(s).copy_(h, non_blocking=self.pin)
+        for s, n, store in self._state:
+            if n:
+                _byte_view(s).copy_(store.buckets[0], non_blocking=self.pin)
         sync(self.device)
         copied = sum(n for _, n, _ in self._state)
-        self._state = None  # the host buffers are dropped: the next offload allocates again
+        for _, _, store in self._state:
+            store.close()  # unpinned and freed: the next offload allocates and pins again
+        self._state = None
         return copied
 
     def host_bytes(self) -> tuple[int, int]:
-        n = sum(h.numel() for _, _, h in self._state or [])
+        n = sum(store.nbytes for _, _, store in self._state or [])
         return n, n if self.pin else 0
 
 
@@ -358,6 +475,7 @@ class ReplaceRebuild(Method):
         released = [(s, s.nbytes()) for s in storages]
         for s, _ in released:  # the old device storage is dropped (its last users are rebuilt on onload)
             s.resize_(0)
+        self._released()
         self._state = dict(geo_logical=geo_logical, geo_others=geo_others, hosts=hosts,
                            released=released, new={})
         return sum(h.numel() * h.element_size() for h in hosts)
@@ -410,10 +528,12 @@ class MegatronBuiltin(Method):
         self.available = all(hasattr(c, "offload_grad_buffers") for c in self.chunks)
 
     def parts(self) -> tuple[str, ...]:
-        if not self.available:
-            return ()
         # the optimizer's offload moves main weights and states together, and only CUDA tensors
-        return (Part.WEIGHTS, Part.GRADS) + ((FULL,) if self.device.type == "cuda" else ())
+        return method_parts(self.name, self._cuda(), self.available)
+
+    @property
+    def pays_empty_cache(self) -> bool:
+        return self._cuda()  # its optimizer offload empties the cache itself; the rest when the manager does
 
     def _cuda(self) -> bool:
         return self.device.type == "cuda"

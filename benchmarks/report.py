@@ -1,4 +1,8 @@
-"""Results as JSON, a markdown table and a PNG plot; the targets printed last."""
+"""Results as JSON, a markdown table and a PNG plot; the targets printed last.
+
+The markdown and the PNG are drawn from the JSON alone, so :func:`rebuild` makes them again from
+any results file, that of a run killed half way included (``chatlearn-mem bench-report PATH``).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,25 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from chatlearn_mem.checkpoint import write_json_atomic
 from chatlearn_mem_bench.config import PARTS
+from chatlearn_mem_bench.plan import format_bytes
 
-__all__ = ["SUFFIXES", "free_stem", "markdown", "plot", "print_targets", "write_outputs"]
+__all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "plot", "print_targets", "rebuild",
+           "write_outputs"]
 
 MiB = 2**20
+
+
+def missing_summary(res: dict) -> str:
+    """What an incomplete run did not measure, one sentence; empty for a complete run."""
+    if res.get("complete", True):
+        return ""
+    missing = res.get("missing_parts", [])
+    what = [f"parts {', '.join(missing)}" if missing else "", "" if "cycles" in res else "the repeated full cycles",
+            "" if "integrity" in res else "the integrity check"]
+    return ("Incomplete run (stopped, killed or timed out): missing " + "; ".join(w for w in what if w) +
+            ". Every row below was measured; the targets cover those rows only.")
 
 
 def _ms(x: float) -> str:
@@ -26,6 +44,7 @@ def markdown(res: dict) -> str:
         f"Produced by `{res['command']}` (started {res['started_utc']}, "
         f"git {res.get('git_revision') or 'unknown'}).",
         "",
+        *([f"**{missing_summary(res)}**", ""] if missing_summary(res) else []),
         f"- device: {hw['device']}, {dev}; host memory {hw['memory_total_bytes'] / 2**30:.1f} GiB; "
         f"load average at start {', '.join(f'{x:.2f}' for x in hw['load_average_at_start'] or [])}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
@@ -36,6 +55,7 @@ def markdown(res: dict) -> str:
         f"- {res['config']['repeats']} timed repeats after {res['config']['warmup']} warm-up, methods interleaved; "
         "median with interquartile range (IQR). `manager is` compares IQRs: `noise` means the "
         "difference is within the measured spread.",
+        *_plan_lines(res),
         "",
         "## Time per part",
         "",
@@ -75,9 +95,25 @@ def markdown(res: dict) -> str:
             row += " / ".join(f"{s['cuda_allocated_bytes'] / MiB:.0f}" for s in (b, o, n)) + " | "
             row += " / ".join(f"{s['cuda_reserved_bytes'] / MiB:.0f}" for s in (b, o, n)) + " |"
         lines.append(row)
-    cyc = res["cycles"]
+    lines += _cycle_lines(res.get("cycles"))
+    lines += ["", "## Targets", ""]
+    if not res.get("complete", True):
+        lines += ["Targets of the rows measured so far: the run did not finish.", ""]
+    lines += ["| target | result | detail |", "|---|---|---|"]
+    for t in res.get("targets", []):
+        lines.append(f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |")
+    integ = res.get("integrity")
+    if integ:
+        lines += ["", f"Integrity: tensors bit-identical after every method: "
+                      f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.", ""]
+    return "\n".join(lines) + ("" if integ else "\n")
+
+
+def _cycle_lines(cyc) -> list[str]:
+    if not cyc:
+        return []
     rows = cyc["rows"]
-    lines += ["", f"## {len(rows)} repeated full cycles (manager)", "",
+    lines = ["", f"## {len(rows)} repeated full cycles (manager)", "",
               f"Cycle time (offload + onload) median {cyc['cycle_s_first_half']['median']:.3f} s "
               f"(IQR {cyc['cycle_s_first_half']['q25']:.3f}-{cyc['cycle_s_first_half']['q75']:.3f}) in the first half, "
               f"{cyc['cycle_s_second_half']['median']:.3f} s "
@@ -89,13 +125,35 @@ def markdown(res: dict) -> str:
                      f"{r['device_bytes_after_offload'] / MiB:.1f} / {r['device_bytes_after_onload'] / MiB:.1f} | "
                      f"{r['host_bytes_after_offload'] / MiB:.1f} | "
                      f"{r['rss_after_offload'] / MiB:.0f} / {r['rss_after_onload'] / MiB:.0f} |")
-    lines += ["", "## Targets", "", "| target | result | detail |", "|---|---|---|"]
-    for t in res["targets"]:
-        lines.append(f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |")
-    integ = res["integrity"]
-    lines += ["", f"Integrity: tensors bit-identical after every method: "
-                  f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _plan_lines(res: dict) -> list[str]:
+    """The host memory plan, the time estimate against the measured seconds, who pays empty_cache."""
+    out = []
+    plan = res.get("host_memory_plan")
+    if plan:
+        peak = plan.get("rss_bytes_peak")
+        measured = (f"; process RSS {format_bytes(plan['rss_bytes_at_start'])} when planned, peak (ru_maxrss) "
+                    f"{format_bytes(peak)}" if peak else "")
+        usable = plan.get("usable_bytes_at_start")
+        out.append(f"- host memory plan (checked before the first timing): peak {format_bytes(plan['pinned_bytes'])} "
+                   f"pinned + {format_bytes(plan['pageable_bytes'])} pageable"
+                   + (f" of {format_bytes(usable)} usable" if usable else "") + measured)
+    est = res.get("time_estimate")
+    if est:
+        done = res.get("part_seconds", {})
+        per = ", ".join(f"{p} {s:.0f} s" + (f" (took {done[p]:.0f} s)" if p in done else "")
+                        for p, s in est["parts_s"].items())
+        took = f"; took {res['elapsed_seconds']:.0f} s" if "elapsed_seconds" in res else ""
+        out.append(f"- time estimate {est['total_s']:.0f} s{took}: setup {est['setup_s']:.0f} s "
+                   f"(took {res.get('setup_seconds', 0):.0f} s), {per}, cycles {est['cycles_s']:.0f} s")
+    pays = res.get("pays_empty_cache")
+    if pays and res["hardware"]["device"].startswith("cuda"):
+        out.append("- `torch.cuda.empty_cache()` after releasing device memory: paid by "
+                   + ", ".join(m for m, p in pays.items() if p) + "; not by "
+                   + (", ".join(m for m, p in pays.items() if not p) or "none"))
+    return out
 
 
 def plot(res: dict, path: Path) -> None:
@@ -124,12 +182,13 @@ def plot(res: dict, path: Path) -> None:
     ax1.set_xticks(range(len(groups)), [f"{p}\n{d}" for p, d in groups], fontsize=8)
     ax1.set_ylabel("wall time, ms (median, IQR bars)")
     ax1.set_yscale("log")
-    ax1.set_title(f"Time per part per method ({res['hardware'].get('gpu_name') or res['hardware']['cpu_model']})")
+    ax1.set_title(f"Time per part per method ({res['hardware'].get('gpu_name') or res['hardware']['cpu_model']})"
+                  + ("" if res.get("complete", True) else f"; missing: {', '.join(res.get('missing_parts', []))}"))
     ax1.legend(fontsize=8)
 
     cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
     stages = ("before", "after_offload", "after_onload")
-    parts = PARTS
+    parts = [p for p in PARTS if any(x["part"] == p and x["method"] == "manager" for x in res["memory"])]
     key = "cuda_reserved_bytes" if cuda else "device_bytes"
     width = 0.8 / len(stages)
     for i, stage in enumerate(stages):
@@ -169,15 +228,49 @@ def write_outputs(res: dict, out_dir: Path, stem: str, plot: bool = True, quiet:
     Replaces files of that stem: pick the stem with :func:`free_stem`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
-    paths[0].write_text(json.dumps(res, indent=1) + "\n")
+    write_json_atomic(paths[0], res)  # a run killed mid-write leaves the previous part's results
     md = markdown(res)
-    paths[1].write_text(md)
+    tmp = paths[1].with_name(f".{paths[1].name}.tmp")
+    tmp.write_text(md)
+    tmp.replace(paths[1])
     if plot:
         paths.append(out_dir / f"{stem}.png")
         globals()["plot"](res, paths[-1])
     if not quiet:
         print(md.split("## Targets")[0])
     return paths
+
+
+def rebuild(json_path: Path, plot: bool = True) -> tuple[dict, list[Path]]:
+    """Write ``<stem>.md`` (and ``.png``) next to a results JSON again, from it alone; for a run
+    that did not finish, with the targets of the rows it measured.
+
+    Returns:
+        The results read and the paths written.
+
+    Raises:
+        FileNotFoundError / ValueError: No such file, or not a benchmark's results (the command
+            prints either as one ``error:`` line).
+    """
+    from chatlearn_mem_bench.run import check_targets
+
+    json_path = Path(json_path)
+    try:
+        res = json.loads(json_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{json_path} is not JSON ({e}); pass the .json a benchmark run wrote") from None
+    if not isinstance(res, dict) or not {"timings", "memory", "hardware", "config"} <= set(res):
+        raise ValueError(f"{json_path} is not a chatlearn-mem benchmark's results (no timings, memory, hardware "
+                         "and config); pass the .json that `chatlearn-mem bench` wrote")
+    if not res.get("complete", True):
+        res["targets"] = check_targets(res)
+    stem, out_dir = json_path.stem, json_path.parent
+    paths = [out_dir / f"{stem}.md"]
+    paths[0].write_text(markdown(res))
+    if plot:
+        paths.append(out_dir / f"{stem}.png")
+        globals()["plot"](res, paths[-1])
+    return res, paths
 
 
 def print_targets(res: dict, echo: Callable[[str], None] = print) -> None:

@@ -1,4 +1,5 @@
-"""The ``chatlearn-mem`` command: ``ppo`` runs a colocated PPO job, ``bench`` the memory benchmark.
+"""The ``chatlearn-mem`` command: ``ppo`` runs a colocated PPO job, ``bench`` the memory benchmark,
+``bench-report`` redraws a benchmark's markdown and plot from its JSON.
 
 Both subcommands read their config the same way, through the project's one loader
 (:func:`chatlearn_mem.config.load_config`): ``--config`` takes a preset name or the path of a YAML
@@ -109,6 +110,29 @@ def bench(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_
         from chatlearn_mem_bench.run import run_and_report
 
         run_and_report(cfg, command, quiet=quiet, echo=typer.echo)
+
+    _guarded(run)
+
+
+@app.command("bench-report")
+def bench_report(results: str = typer.Argument(..., help="the .json a benchmark run wrote (finished or not)"),
+                 plot: bool = typer.Option(True, "--plot/--no-plot", help="draw the PNG too"),
+                 ) -> None:
+    """Rebuild a benchmark's markdown and PNG next to its JSON, from the JSON alone: for a run that
+    was killed or timed out, every part it finished, the targets of those rows, and what is missing."""
+
+    def run() -> None:
+        from pathlib import Path
+
+        from chatlearn_mem_bench.report import missing_summary, rebuild
+
+        try:
+            res, paths = rebuild(Path(results), plot=plot)
+        except ValueError as e:  # not a benchmark's results
+            raise _fail(str(e), 2) from None
+        for p in paths:
+            typer.echo(f"wrote {p}")
+        typer.echo(missing_summary(res) or "complete run")
 
     _guarded(run)
 

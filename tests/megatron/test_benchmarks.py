@@ -1,7 +1,15 @@
 """Smoke test of the memory benchmark (tiny trainer, a few seconds): it runs end to end and its
-outputs hold every figure. Targets are only checked to exist; wall-clock results are never asserted."""
+outputs hold every figure; a run killed half way keeps its finished parts and its report is rebuilt
+from them; a host memory plan that does not fit is refused before anything is measured; the GPU
+methods' pinned buffers are allocated and freed as documented. Targets are only checked to exist;
+wall-clock results are never asserted."""
 
 import json
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -18,14 +26,33 @@ from chatlearn_mem_ray.cli import app  # noqa: E402
 
 
 def test_benchmark_end_to_end(dist1, tmp_path):
-    result = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=smoke", "-q"])
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=smoke", "-q",
+                                      "revision=abc123"])
     assert result.exit_code == 0, result.output
     out = result.output
     assert out.startswith("command: chatlearn-mem bench --config tiny")
     last = out.strip().splitlines()
     assert last[-1].startswith("== ") and "targets met" in last[-1]  # targets are printed last
+    # the plan and the estimate come before anything is timed (and so before the results file)
+    assert out.index("host memory plan: peak ") < out.index("time estimate: ") < out.index("results so far in ")
 
     res = json.loads((tmp_path / "smoke.json").read_text())
+    assert res["git_revision"] == "abc123" and res["complete"] and res["missing_parts"] == []
+    assert list(res["part_seconds"]) == list(PARTS) and res["time_estimate"]["total_s"] > 0
+    # The plan from the config alone matches the trainer's bytes, and its figures are the run's own:
+    # the manager's store is what residency() reports, the ceiling buffer the full copy, allocated once.
+    from chatlearn_mem_bench.config import load_config
+    from chatlearn_mem_bench.plan import estimate_part_sizes, part_bytes
+
+    assert part_bytes(estimate_part_sizes(load_config("tiny").trainer)) == res["model"]["bytes_per_part"]
+    plan = {i["what"]: i for i in res["host_memory_plan"]["items"]}
+    assert plan["manager host store"]["bytes"] == res["cycles"]["rows"][0]["host_bytes_after_offload"]
+    full = res["model"]["bytes_per_part"]["full"]
+    assert plan["ceiling host buffer (shared with release_bound)"]["bytes"] == full
+    assert {x["host_bytes"] for x in res["memory"] if x["method"] == "ceiling"} == {full}  # every part: no re-pinning
+    assert res["host_memory_plan"]["peak_bytes"] == (res["host_memory_plan"]["pinned_bytes"]
+                                                     + res["host_memory_plan"]["pageable_bytes"]) > 0
+    assert not any(res["pays_empty_cache"].values())  # CPU: no CUDA cache to empty
     assert (tmp_path / "smoke.md").read_text().count("| manager |") >= 10
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert res["command"].startswith("chatlearn-mem bench --config tiny")
@@ -107,3 +134,135 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert not any(n.startswith("full ") for n in (t["name"] for t in res["targets"]))  # CPU: per part only
     assert any(n.endswith("faster than replace_rebuild") for n in targets)
     assert "CUDA reserved MiB" in markdown(gpu)
+
+
+# -- a run cut short ---------------------------------------------------------------------------
+def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_ones(tmp_path):
+    """SIGKILL once the first part's rows are in the JSON: those rows stay, and the markdown and the
+    PNG are rebuilt from the JSON alone, naming what is missing. Before: results were written only
+    at the end, so a killed or timed-out run left nothing."""
+    out = tmp_path / "bench"
+    path = out / "k.json"
+    proc = subprocess.Popen([sys.executable, "-m", "chatlearn_mem_ray", "bench", "--config", "tiny",
+                             f"output_dir={out}", "name=k", "repeats=100", "plot=false", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if path.exists() and json.loads(path.read_text())["part_seconds"]:  # written atomically
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-3000:]
+
+    res = json.loads(path.read_text())
+    done = list(res["part_seconds"])
+    missing = [p for p in PARTS if p not in done]
+    assert not res["complete"] and done == list(PARTS[:len(done)]) and missing and res["missing_parts"] == missing
+    assert "cycles" not in res and "integrity" not in res
+    rows = {(r["part"], r["method"], r["direction"]) for r in res["timings"]}
+    for part in done:
+        for m in ("manager", "ceiling", "release_bound"):
+            assert {(part, m, "offload"), (part, m, "onload")} <= rows
+    assert not any(r["part"] in missing for r in res["timings"])
+    assert all(len(r["samples_s"]) == 100 for r in res["timings"])
+    assert "Incomplete run" in (out / "k.md").read_text()  # the markdown written with every part says so too
+
+    (out / "k.md").unlink()
+    result = CliRunner().invoke(app, ["bench-report", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out / 'k.md'}" in result.output and f"wrote {out / 'k.png'}" in result.output
+    assert (out / "k.png").stat().st_size > 10_000
+    md = (out / "k.md").read_text()
+    assert f"missing parts {', '.join(missing)}; the repeated full cycles; the integrity check" in md
+    assert "| weights | offload | manager |" in md and f"| {missing[-1]} | offload | manager |" not in md
+    assert "| weights offload: manager >= 0.8 of ceiling |" in md  # the targets of the rows measured
+    assert "## Targets" in md and "no growth" not in md
+
+
+def test_bench_report_refuses_a_file_that_is_not_a_benchmark_results_json(tmp_path):
+    (tmp_path / "log.json").write_text(json.dumps({"iterations": []}))
+    result = CliRunner().invoke(app, ["bench-report", str(tmp_path / "log.json")])
+    assert result.exit_code == 2 and "is not a chatlearn-mem benchmark's results" in result.output
+    assert "Traceback" not in result.output
+
+
+# -- host memory --------------------------------------------------------------------------------
+def test_a_plan_that_does_not_fit_is_refused_before_anything_is_measured(dist1, tmp_path, monkeypatch):
+    """The usable host memory forced low: one error line with the planned pinned and pageable bytes,
+    the usable bytes and a preset that fits; no part timed, no file written."""
+    from chatlearn_mem import host_memory
+    import chatlearn_mem_bench.run as run
+
+    usable = 2**30 + 50 * 2**20  # the default 1 GiB margin + 50 MiB
+    monkeypatch.setattr(host_memory, "usable_host_memory",
+                        lambda: host_memory.HostMemory(usable, (("MemAvailable", usable),)))
+    timed = []
+    monkeypatch.setattr(run, "_time_part", lambda *args: timed.append(args[0]) or [])
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "trainer.num_layers=8", "trainer.hidden_size=256",
+                                      f"output_dir={tmp_path}", "name=r", "-q"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert re.fullmatch(
+        r"error: the benchmark would hold up to 0\.0 MiB pinned \+ (\d+\.\d) MiB pageable = \1 MiB of host "
+        r"memory, but the process can use 50\.0 MiB \(MemAvailable 1\.05 GiB; minus a 1\.00 GiB margin\); nothing "
+        r"was measured\. Use a smaller preset: --config tiny \(plans \d+\.\d MiB\), or fewer alternatives "
+        r"\(methods=\[\]\)\.", errors[0]), errors[0]
+    assert float(re.search(r"\+ (\d+\.\d) MiB", errors[0]).group(1)) > 50
+    assert result.output.index("host memory plan: peak") < result.output.index("error:")
+    assert timed == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def fake_cuda_pinning(monkeypatch):
+    """cudaHostRegister / cudaHostUnregister stand-ins recording the pointers and sizes (the GPU
+    methods' pinning logic, run on CPU; the real calls run in tests/gpu)."""
+    import chatlearn_mem.host_store as host_store
+
+    calls = {"register": [], "unregister": []}
+    monkeypatch.setattr(host_store, "_register", lambda b: calls["register"].append((b.data_ptr(), b.numel())))
+    monkeypatch.setattr(host_store, "_unregister", lambda ptrs: (calls["unregister"].extend(ptrs), ptrs.clear()))
+    return calls
+
+
+def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinning):
+    """The ceiling pins one host buffer for the run (none per part) and unpins it at the end;
+    fresh_host_alloc pins a new buffer of each storage's exact size on every offload and unpins it
+    after the onload. Before: both went through torch's caching pinned allocator, whose cached
+    blocks fresh_host_alloc reused (never allocating) and whose power-of-two blocks the ceiling
+    took again for every part."""
+    from chatlearn_mem import MemoryConfig, TrainerMemoryManager
+    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, logical_tensors, part_storages
+
+    cfg = gpt.GPTTrainerConfig()
+    trainer = gpt.build_gpt_trainer(cfg)
+    trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=2))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
+    try:
+        ceiling = CeilingMethod(mm, trainer, pin=True)
+        ceiling.prepare(device_bytes=4096, host_bytes=3000)
+        for n in (1000, 3000, 2000):  # one buffer sliced per part
+            ceiling.use(n)
+            assert ceiling.offload("weights") == n and ceiling.onload("weights") == n
+        assert [n for _, n in fake_cuda_pinning["register"]] == [3000] and not fake_cuda_pinning["unregister"]
+        ceiling.release()
+        assert fake_cuda_pinning["unregister"] == [fake_cuda_pinning["register"][0][0]]
+
+        fresh = FreshHostAlloc(mm, trainer, pin=True)
+        sizes = sorted(s.nbytes() for s in part_storages(mm, "optimizer_states"))
+        states = logical_tensors(mm, trainer, "optimizer_states")
+        before = [t.detach().clone() for t in states]
+        for cycle in range(3):
+            fake_cuda_pinning["register"].clear()
+            fake_cuda_pinning["unregister"].clear()
+            assert fresh.offload("optimizer_states") == sum(sizes)
+            assert sorted(n for _, n in fake_cuda_pinning["register"]) == sizes  # new, exact, every cycle
+            assert fresh.host_bytes() == (sum(sizes), sum(sizes)) and not fake_cuda_pinning["unregister"]
+            fresh.onload("optimizer_states")
+            assert sorted(fake_cuda_pinning["unregister"]) == sorted(p for p, _ in fake_cuda_pinning["register"])
+            assert fresh.host_bytes() == (0, 0)
+        assert all(a.equal(b) for a, b in zip(before, states)) and mm.audit().ok
+    finally:
+        mm.close()
