@@ -12,32 +12,48 @@ Anywhere, without a GPU (CI runs this; it needs the [test] install)::
 
 The dry run does everything up to the first CUDA call: checks the wheelhouse (every package the GPU
 machine lacks, one version each, built for CPython 3.12 on x86-64 Linux, within the 64 MiB a
-device call may carry), resolves the benchmark and PPO configs with the overrides below, imports
-every module the GPU run imports, collects the GPU tier, and prints the plan (steps, commands,
-time limits, output files). Then it stops with one line saying so.
+device call may carry, and the source revision it was built from), resolves the benchmark and PPO
+configs, plans the benchmark's host memory and estimates its time from the config alone (and fails
+when either exceeds its bound: :data:`HOST_BOUND_BYTES`, the step's budget), imports every module
+the GPU run imports, collects the GPU tier, and prints the plan (steps, commands, time budgets,
+output files). Then it stops with one line saying so.
 
-Steps (each a fresh process, so one crash or CUDA error cannot take the others with it; results
-are written after every step, so a run cut short still leaves what it measured):
+Steps, in this order (each a fresh process in its own process group, so one crash or CUDA error
+cannot take the others with it; each within its time budget, :data:`BUDGET_S`, which add up to
+:data:`TOTAL_BUDGET_S` = 480 s of the 600 s one device call may run, the rest for installing the
+wheelhouse and writing the summary; a step that ends early leaves its unused seconds to the next):
 
 1. ``tests``  ``pytest tests/gpu`` (exactness with NCCL, policy + critic sharing the GPU, allocated
    and reserved bytes after offload with and without expandable segments, pinned host store,
    device OOM during onload, Transformer Engine layer spec when TE imports, the device report).
 2. ``report`` what stays on the device after a full offload of the PPO preset's policy trainer
    (about 0.35 B parameters) once NCCL has a communicator: :func:`chatlearn_mem.device_report`.
-3. ``bench``  ``chatlearn-mem bench --config gpu`` with fewer repeats (fits the 10 minutes); its
-   targets are printed PASS/MISS against the pinned ceiling measured in the same run.
-4. ``ppo``    ``chatlearn-mem ppo --config gpu`` scaled to one GPU (one rank, 3 iterations plus one
-   with the manager off, short sequences).
+3. ``bench``  ``chatlearn-mem bench --config gpu`` (the preset is sized for this step's budget: its
+   estimate is printed before it runs); its targets are printed PASS/MISS against the pinned
+   ceiling measured in the same run.
+4. ``ppo``    optional, last: ``chatlearn-mem ppo --config gpu`` scaled to one GPU (one rank, 2
+   iterations plus one with the manager off, short sequences). Its outcome is reported but does
+   not change the exit status.
+
+Everything is written under ``--out`` as it happens: each step's output streams into
+``<stem>_validation/<step>.log`` (with ``junit.xml`` and ``report.json``), the summary is rewritten
+after every step, the benchmark rewrites its JSON after every part and the PPO run its log after
+every iteration; a step cut off by its budget keeps what it wrote, and the benchmark's markdown
+and plot are rebuilt from its partial JSON.
 
 Outputs (``--out``, default ``benchmarks/results``; ``<stem>`` = ``<date>_gpu-<gpu name>``):
 ``<stem>_validation.{json,md,png}`` (every step's status, the test outcomes, the device reports,
 the bench targets, the PPO summary; the PNG shows what stays on the device and the bench's
-throughput per method), ``<stem>.{json,md,png}`` (the benchmark's own files) and
-``<stem>_ppo/{log.json,memory_timeline.png}``: 8 files, what one device call can bring back.
+throughput per method), ``<stem>_validation/`` (the step logs), ``<stem>.{json,md,png}`` (the
+benchmark's own files) and ``<stem>_ppo/{log.json,memory_timeline.png}``.
 
-Exit status: 0 when every step ran and every GPU test passed or was skipped; 1 otherwise; 2 for a
-setup problem (no CUDA without --dry-run, a wheelhouse that is incomplete). Benchmark targets are
-data, not failures.
+The source revision is recorded in every result: ``--revision``, else ``git rev-parse HEAD`` of this
+checkout, else the ``REVISION`` file ``scripts/gpu_wheelhouse.sh`` writes into the wheelhouse (the
+copy on the GPU machine has no ``.git``); a run without one stops before it starts.
+
+Exit status: 0 when every required step ran and every GPU test passed or was skipped; 1 otherwise;
+2 for a setup problem (no CUDA without --dry-run, a wheelhouse that is incomplete, no revision).
+Benchmark targets are data, not failures.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -70,17 +87,28 @@ it without Java, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web cl
 CARRY_LIMIT = 64 * 2**20
 WHEELHOUSE_LIMIT = 60 * 2**20  # the rest of the 64 MiB is the repository itself
 
-BENCH_OVERRIDES = ("repeats=5", "warmup=1", "cycles=10")
-"""The gpu preset, fewer repeats: the whole validation must end within one 10-minute device call."""
-PPO_OVERRIDES = ("parallel.world_size=1", "parallel.tensor_model_parallel_size=1", "ppo.iterations=3",
+PPO_OVERRIDES = ("parallel.world_size=1", "parallel.tensor_model_parallel_size=1", "ppo.iterations=2",
                  "ppo.prompts_per_iteration=64", "ppo.prompt_length=64", "ppo.response_length=64",
                  "ppo.minibatch_size=16", "memory.compare_iterations=1", "memory.verify_sync=true",
                  "ray.cpus_per_rank=4")
-"""configs/ppo/gpu.yaml (8 ranks, TP=2) scaled to one GPU and about two minutes."""
+"""configs/ppo/gpu.yaml (8 ranks, TP=2) scaled to one GPU and its step's budget."""
 STEPS = ("tests", "report", "bench", "ppo")
-TIMEOUTS_S = {"tests": 240, "report": 120, "bench": 360, "ppo": 240}
-MIN_S = {"tests": 60, "report": 30, "bench": 150, "ppo": 90}
-"""A step starts only when at least this much of the time budget is left."""
+OPTIONAL = ("ppo",)
+"""Steps whose outcome does not change the exit status (run last, when their budget is left)."""
+BUDGET_S = {"tests": 120, "report": 60, "bench": 180, "ppo": 120}
+"""Seconds each step may run; a step that ends early leaves the rest to the next one."""
+TOTAL_BUDGET_S = 480
+"""What the steps may take together: one device call runs at most 600 s, and installing the
+wheelhouse (about 30 s), starting Python and writing the summary need the rest."""
+MIN_STEP_S = 20
+"""A step with less than this left of the budget is skipped, not started."""
+ESTIMATE_SHARE = 0.9
+"""The benchmark's estimate may use at most this share of its step's budget."""
+GPU_HOST_BYTES = 128 * 2**30
+"""Host memory of the GPU machine."""
+HOST_BOUND_BYTES = GPU_HOST_BYTES // 2
+"""The benchmark's planned host memory peak (pinned + pageable) must stay under this: half the
+machine, leaving the rest to the process itself, the CUDA driver, the page cache and the other steps."""
 
 
 def _say(line: str) -> None:
@@ -133,7 +161,14 @@ def check_wheelhouse(path: Path) -> list[str]:
     rays = [f for f in files if RAY_ARCHIVE.match(f)]
     if len(rays) != 1:
         problems.append(f"want one ray-<version>-cp312-pruned.tar.xz, found {rays or 'none'}")
-    unknown = [f for f in files if f not in wheels and f not in rays]
+    built_from, here = wheelhouse_revision(path), _checkout_revision()
+    if not built_from:
+        problems.append(f"no {REVISION_FILE} file (the source revision the wheel was built from): run "
+                        "`bash scripts/gpu_wheelhouse.sh` again")
+    elif here and here.split("+")[0] != built_from.split("+")[0]:
+        problems.append(f"built from {built_from}, but this checkout is at {here}: run `bash scripts/gpu_wheelhouse.sh` "
+                        "again")
+    unknown = [f for f in files if f not in wheels and f not in rays and f != REVISION_FILE]
     if unknown:
         problems.append(f"files that are neither wheels nor the Ray archive: {', '.join(unknown)}")
     total = sum((path / f).stat().st_size for f in files)
@@ -148,28 +183,60 @@ def _repo_version() -> str:
     return re.search(r'^version = "([^"]+)"', text, re.M).group(1)
 
 
+REVISION_FILE = "REVISION"
+"""The wheelhouse's record of the source revision its chatlearn-mem wheel was built from."""
+
+
+def wheelhouse_revision(path: Path) -> str | None:
+    """The revision in ``path/REVISION`` (None when there is none)."""
+    try:
+        return (Path(path) / REVISION_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _checkout_revision() -> str | None:
+    from chatlearn_mem_bench.measure import git_revision
+
+    return git_revision(REPO)
+
+
+def source_revision(explicit: str | None, wheelhouse: str | None) -> tuple[str | None, str]:
+    """The revision to record and where it came from: ``--revision``, else this checkout's git
+    ``HEAD``, else the wheelhouse's ``REVISION`` (a copy of the repository without ``.git``)."""
+    if explicit:
+        return explicit, "--revision"
+    here = _checkout_revision()
+    if here:
+        return here, f"git in {REPO}"
+    wh = Path(wheelhouse) if wheelhouse else REPO / ".whl"
+    built_from = wheelhouse_revision(wh)
+    return (built_from, f"{wh / REVISION_FILE}") if built_from else (None, "")
+
+
 # -- the plan ---------------------------------------------------------------------------------------
 def gpu_slug(name: str) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``gpu-nvidia-h100-80gb-hbm3`` (the benchmark's own naming)."""
     return "gpu-" + re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
 
 
-def plan(out: Path, stem: str, steps: list[str], work: Path) -> list[dict]:
-    """The steps to run: name, command, time limit and the files each writes."""
+def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> list[dict]:
+    """The steps to run, in order: name, command, time budget and the files each writes."""
     py = sys.executable
     cmds = {
         "tests": [py, "-m", "pytest", "tests/gpu", "-v", "-rA", "-p", "no:cacheprovider",
                   f"--junitxml={work / 'junit.xml'}"],
         "report": [py, str(Path(__file__).resolve()), "--report-json", str(work / "report.json")],
-        "bench": [py, "-m", "chatlearn_mem_ray", "bench", "--config", "gpu", *BENCH_OVERRIDES,
-                  f"output_dir={out}", f"name={stem}", "-q"],
+        "bench": [py, "-m", "chatlearn_mem_ray", "bench", "--config", "gpu", f"output_dir={out}", f"name={stem}",
+                  f"revision={revision}", "-q"],
         "ppo": [py, "-m", "chatlearn_mem_ray", "ppo", "--config", "gpu", *PPO_OVERRIDES,
                 f"output_dir={out / (stem + '_ppo')}"],
     }
     outputs = {"tests": [], "report": [], "bench": [out / f"{stem}.{x}" for x in ("json", "md", "png")],
                "ppo": [out / f"{stem}_ppo" / "log.json", out / f"{stem}_ppo" / "memory_timeline.png"]}
-    return [{"step": s, "command": cmds[s], "timeout_s": TIMEOUTS_S[s], "outputs": [str(p) for p in outputs[s]]}
-            for s in steps]
+    return [{"step": s, "command": cmds[s], "budget_s": BUDGET_S[s], "optional": s in OPTIONAL,
+             "log": str(work / f"{s}.log"), "outputs": [str(p) for p in outputs[s]]}
+            for s in STEPS if s in steps]
 
 
 def _resolve_configs() -> dict:
@@ -177,9 +244,47 @@ def _resolve_configs() -> dict:
     from chatlearn_mem_bench.config import load_config as bench_config
     from chatlearn_mem_ray.config import load_config as ppo_config
 
-    bench = bench_config("gpu", list(BENCH_OVERRIDES))
+    bench = bench_config("gpu")
     ppo = ppo_config("gpu", list(PPO_OVERRIDES))
     return {"bench": bench.model_dump(mode="json"), "ppo": json.loads(ppo.model_dump_json())}
+
+
+def bench_outlook():
+    """The gpu bench preset's host memory plan and time estimate from its config (nothing built),
+    as the GPU machine will run it: pinned buffers, megatron-core 0.19 (its own offload calls)."""
+    from chatlearn_mem import MemoryConfig
+    from chatlearn_mem_bench.config import load_config
+    from chatlearn_mem_bench.plan import estimate_part_sizes, estimate_seconds, plan_host_memory
+
+    cfg = load_config("gpu")
+    sizes = estimate_part_sizes(cfg.trainer)
+    host = plan_host_memory(sizes, methods=cfg.methods, cuda=True, pin=True,
+                            bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes)
+    time_s = estimate_seconds(sizes, methods=cfg.methods, repeats=cfg.repeats, warmup=cfg.warmup, cycles=cfg.cycles,
+                              cuda=True, pin=True)
+    return host, time_s
+
+
+def check_bounds(steps: list[str]) -> tuple[list[str], list[str]]:
+    """Lines to print and problems: the budgets add up to at most :data:`TOTAL_BUDGET_S`, the
+    bench's estimate fits :data:`ESTIMATE_SHARE` of its budget, its host plan :data:`HOST_BOUND_BYTES`."""
+    lines, problems = [], []
+    total = sum(BUDGET_S[s] for s in steps)
+    lines.append(f"time budget: {' + '.join(f'{s} {BUDGET_S[s]}' for s in steps)} = {total} s "
+                 f"(at most {TOTAL_BUDGET_S} s); {', '.join(o for o in OPTIONAL if o in steps) or 'no step'} optional")
+    if sum(BUDGET_S.values()) > TOTAL_BUDGET_S:
+        problems.append(f"the step budgets add up to {sum(BUDGET_S.values())} s, over {TOTAL_BUDGET_S} s")
+    if "bench" in steps:
+        host, time_s = bench_outlook()
+        lines += [f"bench {host.summary()}", f"bench {time_s.summary()}"]
+        if host.peak_bytes > HOST_BOUND_BYTES:
+            problems.append(f"the bench plans {host.peak_bytes / 2**30:.1f} GiB of host memory, over its bound of "
+                            f"{HOST_BOUND_BYTES / 2**30:.0f} GiB (half the GPU machine's "
+                            f"{GPU_HOST_BYTES / 2**30:.0f} GiB): shrink configs/bench/gpu.yaml")
+        if time_s.total_s > ESTIMATE_SHARE * BUDGET_S["bench"]:
+            problems.append(f"the bench is estimated at {time_s.total_s:.0f} s, over {ESTIMATE_SHARE:.0%} of its "
+                            f"{BUDGET_S['bench']} s budget: shrink configs/bench/gpu.yaml (trainer, repeats, cycles)")
+    return lines, problems
 
 
 IMPORTS = ("torch", "numpy", "yaml", "typer", "matplotlib", "psutil", "pytest", "pydantic", "megatron.core",
@@ -252,6 +357,24 @@ def measure_device_report(cfg=None, batch_size: int = 4) -> dict:
 
 
 # -- running and summarising ------------------------------------------------------------------------
+_PYTEST_LINE = re.compile(r"^(tests/\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+
+
+def _pytest_log(path: Path) -> list[dict]:
+    """Outcomes of the tests a ``pytest -v`` log reports (for a run cut off before its junit file)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        m = _PYTEST_LINE.match(line)
+        if m:
+            out.append({"test": f"{Path(m.group(1)).stem}::{m.group(2)}", "outcome": m.group(3).lower(),
+                        "seconds": 0.0, "message": "from the log (the run was cut off before its junit file)"})
+    return out
+
+
 def _junit(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -272,13 +395,17 @@ def summarise(results: dict) -> str:
     """The markdown of a validation run."""
     env = results.get("environment", {})
     lines = [f"# chatlearn-mem GPU validation, {results['date']}", "",
-             f"Produced by `{results['command']}` (git {results.get('git_revision') or 'unknown'}).", "",
+             f"Produced by `{results['command']}` (git {results.get('git_revision') or 'unknown'}"
+             f"{', from ' + results['revision_source'] if results.get('revision_source') else ''}).", "",
              f"- GPU: {env.get('gpu_name', '?')} ({env.get('gpu_memory_bytes', 0) / 2**30:.1f} GiB), "
              f"driver {env.get('driver', '?')}; torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', '?')}), "
              f"megatron-core {env.get('megatron_core', '?')}, Python {env.get('python', '?')}",
-             "", "## Steps", "", "| step | status | seconds | detail |", "|---|---|---:|---|"]
+             "", "## Steps", "", f"Time budget {results.get('budget_s', TOTAL_BUDGET_S):.0f} s; a step that ends "
+             "early leaves its unused seconds to the next; optional steps do not change the exit status.", "",
+             "| step | status | seconds | limit s | detail |", "|---|---|---:|---:|---|"]
     for s in results["steps"]:
-        lines.append(f"| {s['step']} | {s['status']} | {s.get('seconds', 0):.0f} | {s.get('detail', '')} |")
+        lines.append(f"| {s['step']}{' (optional)' if s.get('optional') else ''} | {s['status']} | "
+                     f"{s.get('seconds', 0):.0f} | {s.get('limit_s', s.get('budget_s', 0)):.0f} | {s.get('detail', '')} |")
     tests = results.get("tests", [])
     if tests:
         lines += ["", "## GPU tests", "", "| test | outcome | seconds | message |", "|---|---|---:|---|"]
@@ -293,8 +420,19 @@ def summarise(results: dict) -> str:
     targets = results.get("bench_targets")
     if targets:
         met = sum(t["passed"] for t in targets)
-        lines += ["", f"## Benchmark targets ({met} of {len(targets)} met)", "", "| target | result | detail |",
-                  "|---|---|---|"]
+        lines += ["", f"## Benchmark targets ({met} of {len(targets)} met)", ""]
+        outlook = results.get("bench_outlook") or {}
+        plan, est = outlook.get("host_memory_plan"), outlook.get("time_estimate")
+        if plan and est:
+            took = outlook.get("part_seconds") or {}
+            lines += [f"Planned host memory peak {plan['pinned_bytes'] / 2**30:.2f} GiB pinned + "
+                      f"{plan['pageable_bytes'] / 2**30:.2f} GiB pageable; estimated "
+                      + ", ".join(f"{p} {s:.0f} s" + (f" (took {took[p]:.0f} s)" if p in took else " (not run)")
+                                  for p, s in est["parts_s"].items())
+                      + "; `empty_cache` paid by "
+                      + (", ".join(m for m, x in (outlook.get("pays_empty_cache") or {}).items() if x) or "none")
+                      + ".", ""]
+        lines += ["| target | result | detail |", "|---|---|---|"]
         lines += [f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |" for t in targets]
     ppo = results.get("ppo")
     if ppo:
@@ -355,9 +493,11 @@ def plot_summary(results: dict, path: Path) -> None:
 
 def write_results(results: dict, out: Path, stem: str) -> list[Path]:
     """``<stem>_validation.{json,md,png}`` under ``out``."""
+    from chatlearn_mem.checkpoint import write_json_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}_validation.{x}" for x in ("json", "md", "png")]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    write_json_atomic(paths[0], results)
     paths[1].write_text(summarise(results))
     plot_summary(results, paths[2])
     return paths
@@ -366,7 +506,7 @@ def write_results(results: dict, out: Path, stem: str) -> list[Path]:
 def _collect(step: str, results: dict, work: Path, entry: dict) -> None:
     """Read what a finished step wrote into ``results``."""
     if step == "tests":
-        results["tests"] = _junit(work / "junit.xml")
+        results["tests"] = _junit(work / "junit.xml") or _pytest_log(Path(entry["log"]))
         bad = [t for t in results["tests"] if t["outcome"] in ("failed", "error")]
         if bad:
             entry["status"] = "failed"
@@ -378,12 +518,20 @@ def _collect(step: str, results: dict, work: Path, entry: dict) -> None:
     elif step == "bench":
         path = Path(entry["outputs"][0])
         if path.exists():
+            from chatlearn_mem_bench.report import missing_summary, rebuild
+
             bench = json.loads(path.read_text())
-            results["bench_targets"] = bench["targets"]
+            if not bench.get("complete", True):  # cut off: its markdown and plot from what it measured
+                bench, _ = rebuild(path)
+            results["bench_targets"] = bench.get("targets", [])
             results["bench_timings"] = [{k: r[k] for k in ("part", "method", "direction", "gb_per_s")}
                                         for r in bench["timings"]]
-            met = sum(t["passed"] for t in bench["targets"])
-            entry["detail"] = f"{met} of {len(bench['targets'])} targets met; methods {', '.join(bench['methods'])}"
+            results["bench_outlook"] = {k: bench.get(k) for k in ("host_memory_plan", "time_estimate", "part_seconds",
+                                                                   "pays_empty_cache")}
+            met = sum(t["passed"] for t in results["bench_targets"])
+            entry["detail"] = (f"{met} of {len(results['bench_targets'])} targets met; methods "
+                               f"{', '.join(bench['methods'])}" + (f"; {missing_summary(bench)}"
+                                                                    if not bench.get("complete", True) else ""))
     elif step == "ppo":
         path = Path(entry["outputs"][0])
         if path.exists():
@@ -418,60 +566,74 @@ def _environment() -> dict:
     return env
 
 
-def run(args, steps: list[str]) -> int:
-    """The GPU run: every step in turn, results written after each."""
-    import tempfile
+def _run_step(command: list[str], log: Path, limit_s: float) -> tuple[str, str]:
+    """Run one step in its own process group, its output streamed into ``log``; at the limit the
+    whole group is killed (the PPO step's Ray workers included). Returns the status and the output."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit_s)
+            status = "ok" if code == 0 else f"exit {code}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"timed out after {limit_s:.0f} s"
+    return status, log.read_text(errors="replace")
 
+
+def run(args, steps: list[str]) -> int:
+    """The GPU run: every step in turn within the time budget, results written after each."""
     import torch
 
     if not torch.cuda.is_available():  # the first CUDA call
         _say("error: no CUDA device here (torch.cuda.is_available() is False). Run it on the GPU machine, "
              "or check the setup with --dry-run")
         return 2
-    from chatlearn_mem_bench.measure import git_revision
-
+    revision, source = source_revision(args.revision, args.wheelhouse)
+    if not revision:
+        _say("error: no source revision to record: pass --revision, run from a git checkout, or carry the "
+             "wheelhouse scripts/gpu_wheelhouse.sh filled (it writes .whl/REVISION)")
+        return 2
     env = _environment()
     date = _dt.date.today().isoformat()
     stem = f"{date}_{gpu_slug(env['gpu_name'])}"
     out = Path(args.out)
-    results = {"date": date, "command": shlex.join(sys.argv), "git_revision": git_revision(),
+    work = out / f"{stem}_validation"
+    work.mkdir(parents=True, exist_ok=True)
+    results = {"date": date, "command": shlex.join(sys.argv), "git_revision": revision, "revision_source": source,
                "environment": env, "steps": [], "budget_s": args.budget_s}
+    _say(f"revision {revision} (from {source}); logs under {work}")
+    for line in check_bounds(steps)[0]:
+        _say(line)
     started = time.monotonic()
     ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for entry in plan(out, stem, steps, work):
-            step = entry["step"]
-            left = args.budget_s - (time.monotonic() - started)
-            entry = {**entry, "command": shlex.join(entry["command"])}
-            if left < MIN_S[step]:
-                entry.update(status="skipped", detail=f"time budget: {left:.0f} s left, needs {MIN_S[step]} s")
-                results["steps"].append(entry)
-                ok = False
-                continue
-            timeout = min(entry["timeout_s"], left)
-            _say(f"step {step}: {entry['command']} (limit {timeout:.0f} s)")
+    entries = plan(out, stem, steps, work, revision)
+    for i, entry in enumerate(entries):
+        step = entry["step"]
+        later = sum(e["budget_s"] for e in entries[i + 1:])
+        limit = args.budget_s - (time.monotonic() - started) - later  # unused seconds roll forward
+        entry = {**entry, "command": shlex.join(entry["command"]), "limit_s": max(0.0, limit)}
+        if limit < MIN_STEP_S:
+            entry.update(status="skipped", detail=f"time budget: {limit:.0f} s left for it")
+            ok = ok and entry["optional"]
+        else:
+            _say(f"step {step}: {entry['command']} (limit {limit:.0f} s, output in {entry['log']})")
             t0 = time.monotonic()
-            try:
-                proc = subprocess.run(shlex.split(entry["command"]), cwd=REPO, timeout=timeout,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                text, status = proc.stdout, ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
-            except subprocess.TimeoutExpired as e:
-                text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-                status = f"timed out after {timeout:.0f} s"
+            status, text = _run_step(shlex.split(entry["command"]), Path(entry["log"]), limit)
             print(text[-6000:], flush=True)
             entry.update(status=status, seconds=time.monotonic() - t0, output_tail=text[-4000:])
             _collect(step, results, work, entry)
-            ok = ok and entry["status"] == "ok"
-            results["steps"].append(entry)
-            write_results(results, out, stem)
+            ok = ok and (entry["status"] == "ok" or entry["optional"])
             _say(f"step {step}: {entry['status']} in {entry['seconds']:.0f} s {entry.get('detail', '')}")
+        results["steps"].append(entry)
+        write_results(results, out, stem)
     paths = write_results(results, out, stem)
     for p in paths:
         _say(f"wrote {p}")
     for t in results.get("bench_targets", []):
         _say(f"{'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
-    _say("all steps ran, every GPU test passed or was skipped" if ok else "some steps failed: see the table above")
+    _say("every required step ran, every GPU test passed or was skipped" if ok
+         else "some steps failed: see the table above")
     return 0 if ok else 1
 
 
@@ -488,6 +650,12 @@ def dry_run(args, steps: list[str]) -> int:
             _say(f"wheelhouse {args.wheelhouse}: complete, {size / 2**20:.1f} MiB")
     else:
         _say("wheelhouse: not checked (no --wheelhouse)")
+    revision, source = source_revision(args.revision, args.wheelhouse)
+    if revision:
+        _say(f"revision: {revision} (from {source})")
+    else:
+        problems.append("no source revision: pass --revision, run from a git checkout, or fill the wheelhouse with "
+                        "scripts/gpu_wheelhouse.sh (it writes .whl/REVISION)")
     try:
         import warnings
 
@@ -495,12 +663,16 @@ def dry_run(args, steps: list[str]) -> int:
             warnings.simplefilter("ignore")
             configs = _resolve_configs()
         b, p = configs["bench"], configs["ppo"]
-        _say(f"bench config: preset gpu + {' '.join(BENCH_OVERRIDES)}: {b['trainer']['num_layers']} layers x "
+        _say(f"bench config: preset gpu: {b['trainer']['num_layers']} layers x "
              f"{b['trainer']['hidden_size']}, vocab {b['trainer']['vocab_size']}, repeats {b['repeats']}, "
              f"cycles {b['cycles']}, methods {', '.join(b['methods'])}")
         _say(f"ppo config: preset gpu + {' '.join(PPO_OVERRIDES)}: {p['parallel']['world_size']} rank(s), "
              f"{p['ppo']['iterations']} iterations, policy {p['policy']['num_layers']} layers x "
              f"{p['policy']['hidden_size']}")
+        lines, bounds = check_bounds(steps)
+        for line in lines:
+            _say(line)
+        problems += bounds
     except Exception as e:  # noqa: BLE001 - a ConfigError or an import problem, reported
         problems.append(f"config: {type(e).__name__}: {e}")
     problems += _import_all(steps)
@@ -513,10 +685,12 @@ def dry_run(args, steps: list[str]) -> int:
             _say(f"tests/gpu: {n} tests collected")
     stem = f"{_dt.date.today().isoformat()}_gpu-<gpu name>"
     out = Path(args.out)
-    _say(f"plan ({len(steps)} steps, time budget {args.budget_s} s; outputs under {out}):")
-    for entry in plan(out, stem, steps, Path("<tmp>")):
-        _say(f"  {entry['step']} (limit {entry['timeout_s']} s): {shlex.join(entry['command'])}")
-        for o in entry["outputs"]:
+    work = out / f"{stem}_validation"
+    _say(f"plan ({len(steps)} steps, time budget {args.budget_s:.0f} s; outputs under {out}):")
+    for entry in plan(out, stem, steps, work, revision or "<revision>"):
+        _say(f"  {entry['step']} (budget {entry['budget_s']} s{', optional' if entry['optional'] else ''}): "
+             f"{shlex.join(entry['command'])}")
+        for o in [entry["log"], *entry["outputs"]]:
             _say(f"      writes {o}")
     for x in ("json", "md", "png"):
         _say(f"  then writes {out / f'{stem}_validation.{x}'}")
@@ -535,8 +709,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where the results go")
     parser.add_argument("--wheelhouse", default=None, help="check this wheelhouse (e.g. .whl)")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
-    parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="seconds for all steps; a step with too little left is skipped (default 540)")
+    parser.add_argument("--budget-s", type=float, default=float(TOTAL_BUDGET_S),
+                        help=f"seconds for all steps; a step with too little left is skipped (default {TOTAL_BUDGET_S})")
+    parser.add_argument("--revision", default=None,
+                        help="source revision to record (default: git HEAD here, else the wheelhouse's REVISION)")
     parser.add_argument("--report-json", default=None, help=argparse.SUPPRESS)  # the report step's own process
     args = parser.parse_args(argv)
     if args.report_json:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU machine: install the carried wheelhouse (.whl/, made by scripts/gpu_wheelhouse.sh) into
-# /tmp/site, then run scripts/gpu_validate.py with the given arguments (e.g. --out "$OUT").
-# The device tool's call, from the repository root (carry the wheelhouse):
-#   run(command="bash scripts/gpu_validate.sh --out $OUT", carry=[".whl"], timeout_s=600)
-# If that runs out of time, two calls (each installs again; a fresh machine is bare):
-#   run(command="bash scripts/gpu_validate.sh --out $OUT --steps tests,report,bench", carry=[".whl"], timeout_s=600)
-#   run(command="bash scripts/gpu_validate.sh --out $OUT --steps ppo", carry=[".whl"], timeout_s=600)
+# On the GPU machine: install the wheelhouse copied along with the repository (.whl/, made by
+# scripts/gpu_wheelhouse.sh) into /tmp/site, then run scripts/gpu_validate.py with the given arguments.
+# From the repository root, in one command of at most 10 minutes (the steps take at most 480 s):
+#   bash scripts/gpu_validate.sh --out "$OUT"
+# Everything is written under --out as it happens, so a command cut short still leaves what it
+# measured. The PPO step runs last and is optional; to give it a command of its own (a fresh
+# machine installs again): --steps tests,report,bench, then --steps ppo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WH="${WHEELHOUSE:-.whl}"

@@ -2,18 +2,20 @@
 # Fill .whl/ (ignored by git) with what the GPU machine lacks, for scripts/gpu_validate.sh there.
 # Run it here, in the repository root, with network access to PyPI and the [test] install active.
 #
-# The GPU machine (see the device tool's README) has Python 3.12 with torch 2.11, numpy, typer,
+# The GPU machine has Python 3.12 with torch 2.11, numpy, typer,
 # PyYAML, matplotlib, psutil, pytest and Ray's smaller requirements, but no megatron-core, Ray,
 # pydantic or jsonschema, no network, and one call carries at most 64 MiB (repository included).
 # So: megatron-core 0.19.2, pydantic and its three helpers, jsonschema and its three helpers (cp312,
 # manylinux x86-64 wheels), this checkout's own wheel, and Ray repacked: its cp312 wheel is 79 MB,
 # so the Java jars, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web client (none used
-# by the PPO run) are left out and the rest compressed with xz (26 MB). Ends with
-# `gpu_validate.py --dry-run --wheelhouse .whl`, which checks the result.
+# by the PPO run) are left out and the rest compressed with xz (26 MB). Records the source revision
+# the wheel is built from in .whl/REVISION (the copy of the repository on the GPU machine has no
+# .git; gpu_validate.py records it from there). Ends with `gpu_validate.py --dry-run --wheelhouse .whl`,
+# which checks the result.
 #
-# Then, with the device tool (one call, at most 10 minutes; the command is under 2000 characters):
-#   run(command="bash scripts/gpu_validate.sh --out $OUT", carry=[".whl"], timeout_s=600)
-# and copy the 8 files it brings back into benchmarks/results/ (the PPO pair into a folder).
+# Then, on the GPU machine with .whl/ copied along (one command, at most 10 minutes):
+#   bash scripts/gpu_validate.sh --out "$OUT"
+# and copy what it writes under $OUT into benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WH=.whl
@@ -50,6 +52,10 @@ with zipfile.ZipFile(src) as zf, tarfile.open(dst, "w:xz", preset=6) as tf:
             tf.addfile(ti, f)
 PY
 python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$WH" . 2>&1 | grep -v "^WARNING: Location" || true
+python3 -c 'import sys; from chatlearn_mem_bench.measure import git_revision
+rev = git_revision(".")
+sys.exit("error: not a git checkout: the wheelhouse records the revision its wheel is built from") if not rev else print(rev)' \
+  > "$WH/REVISION"
 ls -l "$WH"
 du -sh "$WH"
 python3 scripts/gpu_validate.py --dry-run --wheelhouse "$WH"
