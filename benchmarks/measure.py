@@ -12,7 +12,7 @@ from typing import Callable
 import psutil
 import torch
 
-__all__ = ["copy_gbps", "git_revision", "stats", "timed", "compare", "memory_snapshot", "versions", "hardware",
+__all__ = ["host_bandwidths", "git_revision", "stats", "timed", "compare", "memory_snapshot", "versions", "hardware",
            "hardware_slug"]
 
 
@@ -42,17 +42,23 @@ def timed(fn: Callable[[], int], device: torch.device) -> tuple[float, int]:
     return time.perf_counter() - t0, out
 
 
-def copy_gbps(nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
-    """Bandwidth of one copy between two preallocated host buffers, GB/s (median of ``repeats``):
-    the CPU's ceiling, which the time estimate scales by."""
+def host_bandwidths(nbytes: int = 256 * 2**20, repeats: int = 5) -> dict:
+    """Two host bandwidths the time estimate scales by, GB/s (medians of ``repeats``): ``copy``, one
+    copy between touched buffers (the CPU's ceiling), and ``fresh``, touching fresh pages (page
+    faults, the kernel zeroing each page): a copy into a buffer allocated just before, less the
+    plain copy. What every allocation a method makes anew, and on CPU every regrow, costs."""
     src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src).fill_(0)
-    times = []
+    warm = torch.zeros(nbytes, dtype=torch.uint8)
+    fresh, reused = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / stats(times)["median"] / 1e9
+        torch.empty(nbytes, dtype=torch.uint8).copy_(src)
+        fresh.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        warm.copy_(src)
+        reused.append(time.perf_counter() - t0)
+    copy_s = stats(reused)["median"]
+    return {"copy": nbytes / copy_s / 1e9, "fresh": nbytes / max(stats(fresh)["median"] - copy_s, 1e-9) / 1e9}
 
 
 def compare(manager: dict, other: dict) -> str:

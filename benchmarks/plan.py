@@ -16,10 +16,17 @@ method starts. The peak pinned and peak pageable figures add the largest of thos
 held throughout; their sum is what the run is checked against.
 
 **Time** (:func:`estimate_seconds`). Every (part, method, direction) is timed ``warmup +
-repeats`` times after one untimed manager cycle per round; each costs its bytes over the
+repeats`` times after one untimed manager cycle per round. Each call costs its copy, over the
 bandwidth of its kind of host memory (on CUDA 55 GB/s pinned and 16 GB/s pageable, the H100
-figures in the design notes; on CPU one measured copy bandwidth) times the method's measured
-cost relative to the ceiling, :data:`METHOD_COST`.
+figures in the design notes; on CPU a copy measured at start), plus the fresh pages it touches
+(:data:`METHOD_PAGES`: host memory allocated anew, and on CPU released storages regrown) over the
+host's page-fault bandwidth, measured at start (:func:`chatlearn_mem_bench.measure.host_bandwidths`;
+pinning fresh pages counts twice), plus a fixed cost per call. Checked on a shared 2-core CPU:
+with the bandwidths measured there (copies 21 GB/s, fresh pages 5.6 GB/s) it gives 93 s for the
+``cpu`` preset, which took 92 s and 98 s in two runs (single parts off by up to 40%: weights
+under, grads over). Fresh pages are what make the alternatives slow, and they do not get faster
+with the copies: a model of each method's time as a multiple of the ceiling's does not carry
+over (2-10x the ceiling on that CPU, 2-4x on a slower-copying one).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from chatlearn_mem.host_memory import HostMemory, gib
 from chatlearn_mem.host_store import HostStore
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS
 
-__all__ = ["HostMemoryPlan", "HostMemoryPlanError", "METHOD_COST", "PAGEABLE_GBPS", "PINNED_GBPS", "TimeEstimate",
+__all__ = ["HostMemoryPlan", "HostMemoryPlanError", "METHOD_PAGES", "PAGEABLE_GBPS", "PINNED_GBPS", "TimeEstimate",
            "estimate_part_sizes", "estimate_seconds", "format_bytes", "measured_part_sizes", "method_parts", "part_bytes", "plan_host_memory",
            "refuse_unless_fits"]
 
@@ -44,20 +51,24 @@ DEVICE_FILL_GBPS = 1000.0
 """A device zero-fill (the grads rebuild) on a GPU, GB/s; an H100 writes about 3 TB/s."""
 CALL_OVERHEAD_S = 0.005
 """Fixed cost of one offload or onload call (Python, module walks, ``empty_cache``), seconds."""
+FRESH_PAGE_GBPS = 4.0
+"""Fresh host pages (page faults and zeroing), GB/s, where it cannot be measured (an estimate made
+for another machine): the low end of the 4.3-7.7 GB/s measured on a shared 2-core EPYC."""
 
-METHOD_COST = {
-    "manager": (1.4, 2.0),
-    "ceiling": (1.0, 1.0),
-    "release_bound": (1.1, 1.7),
-    "per_tensor_new_host": (3.5, 6.8),
-    "fresh_host_alloc": (3.4, 3.8),
-    "replace_rebuild": (4.0, 3.9),
-    "megatron_builtin": (1.4, 2.9),
+METHOD_PAGES = {
+    "manager": ((0, 0), (0, 1)),
+    "ceiling": ((0, 0), (0, 0)),
+    "release_bound": ((0, 0), (0, 1)),
+    "per_tensor_new_host": ((1, 0), (0, 1)),
+    "fresh_host_alloc": ((1, 0), (0, 1)),
+    "replace_rebuild": ((1, 0), (0, 1)),
+    "megatron_builtin": ((0, 0), (0, 1)),
 }
-"""``(offload, onload)`` time of each method over the ceiling's for the same bytes: the largest
-ratio over the copied parts in the committed CPU run ``results/2026-11-23_cpu-2core-xeon-24gib``
-(medians of 9 interleaved repeats), rounded up. On CPU those ratios include page zeroing that a
-GPU's ``cudaMalloc`` does not pay, so on CUDA they overestimate (a budget wants that side)."""
+"""Per method, ``(offload, onload)`` pairs of (fresh host bytes, regrown device bytes) per byte of
+the part: the alternatives allocate their host copies anew on every offload; everything that
+releases regrows on onload, which on CPU touches fresh pages (on CUDA a ``cudaMalloc``)."""
+PAGEABLE_METHODS = ("per_tensor_new_host", "replace_rebuild")
+"""Methods that copy through pageable host memory (the rest: pinned when pinning is on)."""
 
 
 class HostMemoryPlanError(ChatlearnMemError, MemoryError):
@@ -202,8 +213,10 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
                                                 for p in COPY_PARTS), pin),
              PlanItem("ceiling host buffer (shared with release_bound)", b[FULL], pin)]
     if not cuda:  # the "device" buffers are host memory
+        # release_bound's buffer is the part's size and held through the part's rounds (released
+        # only inside its own timed calls): count the largest part's for the whole run
         items += [PlanItem("ceiling device buffer", max(b[FULL], b[Part.GRADS.value]), False),
-                  PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False, "release_bound")]
+                  PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False)]
     for name in methods:
         if name == "per_tensor_new_host":
             items.append(PlanItem("per_tensor_new_host host copies", copy_max, False, name))
@@ -260,7 +273,7 @@ class TimeEstimate:
         per = ", ".join(f"{p} {s:.0f} s" for p, s in self.parts_s.items())
         bw = ", ".join(f"{k} {v:.0f} GB/s" for k, v in self.bandwidths_gbps.items())
         return (f"time estimate: {self.total_s:.0f} s = setup {self.setup_s:.0f} s + parts ({per}) + cycles "
-                f"{self.cycles_s:.0f} s (copies at {bw}, method costs measured on CPU)")
+                f"{self.cycles_s:.0f} s ({bw})")
 
     def to_dict(self) -> dict:
         return {"total_s": self.total_s, "setup_s": self.setup_s, "parts_s": dict(self.parts_s),
@@ -269,14 +282,15 @@ class TimeEstimate:
 
 def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], repeats: int, warmup: int,
                      cycles: int, cuda: bool, pin: bool, builtin_available: bool = True,
-                     copy_gbps: Optional[float] = None) -> TimeEstimate:
+                     copy_gbps: Optional[float] = None, fresh_gbps: Optional[float] = None) -> TimeEstimate:
     """Seconds a run with these parts and settings should take (sizes in, seconds out).
 
     Args:
         sizes: Byte size of every storage per part name.
         methods: The alternatives the run times.
-        copy_gbps: On CPU, the measured bandwidth of one copy between preallocated buffers (GB/s);
-            every copy and fill runs at it. Ignored on CUDA (:data:`PINNED_GBPS`, :data:`PAGEABLE_GBPS`).
+        copy_gbps: On CPU, the measured bandwidth of one copy between touched buffers (GB/s); every
+            copy and fill runs at it. Ignored on CUDA (:data:`PINNED_GBPS`, :data:`PAGEABLE_GBPS`).
+        fresh_gbps: Fresh host pages per second (GB/s), measured; default :data:`FRESH_PAGE_GBPS`.
     """
     if cuda:
         bw = {"pinned": PINNED_GBPS if pin else PAGEABLE_GBPS, "pageable": PAGEABLE_GBPS, "fill": DEVICE_FILL_GBPS}
@@ -284,19 +298,23 @@ def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         if not copy_gbps or copy_gbps <= 0:
             raise ValueError(f"copy_gbps must be > 0 on CPU, got {copy_gbps}")
         bw = {"pinned": copy_gbps, "pageable": copy_gbps, "fill": copy_gbps}
+    bw["fresh pages"] = fresh_gbps or FRESH_PAGE_GBPS
     b = part_bytes(sizes)
-    pageable = {"per_tensor_new_host", "replace_rebuild"}
 
     def call(name: str, part: str, direction: int) -> float:
-        factor = METHOD_COST[name][direction]
+        fresh, regrow = METHOD_PAGES[name][direction]
+        n = b[part]
+        pinned_fresh = name == "fresh_host_alloc" and pin  # pinning fresh pages: faulted in, then locked
+        seconds = (fresh * n * (2 if pinned_fresh else 1) + (0 if cuda else regrow * n)) / bw["fresh pages"]
         if part == Part.GRADS.value:  # nothing copied: a drop, then a zero-fill on the rebuild
-            return CALL_OVERHEAD_S + (b[part] / 1e9 / bw["fill"] * factor if direction else 0.0)
-        if name == "megatron_builtin" and part == FULL:  # pinned weights, pageable per-tensor optimizer
-            seconds = (b[Part.WEIGHTS.value] / bw["pinned"]
-                       + (b[FULL] - b[Part.WEIGHTS.value]) / bw["pageable"]) / 1e9
+            seconds += n / bw["fill"] if direction else 0.0
+        elif name == "megatron_builtin" and part == FULL:  # pinned weights; the optimizer per tensor, pageable, new
+            rest = n - b[Part.WEIGHTS.value]
+            seconds += b[Part.WEIGHTS.value] / bw["pinned"] + rest / bw["pageable"]
+            seconds += rest / bw["fresh pages"] if not direction else 0.0
         else:
-            seconds = b[part] / 1e9 / bw["pageable" if name in pageable else "pinned"]
-        return CALL_OVERHEAD_S + seconds * factor
+            seconds += n / bw["pageable" if name in PAGEABLE_METHODS else "pinned"]
+        return CALL_OVERHEAD_S + seconds / 1e9
 
     every = ["manager", "ceiling", "release_bound", *methods]
     parts_s = {}

@@ -14,8 +14,8 @@ import torch
 
 from chatlearn_mem import Part
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS, PRESETS, BenchConfig
-from chatlearn_mem_bench.measure import (compare, copy_gbps, git_revision, hardware, hardware_slug, memory_snapshot,
-                                         stats, timed, versions)
+from chatlearn_mem_bench.measure import (compare, git_revision, hardware, hardware_slug, host_bandwidths,
+                                         memory_snapshot, stats, timed, versions)
 from chatlearn_mem_bench.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound,
                                          logical_tensors, part_storages, return_freed_host_memory)
 from chatlearn_mem_bench.plan import (HostMemoryPlan, estimate_part_sizes, estimate_seconds, format_bytes,
@@ -129,9 +129,10 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
     plan_args = dict(cuda=device.type == "cuda", pin=pin, bucket_size=mm.config.bucket_size_bytes,
                      builtin_available=builtin)
     plan = plan_host_memory(sizes, methods=cfg.methods, **plan_args)
+    host_gbps = host_bandwidths()
     estimate = estimate_seconds(sizes, methods=cfg.methods, repeats=cfg.repeats, warmup=cfg.warmup,
                                 cycles=cfg.cycles, cuda=plan_args["cuda"], pin=pin, builtin_available=builtin,
-                                copy_gbps=None if plan_args["cuda"] else copy_gbps())
+                                copy_gbps=host_gbps["copy"], fresh_gbps=host_gbps["fresh"])
     echo(plan.summary())
     echo(estimate.summary())
     usable = host_memory.usable_host_memory()

@@ -10,11 +10,10 @@ pytest.importorskip("psutil")
 
 from chatlearn_mem.host_memory import HostMemory  # noqa: E402
 from chatlearn_mem_bench import load_config  # noqa: E402
-from chatlearn_mem_bench.plan import (METHOD_COST, HostMemoryPlanError, estimate_part_sizes, estimate_seconds,  # noqa: E402
+from chatlearn_mem_bench.plan import (HostMemoryPlanError, estimate_part_sizes, estimate_seconds,  # noqa: E402
                                       part_bytes, plan_host_memory, refuse_unless_fits)
 
-RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
-CPU_RUN = RESULTS / "2026-11-23_cpu-2core-xeon-24gib.json"
+CPU_RUN = Path(__file__).parents[2] / "benchmarks" / "results" / "2026-11-23_cpu-2core-xeon-24gib.json"
 ALL = ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]
 # Multiples of 512 (the store's alignment) in one bucket: every figure below is a plain sum.
 SIZES = {"weights": [1024], "grads": [4096], "main_weights": [512, 1024], "optimizer_states": [1024, 2048, 512]}
@@ -41,14 +40,15 @@ def test_cuda_plan_pins_the_store_and_one_ceiling_buffer_for_the_run_and_nothing
 
 
 def test_cpu_plan_counts_the_device_buffers_too():
-    """On CPU the "device" is host memory: the ceiling's device buffer (the larger of the full copy
-    and grads' zero-fill), and while they run the bound's and replace_rebuild's new buffers."""
+    """On CPU the "device" is host memory: the ceiling's and the bound's device buffers (the larger of
+    the full copy and grads' zero-fill; the bound's is held through a part's rounds), and while it
+    runs replace_rebuild's new buffers."""
     plan = plan_host_memory(SIZES, methods=ALL, cuda=False, pin=False, bucket_size=2**20)
     assert plan.pinned_bytes == 0
-    assert plan.pageable_bytes == (6144 + 6144 + 6144 + 1024) + 2 * 3584
+    assert plan.pageable_bytes == (6144 + 6144 + 2 * 6144 + 1024) + 2 * 3584
     with_bigger_grads = plan_host_memory({**SIZES, "grads": [8192]}, methods=ALL, cuda=False, pin=False,
                                          bucket_size=2**20)
-    assert with_bigger_grads.pageable_bytes == (6144 + 6144 + 8192 + 1024) + 8192  # now release_bound's
+    assert with_bigger_grads.pageable_bytes == (6144 + 6144 + 2 * 8192 + 1024) + 2 * 3584
 
 
 def test_estimated_sizes_are_the_committed_cpu_runs_bytes():
@@ -56,39 +56,35 @@ def test_estimated_sizes_are_the_committed_cpu_runs_bytes():
     assert part_bytes(estimate_part_sizes(load_config("cpu").trainer)) == measured
 
 
-def test_method_costs_cover_the_committed_cpu_run():
-    """METHOD_COST says it is the largest time/ceiling ratio of the committed CPU run, rounded up."""
-    rows = json.loads(CPU_RUN.read_text())["timings"]
-    med = {(r["part"], r["method"], r["direction"]): r["seconds"]["median"] for r in rows}
-    for (part, method, direction), seconds in med.items():
-        if part == "grads":
-            continue  # nothing copied: the estimate uses a fill
-        ratio = seconds / med[(part, "ceiling", direction)]
-        assert METHOD_COST[method][direction == "onload"] >= ratio, (part, method, direction, ratio)
-
-
-def test_time_estimate_is_bytes_over_bandwidth_times_cost():
+def test_time_estimate_is_copies_over_bandwidth_plus_fresh_pages():
     sizes = {"weights": [int(5.5e9)], "grads": [0], "main_weights": [], "optimizer_states": []}
-    est = estimate_seconds(sizes, methods=[], repeats=3, warmup=1, cycles=2, cuda=True, pin=True)
-    copy = 5.5 / 55  # seconds of one pinned copy of the weights
-    per_round = copy * (2 * sum(METHOD_COST["manager"]) + sum(METHOD_COST["ceiling"])
-                        + sum(METHOD_COST["release_bound"])) + 8 * 0.005  # 8 calls
+    est = estimate_seconds(sizes, methods=["fresh_host_alloc", "per_tensor_new_host"], repeats=3, warmup=1, cycles=2,
+                           cuda=True, pin=True, fresh_gbps=5.5)
+    pinned, pageable, fresh = 0.1, 5.5 / 16, 1.0  # seconds to copy the weights pinned, pageable; to touch them anew
+    per_round = (2 * 2 * pinned + 2 * pinned + 2 * pinned  # manager (untimed, then timed), ceiling, release_bound
+                 + 2 * pinned + 2 * fresh  # fresh_host_alloc: new pages, pinned (counted twice)
+                 + 2 * pageable + fresh  # per_tensor_new_host: new pageable pages
+                 + 12 * 0.005)  # 12 calls
     assert est.parts_s["weights"] == pytest.approx(4 * per_round)
-    assert est.cycles_s == pytest.approx(2 * (copy * sum(METHOD_COST["manager"]) + 2 * 0.005))
-    assert est.bandwidths_gbps == {"pinned": 55.0, "pageable": 16.0, "fill": 1000.0}
+    assert est.cycles_s == pytest.approx(2 * (2 * pinned + 2 * 0.005))
+    assert est.bandwidths_gbps == {"pinned": 55.0, "pageable": 16.0, "fill": 1000.0, "fresh pages": 5.5}
+    on_cpu = estimate_seconds(sizes, methods=[], repeats=3, warmup=1, cycles=2, cuda=False, pin=False,
+                              copy_gbps=11.0, fresh_gbps=5.5)
+    # on CPU every regrow touches fresh pages: the manager's and the bound's onloads
+    assert on_cpu.cycles_s == pytest.approx(2 * (2 * 0.5 + fresh + 2 * 0.005))
     with pytest.raises(ValueError, match="copy_gbps must be > 0 on CPU"):
         estimate_seconds(sizes, methods=[], repeats=3, warmup=1, cycles=2, cuda=False, pin=False)
 
 
 def test_refusal_is_one_line_with_the_numbers_and_what_to_run_instead():
     plan = plan_host_memory({k: [n * 2**10 for n in v] for k, v in SIZES.items()}, methods=ALL, cuda=False,
-                            pin=False, bucket_size=2**30)  # 26 MiB, all pageable on CPU
-    assert plan.peak_bytes == 26 * 2**20
+                            pin=False, bucket_size=2**30)  # 32 MiB, all pageable on CPU
+    assert plan.peak_bytes == 32 * 2**20
     refuse_unless_fits(plan, HostMemory(plan.peak_bytes + 2**20, ()), 2**20, lambda room: "unused")  # just fits
     refuse_unless_fits(plan, HostMemory(None, ()), 2**20, lambda room: "unused")  # nothing readable: no check
     with pytest.raises(HostMemoryPlanError) as e:
         refuse_unless_fits(plan, HostMemory(21 * 2**20, (("MemAvailable", 21 * 2**20),)), 2**20,
                            lambda room: f"Run less ({room} bytes left).")
-    assert str(e.value) == ("the benchmark would hold up to 0.0 MiB pinned + 26.0 MiB pageable = 26.0 MiB of host "
+    assert str(e.value) == ("the benchmark would hold up to 0.0 MiB pinned + 32.0 MiB pageable = 32.0 MiB of host "
                             "memory, but the process can use 20.0 MiB (MemAvailable 0.02 GiB; minus a 1.0 MiB margin); "
                             f"nothing was measured. Run less ({20 * 2**20} bytes left).")
