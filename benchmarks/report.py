@@ -151,7 +151,7 @@ def _plan_lines(res: dict) -> list[str]:
     pays = res.get("pays_empty_cache")
     if pays and res["hardware"]["device"].startswith("cuda"):
         out.append("- `torch.cuda.empty_cache()` after releasing device memory: paid by "
-                   + ", ".join(m for m, p in pays.items() if p) + "; not by "
+                   + (", ".join(m for m, p in pays.items() if p) or "none") + "; not by "
                    + (", ".join(m for m, p in pays.items() if not p) or "none"))
     return out
 
