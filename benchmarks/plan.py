@@ -98,33 +98,13 @@ def format_bytes(n: int) -> str:
     return gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _pad(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def estimate_part_sizes(trainer) -> dict[str, list[int]]:
-    """Storage sizes per part of the trainer ``trainer`` (a ``GPTTrainerConfig``) would build, one rank.
+    """Bytes per part of the trainer ``trainer`` (a ``GPTTrainerConfig``) would build, one rank, from
+    the config alone (``gpt.estimate_part_bytes``, within megatron's padding of the measured bytes),
+    as one size per part."""
+    from chatlearn_mem.testbed.gpt import estimate_part_bytes
 
-    Weights and grads: one DDP buffer each (megatron pads each parameter's start to 64 elements
-    and the buffer's end to 128 with the distributed optimizer); main weights: one fp32 tensor
-    per parameter (bf16 only; fp32 parameters are their own); optimizer states: Adam's two fp32
-    moments and a 4-byte step per parameter.
-
-    Raises:
-        ValueError: A trainer the count does not cover (see ``gpt.parameter_numels``).
-    """
-    from chatlearn_mem.testbed.gpt import parameter_numels
-
-    numels = parameter_numels(trainer)
-    distopt = trainer.use_distributed_optimizer
-    elements = sum(_pad(n, 64) for n in numels) if distopt else sum(numels)
-    elements = _pad(elements, 128) if distopt else elements
-    bf16 = trainer.precision == "bf16"
-    grad_bytes = 4 if trainer.grad_reduce_in_fp32 or not bf16 else 2
-    return {Part.WEIGHTS.value: [elements * (2 if bf16 else 4)],
-            Part.GRADS.value: [elements * grad_bytes],
-            Part.MAIN_WEIGHTS.value: [4 * n for n in numels] if bf16 else [],
-            Part.OPTIMIZER_STATES.value: [4 * n for n in numels for _ in range(2)] + [4] * len(numels)}
+    return {part: [nbytes] if nbytes else [] for part, nbytes in estimate_part_bytes(trainer).items()}
 
 
 def part_bytes(sizes: Mapping[str, Sequence[int]]) -> dict[str, int]:

@@ -18,7 +18,7 @@ from chatlearn_mem.mcore.layout import INSTALL_HINT
 from chatlearn_mem.testbed import cpu_backend
 
 __all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTPipelineTrainer", "GPTValueModel", "build_gpt_model",
-           "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "parameter_numels", "synthetic_batch"]
+           "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "synthetic_batch"]
 
 
 
@@ -119,28 +119,6 @@ class GPTTrainer:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         per_token = self.model(inputs, positions[:, :-1], None, labels=labels)  # (B, T-1)
         return per_token.float().mean()
-
-
-def parameter_numels(config: GPTTrainerConfig) -> list[int]:
-    """Elements of every parameter :func:`build_gpt_trainer` creates for ``config``, in megatron's
-    order, without building anything (what the benchmark plans host memory and time from).
-
-    The dense GPT of the local layer spec, one rank: word and learned position embeddings; per
-    layer LayerNorm (weight, bias), QKV and output projections and the 4h MLP, all with biases;
-    the final LayerNorm and an untied output layer.
-
-    Raises:
-        ValueError: A config this count does not cover (MoE, the hybrid model, the Transformer
-            Engine spec, frozen parameters).
-    """
-    unsupported = {"num_moe_experts": config.num_moe_experts is not None, "model_class": config.model_class != "gpt",
-                   "layer_spec": config.layer_spec != "local", "frozen_params": bool(config.frozen_params)}
-    if any(unsupported.values()):
-        keys = ", ".join(k for k, bad in unsupported.items() if bad)
-        raise ValueError(f"parameter_numels covers the dense local-spec GPT only; this config sets {keys}")
-    h, v = config.hidden_size, config.vocab_size
-    layer = [h, h, h * h, h, 3 * h * h, 3 * h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
-    return [v * h, config.seq_length * h] + layer * config.num_layers + [h, h, v * h]
 
 
 def _megatron():

@@ -44,7 +44,8 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     from chatlearn_mem_bench.config import load_config
     from chatlearn_mem_bench.plan import estimate_part_sizes, part_bytes
 
-    assert part_bytes(estimate_part_sizes(load_config("tiny").trainer)) == res["model"]["bytes_per_part"]
+    estimated = part_bytes(estimate_part_sizes(load_config("tiny").trainer))
+    assert all(abs(estimated[p] - n) <= 0.001 * n + 512 for p, n in res["model"]["bytes_per_part"].items())
     plan = {i["what"]: i for i in res["host_memory_plan"]["items"]}
     assert plan["manager host store"]["bytes"] == res["cycles"]["rows"][0]["host_bytes_after_offload"]
     full = res["model"]["bytes_per_part"]["full"]

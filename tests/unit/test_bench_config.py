@@ -10,7 +10,7 @@ pytest.importorskip("psutil")
 
 from chatlearn_mem import ConfigError  # noqa: E402
 from chatlearn_mem.config import preset_names  # noqa: E402
-from chatlearn_mem.testbed.gpt import parameter_numels  # noqa: E402
+from chatlearn_mem.testbed.gpt import estimate_part_bytes  # noqa: E402
 from chatlearn_mem_bench import BenchConfig, load_config  # noqa: E402
 from chatlearn_mem_bench.config import PRESETS  # noqa: E402
 
@@ -31,7 +31,7 @@ def test_presets_load_and_overrides_apply():
     assert isinstance(cfg, BenchConfig) and cfg.preset == "cpu"
     assert cfg.trainer.num_layers == 3 and cfg.repeats == 5 and cfg.methods == ["fresh_host_alloc"]
     gpu = load_config("gpu")  # a real model for one GPU, sized for its validation step (see test_gpu_validate)
-    assert sum(parameter_numels(gpu.trainer)) > 0.5e9 and gpu.pin_memory
+    assert estimate_part_bytes(gpu.trainer)["weights"] / 2 > 0.5e9 and gpu.pin_memory  # bf16: 2 bytes each
     with pytest.raises(ConfigError, match="presets: cpu, gpu, tiny"):
         load_config("nope")
     with pytest.raises(ConfigError, match="repeatz: unknown key"):
