@@ -61,6 +61,16 @@ class BenchConfig(BaseModel):
     own offload covers, where the installed release has it)."""
     threads: Optional[int] = Field(None, ge=1)
     """``torch.set_num_threads`` for the run; None keeps torch's default (one per core)."""
+    overlap: bool = True
+    """Measure the overlap rows (``onload_then_forward``, ``swap``, ``full_cycle``), each against its
+    serial counterpart (see ``chatlearn_mem_bench.overlap``); the swap builds a second trainer with
+    half the layers."""
+    overlap_repeats: Optional[int] = Field(None, ge=3)
+    """Timed repeats of each overlap row (None: ``repeats``)."""
+    overlap_threads: Optional[int] = Field(1, ge=1)
+    """Intra-op threads while the overlap rows run on a CPU "device" (both sides alike): one leaves a
+    core to the copy lane, the way a GPU's copy engines are hardware of their own. None: the run's.
+    Ignored on CUDA."""
     rss_tolerance_mb: float = Field(64.0, ge=0)
     """Process RSS may move this much across cycles without counting as growth (allocator noise)."""
     output_dir: str = "runs/bench"

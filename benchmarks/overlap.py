@@ -29,7 +29,7 @@ import torch
 from chatlearn_mem import Part, TrainerMemoryManager, swap
 from chatlearn_mem_bench.measure import stats, timed
 
-__all__ = ["OVERLAP_ROWS", "TARGETS", "measure_overlap", "overlap_targets"]
+__all__ = ["OVERLAP_ROWS", "TARGETS", "critic_config", "measure_overlap", "overlap_targets", "plan_args"]
 
 log = logging.getLogger("benchmarks")
 
@@ -65,6 +65,8 @@ def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device
     before = torch.get_num_threads()
     if threads and device.type == "cpu":
         torch.set_num_threads(threads)
+    if cfg.overlap_repeats:
+        cfg = cfg.model_copy(update={"repeats": cfg.overlap_repeats})
     try:
         batch = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
         rows = [_onload_then_forward(cfg, trainer, mm, device, batch),
@@ -110,7 +112,8 @@ def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
     return row
 
 
-def _critic_config(trainer_cfg):
+def critic_config(trainer_cfg):
+    """The swap row's incoming trainer: the benchmark's with half the layers (a value head on top)."""
     return trainer_cfg.model_copy(update={"num_layers": max(1, trainer_cfg.num_layers // 2),
                                           "seed": trainer_cfg.seed + 1})
 
@@ -119,7 +122,7 @@ def _swap(cfg, trainer, mm, device) -> dict:
     from chatlearn_mem.testbed import gpt
 
     assert not mm.config.skip_unchanged_weights, "the benchmark's manager copies every time"
-    critic_cfg = _critic_config(cfg.trainer)
+    critic_cfg = critic_config(cfg.trainer)
     critic = gpt.build_gpt_trainer(critic_cfg, value_head=True)
     critic.train_step(gpt.synthetic_batch(critic_cfg, 0, batch_size=cfg.batch_size))
     b = TrainerMemoryManager(critic.model, critic.optimizer, mm.config)
@@ -166,6 +169,18 @@ def _full_cycle(cfg, mm, device) -> dict:
             if r >= cfg.warmup:
                 samples[name].append(t)
     return _row("full_cycle", samples["serial"], samples["overlapped"], parts=[str(p) for p in parts])
+
+
+def plan_args(cfg) -> dict:
+    """What the overlap rows of ``cfg`` (a ``BenchConfig``) add to the host memory plan and the time
+    estimate (``overlap_bytes``; ``forward_tokens`` for the estimate); empty without them."""
+    if not cfg.overlap:
+        return {}
+    from chatlearn_mem.testbed import gpt
+
+    return {"overlap_bytes": gpt.estimate_part_bytes(critic_config(cfg.trainer), value_head=True),
+            "forward_tokens": cfg.batch_size * (cfg.trainer.seq_length - 1),
+            "overlap_repeats": cfg.overlap_repeats or cfg.repeats}
 
 
 def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:

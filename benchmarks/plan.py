@@ -51,6 +51,10 @@ DEVICE_FILL_GBPS = 1000.0
 """A device zero-fill (the grads rebuild) on a GPU, GB/s; an H100 writes about 3 TB/s."""
 CALL_OVERHEAD_S = 0.005
 """Fixed cost of one offload or onload call (Python, module walks, ``empty_cache``), seconds."""
+FORWARD_FLOPS = {True: 200e12, False: 200e9}
+"""Sustained FLOP/s of a bf16 forward pass, for the overlap rows' estimate: a GPU (an H100 reaches
+about 790 TFLOP/s on dense bf16 matrices; small-batch forwards far less) and a CPU (a 2-core AVX-512
+machine ran the 135 M-parameter bench trainer's forward at about 400 GFLOP/s)."""
 FRESH_PAGE_GBPS = 4.0
 """Fresh host pages (page faults and zeroing), GB/s, where it cannot be measured (an estimate made
 for another machine): the low end of the 4.3-7.7 GB/s measured on a shared 2-core EPYC."""
@@ -174,7 +178,8 @@ def _pow2(n: int) -> int:
 
 
 def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], cuda: bool, pin: bool,
-                     bucket_size: int, builtin_available: bool = True) -> HostMemoryPlan:
+                     bucket_size: int, builtin_available: bool = True,
+                     overlap_bytes: Optional[Mapping[str, int]] = None) -> HostMemoryPlan:
     """The host memory a run with these parts and methods holds (sizes in, bytes out).
 
     Args:
@@ -186,6 +191,9 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         pin: Host buffers are pinned (the manager's store, the ceiling, ``fresh_host_alloc``).
         bucket_size: The manager's host store bucket, bytes (``MemoryConfig.bucket_size_bytes``).
         builtin_available: The installed megatron-core has its own offload calls (0.16+).
+        overlap_bytes: With the overlap rows, the second (critic-sized) trainer's bytes per part
+            (:func:`chatlearn_mem.testbed.gpt.estimate_part_bytes`): its host store, and on CPU its
+            "device" state too, held while those rows run.
     """
     b = part_bytes(sizes)
     copy_max = max(b[str(p)] for p in COPY_PARTS)
@@ -214,6 +222,11 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
                 items.append(PlanItem("megatron-core .cpu() copies", max(sum(weights), moved), False, name))
             else:
                 items.append(PlanItem("megatron-core param_data_cpu", sum(weights), False))
+    if overlap_bytes:
+        copied = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value)
+        items.append(PlanItem("overlap rows: second trainer's host store", copied, pin, "overlap"))
+        if not cuda:
+            items.append(PlanItem("overlap rows: second trainer", sum(overlap_bytes.values()), False, "overlap"))
     return HostMemoryPlan(tuple(items))
 
 
@@ -244,25 +257,29 @@ class TimeEstimate:
     parts_s: dict
     cycles_s: float
     bandwidths_gbps: dict
+    overlap_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.setup_s + sum(self.parts_s.values()) + self.cycles_s
+        return self.setup_s + sum(self.parts_s.values()) + self.cycles_s + self.overlap_s
 
     def summary(self) -> str:
         per = ", ".join(f"{p} {s:.0f} s" for p, s in self.parts_s.items())
         bw = ", ".join(f"{k} {v:.0f} GB/s" for k, v in self.bandwidths_gbps.items())
+        overlap = f" + overlap rows {self.overlap_s:.0f} s" if self.overlap_s else ""
         return (f"time estimate: {self.total_s:.0f} s = setup {self.setup_s:.0f} s + parts ({per}) + cycles "
-                f"{self.cycles_s:.0f} s ({bw})")
+                f"{self.cycles_s:.0f} s{overlap} ({bw})")
 
     def to_dict(self) -> dict:
         return {"total_s": self.total_s, "setup_s": self.setup_s, "parts_s": dict(self.parts_s),
-                "cycles_s": self.cycles_s, "bandwidths_gbps": dict(self.bandwidths_gbps)}
+                "cycles_s": self.cycles_s, "overlap_s": self.overlap_s, "bandwidths_gbps": dict(self.bandwidths_gbps)}
 
 
 def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], repeats: int, warmup: int,
                      cycles: int, cuda: bool, pin: bool, builtin_available: bool = True,
-                     copy_gbps: Optional[float] = None, fresh_gbps: Optional[float] = None) -> TimeEstimate:
+                     copy_gbps: Optional[float] = None, fresh_gbps: Optional[float] = None,
+                     overlap_bytes: Optional[Mapping[str, int]] = None, forward_tokens: int = 0,
+                     overlap_repeats: Optional[int] = None) -> TimeEstimate:
     """Seconds a run with these parts and settings should take (sizes in, seconds out).
 
     Args:
@@ -271,6 +288,9 @@ def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         copy_gbps: On CPU, the measured bandwidth of one copy between touched buffers (GB/s); every
             copy and fill runs at it. Ignored on CUDA (:data:`PINNED_GBPS`, :data:`PAGEABLE_GBPS`).
         fresh_gbps: Fresh host pages per second (GB/s), measured; default :data:`FRESH_PAGE_GBPS`.
+        overlap_bytes: With the overlap rows, the second trainer's bytes per part (see
+            :func:`plan_host_memory`); ``forward_tokens``: tokens of their forward pass;
+            ``overlap_repeats``: their timed repeats (default ``repeats``).
     """
     if cuda:
         bw = {"pinned": PINNED_GBPS if pin else PAGEABLE_GBPS, "pageable": PAGEABLE_GBPS, "fill": DEVICE_FILL_GBPS}
@@ -309,4 +329,16 @@ def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
     # (use_cpu_initialization) of every parameter; plus the two integrity checksums.
     setup_s = (30.0 + 20.0 * n_params / 1e9 if cuda else 5.0 + 60.0 * n_params / 1e9)
     setup_s += 2 * b[FULL] / 1e9 / bw["fill"]
-    return TimeEstimate(setup_s, parts_s, cycles_s, bw)
+    overlap_s = 0.0
+    if overlap_bytes:
+        rounds = warmup + (overlap_repeats or repeats)
+        full = sum(call("manager", FULL, d) for d in (0, 1))
+        weights = sum(call("manager", Part.WEIGHTS.value, d) for d in (0, 1))
+        forward = 2 * n_params * forward_tokens / FORWARD_FLOPS[cuda]
+        critic = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value) / 1e9 / bw["pinned"]
+        critic_params = overlap_bytes.get(Part.OPTIMIZER_STATES.value, 0) / 8
+        overlap_s = (rounds * (3 * forward + 2 * weights)  # onload_then_forward
+                     + rounds * 4 * (full + 2 * critic)  # swap: serial and overlapped, there and back
+                     + rounds * 2 * full  # full_cycle: serial and overlapped
+                     + 2.0 + (20.0 if cuda else 60.0) * critic_params / 1e9)  # building the second trainer, as setup
+    return TimeEstimate(setup_s, parts_s, cycles_s, bw, overlap_s)

@@ -96,6 +96,7 @@ def markdown(res: dict) -> str:
             row += " / ".join(f"{s['cuda_reserved_bytes'] / MiB:.0f}" for s in (b, o, n)) + " |"
         lines.append(row)
     lines += _cycle_lines(res.get("cycles"))
+    lines += _overlap_lines(res.get("overlap"))
     lines += ["", "## Targets", ""]
     if not res.get("complete", True):
         lines += ["Targets of the rows measured so far: the run did not finish.", ""]
@@ -125,6 +126,31 @@ def _cycle_lines(cyc) -> list[str]:
                      f"{r['device_bytes_after_offload'] / MiB:.1f} / {r['device_bytes_after_onload'] / MiB:.1f} | "
                      f"{r['host_bytes_after_offload'] / MiB:.1f} | "
                      f"{r['rss_after_offload'] / MiB:.0f} / {r['rss_after_onload'] / MiB:.0f} |")
+    return lines
+
+
+def _overlap_lines(rows) -> list[str]:
+    if not rows:
+        return []
+    threads = rows[0].get("threads")
+    lines = ["", "## Overlap: each transition the copy engine overlaps, against its serial counterpart", "",
+             f"Medians (IQR) over the timed repeats, interleaved; {threads} compute thread(s) on a CPU device "
+             "(`overlap_threads`: a core is left to the copy lane). `onload_then_forward`: onload(weights) then a "
+             "no-grad forward vs onload(weights, blocking=False) and the forward at once; `swap`: a.offload() then "
+             "b.onload() vs swap(out=a, into=b); `full_cycle`: one blocking call per part vs offload() + onload().",
+             "", "| row | serial ms (IQR) | overlapped ms (IQR) | overlapped / serial (IQR) | note |",
+             "|---|---:|---:|---:|---|"]
+    for r in rows:
+        s, o, q = r["serial_spread_s"], r["overlapped_spread_s"], r.get("ratio_spread") or [r["ratio"]] * 2
+        note = ""
+        if r["name"] == "onload_then_forward":
+            note = (f"forward alone {_ms(r['forward_alone_s'])} ms: no schedule beats "
+                    f"{r['best_possible_ratio']:.2f}; overlapped = {r['overlapped_vs_forward']:.2f}x the forward")
+        elif r["name"] == "swap":
+            note = (f"out {r['out_bytes'] / MiB:.0f} MiB, in {r['in_bytes'] / MiB:.0f} MiB "
+                    f"({r['critic_layers']}-layer trainer)")
+        lines.append(f"| {r['name']} | {_ms(r['serial_s'])} ({_ms(s[0])}-{_ms(s[1])}) | {_ms(r['overlapped_s'])} "
+                     f"({_ms(o[0])}-{_ms(o[1])}) | {r['ratio']:.2f} ({q[0]:.2f}-{q[1]:.2f}) | {note} |")
     return lines
 
 

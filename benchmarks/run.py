@@ -18,6 +18,8 @@ from chatlearn_mem_bench.measure import (compare, git_revision, hardware, hardwa
                                          memory_snapshot, stats, timed, versions)
 from chatlearn_mem_bench.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound,
                                          logical_tensors, part_storages, return_freed_host_memory)
+from chatlearn_mem_bench.overlap import measure_overlap, overlap_targets
+from chatlearn_mem_bench.overlap import plan_args as overlap_plan_args
 from chatlearn_mem_bench.plan import (HostMemoryPlan, estimate_part_sizes, estimate_seconds, format_bytes,
                                       measured_part_sizes, part_bytes, plan_host_memory, refuse_unless_fits)
 
@@ -67,7 +69,8 @@ def _instead(plan: HostMemoryPlan, room: int, **plan_args) -> str:
     for name in preset_names(PRESETS):
         other = load_config(name)
         try:
-            peak = plan_host_memory(estimate_part_sizes(other.trainer), methods=other.methods, **plan_args).peak_bytes
+            peak = plan_host_memory(estimate_part_sizes(other.trainer), methods=other.methods,
+                                    overlap_bytes=overlap_plan_args(other).get("overlap_bytes"), **plan_args).peak_bytes
         except ValueError:
             continue
         if peak <= room and peak < plan.peak_bytes:
@@ -128,11 +131,12 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
     builtin = all(getattr(a, "available", True) for a in alternatives)
     plan_args = dict(cuda=device.type == "cuda", pin=pin, bucket_size=mm.config.bucket_size_bytes,
                      builtin_available=builtin)
-    plan = plan_host_memory(sizes, methods=cfg.methods, **plan_args)
+    overlap = overlap_plan_args(cfg)
+    plan = plan_host_memory(sizes, methods=cfg.methods, overlap_bytes=overlap.get("overlap_bytes"), **plan_args)
     host_gbps = host_bandwidths()
     estimate = estimate_seconds(sizes, methods=cfg.methods, repeats=cfg.repeats, warmup=cfg.warmup,
                                 cycles=cfg.cycles, cuda=plan_args["cuda"], pin=pin, builtin_available=builtin,
-                                copy_gbps=host_gbps["copy"], fresh_gbps=host_gbps["fresh"])
+                                copy_gbps=host_gbps["copy"], fresh_gbps=host_gbps["fresh"], **overlap)
     echo(plan.summary())
     echo(estimate.summary())
     usable = host_memory.usable_host_memory()
@@ -182,6 +186,12 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
         bound.release()
 
     res["cycles"] = _cycles(mm, trainer, cfg, device)
+    publish(res)
+    if cfg.overlap:
+        t_overlap = time.perf_counter()
+        res["overlap"] = measure_overlap(cfg, trainer, mm, device, threads=cfg.overlap_threads)
+        res["overlap_seconds"] = time.perf_counter() - t_overlap
+        publish(res)
     checksum_after = _checksum(mm, trainer)
     audit = mm.audit()
     res["integrity"] = {"tensors_bit_identical_after_all_methods": checksum_before == checksum_after,
@@ -315,6 +325,8 @@ def check_targets(res: dict) -> list[dict]:
                               f"({r['manager_is']}{' - within spread' if r['manager_is'] == 'noise' else ''})"})
     if "cycles" in res:
         out += _cycle_targets(res, gpu)
+    if res.get("overlap"):
+        out += overlap_targets(res["overlap"], gpu)
     integ = res.get("integrity")
     if integ:
         out.append({"name": "integrity: tensors bit-identical after every method, audit ok",

@@ -254,14 +254,16 @@ def bench_outlook():
     as the GPU machine will run it: pinned buffers, megatron-core 0.19 (its own offload calls)."""
     from chatlearn_mem import MemoryConfig
     from chatlearn_mem_bench.config import load_config
+    from chatlearn_mem_bench.overlap import plan_args as overlap_plan_args
     from chatlearn_mem_bench.plan import estimate_part_sizes, estimate_seconds, plan_host_memory
 
     cfg = load_config("gpu")
     sizes = estimate_part_sizes(cfg.trainer)
-    host = plan_host_memory(sizes, methods=cfg.methods, cuda=True, pin=True,
+    overlap = overlap_plan_args(cfg)
+    host = plan_host_memory(sizes, methods=cfg.methods, cuda=True, pin=True, overlap_bytes=overlap.get("overlap_bytes"),
                             bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes)
     time_s = estimate_seconds(sizes, methods=cfg.methods, repeats=cfg.repeats, warmup=cfg.warmup, cycles=cfg.cycles,
-                              cuda=True, pin=True)
+                              cuda=True, pin=True, **overlap)
     return host, time_s
 
 

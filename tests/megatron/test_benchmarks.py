@@ -80,6 +80,20 @@ def test_benchmark_end_to_end(dist1, tmp_path):
                 if m in alternatives:
                     assert r["time_vs_manager"] > 0 and r["manager_is"] in ("faster", "slower", "noise")
 
+    # the overlap rows: each against its serial counterpart, spreads, the forward-alone bound
+    overlap = {r["name"]: r for r in res["overlap"]}
+    assert list(overlap) == ["onload_then_forward", "swap", "full_cycle"]
+    for r in overlap.values():
+        assert len(r["serial_samples_s"]) == len(r["overlapped_samples_s"]) == res["config"]["repeats"]
+        assert r["ratio"] == r["overlapped_s"] / r["serial_s"] and r["ratio_spread"][0] <= r["ratio_spread"][1]
+        assert r["threads"] == 1  # overlap_threads: a core left to the copy lane
+    assert 0 < overlap["onload_then_forward"]["forward_alone_s"] < overlap["onload_then_forward"]["serial_s"]
+    assert overlap["swap"]["out_bytes"] == res["model"]["bytes_per_part"]["full"] + res["model"]["bytes_per_part"]["grads"]
+    assert {t["name"] for t in res["targets"]} >= {"overlap onload_then_forward: overlapped <= 0.85 of serial",
+                                                    "overlap swap: overlapped <= 0.85 of serial"}
+    assert "## Overlap" in (tmp_path / "smoke.md").read_text()
+    assert any(i["what"].startswith("overlap rows") for i in res["host_memory_plan"]["items"])
+
     stages = {(x["part"], x["method"], x["stage"]): x for x in res["memory"]}
     for part in PARTS:
         before = stages[(part, "manager", "before")]
