@@ -190,19 +190,19 @@ class TrainerActor(_ManagedActor):
                                                      for p in params)
         return sizes
 
-    def _outputs(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _outputs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         model = self.trainer.model
         if self.role == "policy":
-            return modeling.sequence_logprobs(model, tokens)  # (B, T-1)
+            return modeling.sequence_logprobs(model, tokens, temperature)  # (B, T-1)
         return modeling.sequence_values(model, tokens)  # (B, T)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Forward only: log-probs (policy, (B, T-1)) or values (critic, (B, T)) of ``tokens``."""
-        return self._outputs(_to_device(tokens)).cpu()
+    def forward(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Forward only: log-probs at ``temperature`` (policy, (B, T-1)) or values (critic, (B, T))."""
+        return self._outputs(_to_device(tokens), temperature).cpu()
 
     def train(self, batch: Mapping[str, torch.Tensor], loss_fn: Callable, epochs: int,
-              minibatch_size: int, seed: int) -> dict[str, float]:
+              minibatch_size: int, seed: int, temperature: float = 1.0) -> dict[str, float]:
         """Optimizer steps on this rank's share of a batch.
 
         Args:
@@ -212,6 +212,7 @@ class TrainerActor(_ManagedActor):
             epochs: Passes over the batch.
             minibatch_size: Rows per optimizer step.
             seed: Shuffles the rows, identically on every rank.
+            temperature: Of the policy's log-probs (the rollout's sampling temperature).
 
         Returns:
             Mean of each metric over the steps, plus ``grad_norm`` and ``skipped_steps``.
@@ -229,7 +230,7 @@ class TrainerActor(_ManagedActor):
                 mb = {k: v[idx] for k, v in batch.items()}
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
-                loss, metrics = loss_fn(self._outputs(mb["tokens"]), mb)
+                loss, metrics = loss_fn(self._outputs(mb["tokens"], temperature), mb)
                 loss.backward()
                 model.finish_grad_sync()
                 ok, grad_norm, _ = optimizer.step()
@@ -341,20 +342,20 @@ class InferenceActor(_ManagedActor):
 
     def generate(self, prompts: torch.Tensor, response_length: int, temperature: float,
                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample responses and score them.
+        """Sample responses at ``temperature`` (> 0) and score them.
 
         Returns:
             ``(tokens (B, P+R), logprobs (B, P+R-1))``: the sequences and the log-probability of
-            each next token under this model.
+            each next token under the distribution they were sampled from.
         """
         g = torch.Generator().manual_seed(seed)
         tokens = modeling.generate(self.model, _to_device(prompts), response_length, temperature, g)
-        return tokens.cpu(), self.logprobs(tokens)
+        return tokens.cpu(), self.logprobs(tokens, temperature)
 
     @torch.no_grad()
-    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T-1) log-probability of each next token of ``tokens`` (B, T)."""
-        return modeling.sequence_logprobs(self.model, _to_device(tokens)).cpu()
+    def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """(B, T-1) log-probability of each next token of ``tokens`` (B, T) at ``temperature``."""
+        return modeling.sequence_logprobs(self.model, _to_device(tokens), temperature).cpu()
 
     @torch.no_grad()
     def load_weights(self, partition_dims: Mapping[str, int], *shards: Mapping[str, torch.Tensor]) -> list[str]:

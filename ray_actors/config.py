@@ -110,8 +110,10 @@ class PPOConfig(_Strict):
     """Tokens per prompt (random ids)."""
     response_length: int = Field(8, ge=1)
     """Tokens generated per prompt (fixed length, no early stop)."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature; 0 is greedy."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (> 0: greedy decoding has no log-probabilities for PPO to optimise). The
+    rollout samples at it, and every log-probability (the policy's ratio, the reference's KL) is
+    taken under the same tempered distribution."""
     ppo_epochs: int = Field(2, ge=1)
     """Passes over each iteration's batch."""
     minibatch_size: int = Field(8, ge=1)

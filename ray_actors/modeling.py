@@ -15,21 +15,35 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
-def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token: ``out[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1])``.
+def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token under the sampling distribution at ``temperature``:
+    ``out[b, t] = log softmax(logits / temperature)[tokens[b, t+1]]`` given ``tokens[b, :t+1]``.
 
-    Uses megatron's (vocab-parallel) cross entropy, so it works on any tensor-parallel size.
+    Uses megatron's (vocab-parallel) cross entropy, so it works on any tensor-parallel size. The
+    rollout samples at the run's temperature, so the policy's and the reference's log-probs (the
+    PPO ratio, the KL penalty) must be taken at the same one.
 
     Args:
         model: A ``GPTModel`` or a DDP wrapping one.
         tokens: (B, T) token ids.
+        temperature: > 0; 1 is the model's own distribution.
 
     Returns:
         (B, T-1) float32.
+
+    Raises:
+        ValueError: ``temperature`` is not > 0 (greedy decoding has no log-probabilities to optimise).
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
     pos = _positions(tokens)
-    nll = model(tokens[:, :-1], pos[:, :-1], None, labels=tokens[:, 1:])  # (B, T-1)
-    return -nll.float()
+    if temperature == 1.0:
+        nll = model(tokens[:, :-1], pos[:, :-1], None, labels=tokens[:, 1:])  # (B, T-1)
+        return -nll.float()
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = model(tokens[:, :-1], pos[:, :-1], None)  # (B, T-1, V / tensor-parallel size)
+    return -vocab_parallel_cross_entropy(logits.float() / temperature, tokens[:, 1:])
 
 
 def sequence_values(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

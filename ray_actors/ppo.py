@@ -370,7 +370,8 @@ class PPORun:
     def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, iteration: int) -> dict:
         c, ppo = self.colo, self.cfg.ppo
         results = c.call(phase, {a: a.train.remote(self._shard(batch, c.ranks[c.names[a]]["dp_rank"]), loss_fn,
-                                                   ppo.ppo_epochs, ppo.minibatch_size, ppo.seed + iteration)
+                                                   ppo.ppo_epochs, ppo.minibatch_size, ppo.seed + iteration,
+                                                   ppo.temperature)
                                  for a in group})
         firsts = [ranks[0] for ranks in self._by_dp_rank(group)]
         return {k: sum(results[a][k] for a in firsts) / len(firsts) for k in results[firsts[0]]}
@@ -386,7 +387,8 @@ class PPORun:
         tokens, old_logprobs = self._phase(iteration, "generate", {c.rollout: (Part.WEIGHTS,)},
                                            lambda: self._sync_and_generate(iteration, prompts))
         ref_logprobs = self._phase(iteration, "reference", {c.reference: (Part.WEIGHTS,)},
-                                   lambda: c.call("reference", {c.reference: c.reference.logprobs.remote(tokens)})[c.reference])
+                                   lambda: c.call("reference", {c.reference: c.reference.logprobs.remote(
+                                       tokens, ppo.temperature)})[c.reference])
         values = self._phase(iteration, "values", {a: (Part.WEIGHTS,) for a in c.critic},
                              lambda: self._critic_values(tokens))
 
