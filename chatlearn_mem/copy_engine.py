@@ -31,10 +31,11 @@ R2. *A storage is released only after its bytes reached the host.* CUDA: the sto
     allocator hands that memory out again only once the stream has passed the copy. CPU: the
     release is the step after the storage's copy steps in the d2h lane.
 R3. *A storage is regrown just before its copy, and written only after the caller's earlier work.*
-    CUDA: it is regrown on the caller's stream at submission (the allocator's blocks stay in the
-    caller's pool) and the h2d stream waits for an event recorded on the caller's stream right
-    after, so a block the caller freed earlier is not overwritten while the caller's queued
-    kernels may still read it. CPU: the regrow is the lane step before the storage's copies.
+    It is regrown by the submitting thread as its copies are submitted. CUDA: on the caller's
+    stream (the allocator's blocks stay in the caller's pool), and the h2d stream waits for the
+    caller's stream right after, so a block the caller freed earlier is not overwritten while the
+    caller's queued kernels may still read it. CPU: from the caller's malloc arena, which the
+    releases give it back to; the worker copies after it.
 R4. *Nothing reads a restored storage before its bytes arrived.* Every guarded entry of a manager
     waits for the fence of the transition it depends on: the forward pre-hook of each module for
     the last copy step covering that module's own parameters and buffers (CUDA: the caller's
@@ -51,11 +52,11 @@ R6. *A part moves in one direction at a time.* A transition of a part first wait
     an offload never releases a storage an onload is still filling).
 R7. *The host store is freed only after every copy that touches it completed* (``close()``,
     ``drop_host_store()``, a re-planned store: each waits for the part's transition first).
-R8. *A swap never holds both models whole.* CPU: each regrow of the incoming model waits for the
-    release steps of the outgoing one that free at least as many bytes, less an allowance
-    (``headroom_bytes``): the device holds at most the larger model plus that allowance. CUDA:
-    the releases are submitted before the regrows that follow them, and the caching allocator
-    reuses the released blocks once the d2h stream has passed their copies (R2).
+R8. *A swap never holds both models whole.* Each regrow of the incoming model waits (on the host,
+    at submission) for the release steps of the outgoing one that free at least as many bytes,
+    less an allowance (``headroom_bytes``): the device holds at most the larger model plus that
+    allowance. On CUDA the caching allocator then reuses the released blocks, the d2h stream
+    having passed their copies (R2).
 R9. *A failed step leaves nothing half done.* It skips the rest of its job; fences of steps that
     had completed stay valid, the failed and skipped ones raise. The caller settles the job on the
     host (waiting for every lane to have finished or skipped its steps) and rolls each part back
@@ -179,7 +180,7 @@ class Batch:
         self._afters: dict[tuple[int, int], Fence] = {}
         self._last_bytes = 0
         self._lane = None
-        self._base = 0  # CPU: sequence number of the step before the first one
+        self._seq: list[int] = []  # CPU: each submitted step's sequence number in its lane
         self._events: list = []  # CUDA: one event per step that ran (None after a failure)
 
     def add(self, fn: Callable[[], None], label: str = "", nbytes: int = 0, *, on_caller_stream: bool = False,
@@ -208,22 +209,23 @@ class Batch:
     def _afters_of(self, index: int) -> list["Fence"]:
         return [f for (s, _), f in self._afters.items() if s == index] if self._afters else []
 
-    def _run_step(self, lane: str, index: int, cuda: Optional["_CudaLane"] = None, caller=None) -> None:
+    def _run_step(self, lane: str, index: int, cuda: Optional["_CudaLane"] = None, caller=None,
+                  part: str = "all") -> None:
         """Run the actions of step ``index``; raises the first error (its action named on it).
 
         ``cuda``: the lane when it is a CUDA stream (current while this runs); ``caller``: the
-        submitting thread's stream, where actions that allocate run (R3)."""
-        runner, afters = self.runner, self._afters
-        for k, action in enumerate(self.steps[index]):
+        submitting thread's stream, where actions that allocate run (R3). ``part``: ``"caller"``
+        or ``"worker"`` runs only the actions on that side (a CPU lane), ``"all"`` every one."""
+        runner = self.runner
+        for action in self.steps[index]:
+            on_caller = runner.on_caller_stream(action)
+            if (part == "caller" and not on_caller) or (part == "worker" and on_caller):
+                continue
             hook = _before_step
             try:
-                if afters and cuda is None:
-                    after = afters.get((index, k))
-                    if after is not None:
-                        after._wait_reached()
                 if hook is not _NO_HOOK:
                     hook(lane, runner.describe(action))
-                if cuda is not None and runner.on_caller_stream(action):
+                if cuda is not None and on_caller:
                     with torch.cuda.stream(caller):
                         runner.run(action)
                     cuda.stream.wait_stream(caller)
@@ -324,34 +326,63 @@ class Fence:
 
 
 class _CpuLane:
-    """A worker thread running submitted batches in order: the stand-in for a CUDA stream."""
+    """A worker thread running the queued part of each step in order: the stand-in for a CUDA stream.
+
+    The actions that run on the caller's side (allocations, R3) run on the submitting thread, as
+    they do on CUDA: memory is then allocated by the thread that will use it (on Linux, from the
+    caller's malloc arena, which the releases return it to; a worker's own arena would hand out
+    fresh pages on every onload)."""
 
     def __init__(self, name: str):
         self.name = name
         self._cv = threading.Condition()
-        self._queue: collections.deque[Batch] = collections.deque()
-        self._submitted = 0  # sequence number of the last step submitted
+        self._queue: collections.deque = collections.deque()  # (batch, step index)
+        self._submitted = 0  # sequence number of the last step queued
         self._finished = 0  # sequence number of the last step run, failed or skipped
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, batch: Batch) -> None:
+    def begin(self, batch: Batch) -> None:
+        batch._lane = self
+        batch._seq = []  # per step submitted: its sequence number in this lane
+
+    def run_step(self, batch: Batch, index: int) -> None:
+        """Run the step's caller-side actions now and queue the rest for the worker."""
+        step_ok = True
+        if not batch._skip():
+            try:
+                if batch.started_at is None:
+                    batch.started_at = time.perf_counter()
+                batch._run_step(self.name, index, part="caller")
+            except BaseException as e:  # noqa: BLE001 - reported through the job
+                step_ok = False
+                if batch.job is not None:
+                    batch.job._fail(e, getattr(e, "_chatlearn_action", None) or batch.step_label(index))
+                if not isinstance(e, Exception):
+                    self._enqueue(batch, index, False)
+                    raise
+        self._enqueue(batch, index, step_ok)
+
+    def _enqueue(self, batch: Batch, index: int, run: bool) -> None:
         with self._cv:
-            batch._lane, batch._base = self, self._submitted
-            self._submitted += len(batch.steps)
-            self._queue.append(batch)
+            self._submitted += 1
+            batch._seq.append(self._submitted)
+            self._queue.append((batch, index, run))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=f"chatlearn-mem-{self.name}", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
 
+    def skip_rest(self, batch: Batch) -> None:
+        while len(batch._seq) < len(batch.steps):
+            self._enqueue(batch, len(batch._seq), False)
+
     def _reached(self, batch: Batch, index: int) -> bool:
-        return self._finished >= batch._base + index + 1
+        return index < len(batch._seq) and self._finished >= batch._seq[index]
 
     def _wait(self, batch: Batch, index: int, timeout: Optional[float]) -> bool:
-        target = batch._base + index + 1
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._finished < target:
+            while not self._reached(batch, index):
                 # short slices: a Ctrl-C whose signal reached another thread still interrupts the wait
                 left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
                 if left <= 0:
@@ -359,29 +390,23 @@ class _CpuLane:
                 self._cv.wait(left)
             return True
 
-    def _step_done(self) -> None:
-        with self._cv:
-            self._finished += 1
-            self._cv.notify_all()
-
     def _run(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._queue))
-                batch = self._queue.popleft()
-            for index in range(len(batch.steps)):
-                try:
-                    if not batch._skip():
-                        if batch.started_at is None:
-                            batch.started_at = time.perf_counter()
-                        batch._run_step(self.name, index)
-                        batch.completed += 1
-                        batch.finished_at = time.perf_counter()
-                except BaseException as e:  # noqa: BLE001 - reported through the job, never lost
-                    if batch.job is not None:
-                        batch.job._fail(e, getattr(e, "_chatlearn_action", None) or batch.step_label(index))
-                finally:
-                    self._step_done()
+                batch, index, run = self._queue.popleft()
+            try:
+                if run and not batch._skip():
+                    batch._run_step(self.name, index, part="worker")
+                    batch.completed += 1
+                    batch.finished_at = time.perf_counter()
+            except BaseException as e:  # noqa: BLE001 - reported through the job, never lost
+                if batch.job is not None:
+                    batch.job._fail(e, getattr(e, "_chatlearn_action", None) or batch.step_label(index))
+            finally:
+                with self._cv:
+                    self._finished += 1
+                    self._cv.notify_all()
 
 
 class _CudaLane:
@@ -489,18 +514,14 @@ class CopyEngine:
     def submit(self, job: Job, batches: list[Batch]) -> None:
         """Submit ``batches`` as part of ``job``, in order.
 
-        CPU: each batch goes to its lane's queue; a step's ``after`` fence is awaited by the
-        worker. CUDA: the steps are enqueued now; a step with an ``after`` fence is enqueued once
-        that step was enqueued and has completed (the host waits: R8), the other batches' steps
-        are enqueued meanwhile.
+        Each step's caller-side actions (allocations) run now, on this thread; the rest is enqueued
+        on the lane (CUDA: on its stream; CPU: for its worker). A step whose actions wait for a
+        fence of another batch (``set_after``) is submitted once that step was submitted and has
+        completed (the host waits, R8); the other batches' steps are submitted meanwhile.
         """
         for b in batches:
             b.job = job
             job.batches.append(b)
-        if not self.is_cuda:
-            for b in batches:
-                self.lanes[b.lane].submit(b)
-            return
         cursor = {id(b): 0 for b in batches}
         for b in batches:
             self.lanes[b.lane].begin(b)
@@ -514,7 +535,7 @@ class CopyEngine:
                         afters = b._afters_of(cursor[id(b)])
                         if any(id(a.batch) in cursor and a.batch is not b and cursor[id(a.batch)] <= a.index
                                for a in afters):
-                            break  # a step it waits for is not enqueued yet: go on with the others
+                            break  # a step it waits for is not submitted yet: go on with the others
                         if not b._skip():
                             for a in afters:
                                 a._wait_reached()

@@ -426,6 +426,33 @@ class _Packer:
         self.bytes += nbytes
         return len(self.steps) - 1, len(self.steps[-1]) - 1
 
+    def finish(self) -> list:
+        """The steps, each step's copies of adjacent bytes (in the storage and in its host bucket)
+        merged into one: a step is waited for as a whole, so the order inside it is free, and few
+        large copies run faster than many small ones (the weights come in the order the model
+        reads them, a buffer laid out in reverse: the pieces of a step are adjacent, descending)."""
+        return [_coalesce(step) for step in self.steps]
+
+
+def _coalesce(step: list) -> list:
+    """Merge the step's COPY_OUT / COPY_IN actions that continue one another (same storage, same
+    bucket, same offset between the two) into one; every other action keeps its place."""
+    copies = [a for a in step if a[0] in (COPY_OUT, COPY_IN)]
+    if len(copies) < 2:
+        return step
+    merged: list[tuple] = []
+    for a in sorted(copies, key=lambda a: (a[0], a[1], a[2], a[4])):
+        last = merged[-1] if merged else None
+        if (last is not None and last[:3] == a[:3] and last[4] + last[5] == a[4]
+                and last[3] - last[4] == a[3] - a[4]):
+            merged[-1] = (*last[:5], last[5] + a[5])
+        else:
+            merged.append(a)
+    # what must come first (the wait for the caller, the regrows: R1, R3), then the copies, then the
+    # releases and zeroings (a release after its storage's copies: R2)
+    first = [a for a in step if a[0] in (WAIT, GROW)]
+    rest = [a for a in step if a[0] in (RELEASE, ZERO)]
+    return first + merged + rest
 
 def _spans(store: HostStore, i: int, start: int, end: int, chunk: int) -> list[tuple[int, int, int, int]]:
     """``(bucket, bucket offset, storage offset, bytes)`` pieces of bytes ``[start, end)`` of storage
@@ -450,7 +477,7 @@ def _offload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int
             for b, bo, so, size in _spans(store, i, 0, n, chunk):
                 pack.add((COPY_OUT, i, b, bo, so, size), size)
         release[i] = pack.add((RELEASE, i))[0]
-    return _Plan(pack.steps, release, {}, ())
+    return _Plan(pack.finish(), release, {}, ())
 
 
 def _onload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int,
@@ -471,7 +498,7 @@ def _onload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int,
     for i in range(len(sizes)):  # storages of 0 bytes
         if i not in grow_at:
             grow_at[i] = pack.add((GROW, i))
-    return _Plan(pack.steps, {}, grow_at, _user_steps(users, pieces, grow_at))
+    return _Plan(pack.finish(), {}, grow_at, _user_steps(users, pieces, grow_at))
 
 
 def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
