@@ -120,6 +120,21 @@ def test_r3_storage_regrown_just_before_its_copies(monkeypatch):
         assert labels.index(f"regrow weights[{i}]") < labels.index(f"copy weights[{i}] 0:4096")
 
 
+def test_r3_regrows_run_on_the_submitting_thread_and_copies_on_the_lane(monkeypatch):
+    """Memory is allocated by the thread that submits (on Linux from its malloc arena, which the
+    releases give memory back to); a worker allocating from its own arena faulted in fresh pages
+    on every onload."""
+    tensors, storages = storages_of()
+    group = StorageGroup("weights", True, CFG)
+    group.offload(storages)
+    where = {}
+    monkeypatch.setattr(engine_mod, "_before_step",
+                        lambda lane, label: where.setdefault(label.split()[0], set()).add(threading.get_ident()))
+    group.onload()
+    assert where["regrow"] == {threading.get_ident()}
+    assert threading.get_ident() not in where["copy"]
+
+
 def make_model(n_layers=6, width=64, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n_layers)])
