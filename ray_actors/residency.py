@@ -151,6 +151,24 @@ class ResidencySchedule:
                     "offload them after)")
             plans[b] = plan_residency(items, phases, self.budget[b], written=written, scratch=scratch)
         self.plans = plans
+        self._kept_scratch = {b: self._keep_scratch(b, set(s for s in self.sizes if bundle_of(s[0]) == b))
+                              for b in self.bundles}
+
+    def _keep_scratch(self, bundle: int, items: set[Item]) -> set[Item]:
+        """Gradients the plan drops between training phases but that fit beside every phase's
+        resident set: keep them. Dropping and rebuilding them copies nothing (the plan's cost is the
+        same), but rebuilding zeroes them, which takes time."""
+        plan = self.plans[bundle]
+        load = list(plan.resident_bytes)
+        kept = set()
+        for item in sorted((i for i in items if i[1] is Part.GRADS), key=lambda i: -self.sizes[i]):
+            key = _key(item)
+            missing = [i for i, r in enumerate(plan.resident) if key not in r]
+            if missing and all(load[i] + self.sizes[item] <= self.budget[bundle] for i in missing):
+                for i in missing:
+                    load[i] += self.sizes[item]
+                kept.add(item)
+        return kept
 
     def update_sizes(self, sizes: Mapping[str, Mapping[Part, int]]) -> bool:
         """Plan again when any item's size changed (measured after a phase); returns whether it did.
@@ -172,10 +190,11 @@ class ResidencySchedule:
     def target(self, phase: int) -> set[Item]:
         """The items resident during phase ``phase`` (index into :data:`PHASES`), over all bundles."""
         out: set[Item] = set()
-        for plan in self.plans.values():
+        for b, plan in self.plans.items():
             for key in plan.resident[phase]:
                 name, _, part = key.rpartition("/")
                 out.add((name, Part(part)))
+            out |= self._kept_scratch[b]
         return out
 
     def kept(self, phase: int) -> dict[str, list[str]]:
@@ -213,7 +232,9 @@ class ResidencySchedule:
         """Per bundle: budget, planned bytes moved per iteration, all-or-nothing's, resident sets."""
         return {str(b): {"budget_bytes": self.budget[b], "bytes_moved": p.bytes_moved,
                          "all_or_nothing_bytes": p.all_or_nothing_bytes, "optimal": p.optimal,
-                         "resident": [sorted(r) for r in p.resident]} for b, p in self.plans.items()}
+                         "resident": [sorted(r) for r in p.resident],
+                         "gradients_kept": sorted(_key(i) for i in self._kept_scratch[b])}
+                for b, p in self.plans.items()}
 
 
 def _by_actor(items: Iterable[Item]) -> dict[str, tuple[Part, ...]]:

@@ -129,3 +129,17 @@ def test_the_config_names_bad_budgets():
                                (["memory.device_budget_mb=3", "memory.enabled=false"], "needs memory.enabled=true")):
         with pytest.raises(ConfigError, match=message):
             load_config("cpu_tiny", overrides)
+
+
+def test_gradients_stay_when_they_fit_beside_every_phase():
+    """Dropping gradients copies nothing, but rebuilding them zeroes them: with room, keep them."""
+    sizes = sizes_of()
+    total = sum(b for parts in sizes.values() for b in parts.values())
+    s = ResidencySchedule(sizes, total)
+    assert all({("policy_0", Part.GRADS), ("critic_0", Part.GRADS)} <= s.target(i) for i in range(len(PHASES)))
+    assert s.summary()["0"]["gradients_kept"] == ["critic_0/grads", "policy_0/grads"]
+    tight = ResidencySchedule(sizes, largest(sizes))  # no room: dropped as the plan says
+    assert ("policy_0", Part.GRADS) not in tight.target(0) and not tight.summary()["0"]["gradients_kept"]
+    for budget in (largest(sizes), int(largest(sizes) * 1.5), total):
+        s = ResidencySchedule(sizes, budget)
+        assert all(sum(s.sizes[i] for i in s.target(p)) <= budget for p in range(len(PHASES)))
