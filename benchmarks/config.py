@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from importlib import resources
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chatlearn_mem import Part
 from chatlearn_mem.config import load_config as _load
@@ -67,6 +67,13 @@ class BenchConfig(BaseModel):
     half the layers."""
     overlap_repeats: Optional[int] = Field(None, ge=3)
     """Timed repeats of each overlap row (None: ``repeats``)."""
+    overlap_forward: Union[tuple[int, int], Literal["match_copy"], None] = None
+    """The ``onload_then_forward`` row's forward pass: ``[sequences, tokens]`` per sequence;
+    ``match_copy``: one sequence, its length chosen at run time so the forward takes about as long as
+    the weights' onload (from a timed onload and a timed 16-token forward); None: the benchmark batch
+    (``batch_size`` sequences of ``trainer.seq_length``). The row shows whether the copy hides behind
+    compute, which only a forward of about the copy's duration can show: a forward six times the copy
+    bounds any schedule to 0.86 of serial (each result's ``best_possible_ratio`` is its bound)."""
     overlap_threads: Optional[int] = Field(1, ge=1)
     """Intra-op threads while the overlap rows run on a CPU "device" (both sides alike): one leaves a
     core to the copy lane, the way a GPU's copy engines are hardware of their own. None: the run's.
@@ -87,6 +94,15 @@ class BenchConfig(BaseModel):
     revision: Optional[str] = None
     """Source revision recorded in the results (e.g. a git hash); None: ``git rev-parse HEAD`` of
     the checkout the package runs from, when it runs from one."""
+
+    @model_validator(mode="after")
+    def _check_overlap_forward(self) -> "BenchConfig":
+        if isinstance(self.overlap_forward, tuple):
+            sequences, tokens = self.overlap_forward
+            if sequences < 1 or not 2 <= tokens <= self.trainer.seq_length:
+                raise ValueError(f"overlap_forward is (sequences >= 1, tokens within 2..trainer.seq_length = "
+                                 f"{self.trainer.seq_length}), got {list(self.overlap_forward)}")
+        return self
 
 
 def load_config(source: Optional[str | os.PathLike] = DEFAULT_PRESET, overrides: Sequence[str] = ()) -> BenchConfig:

@@ -68,7 +68,7 @@ def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device
     if cfg.overlap_repeats:
         cfg = cfg.model_copy(update={"repeats": cfg.overlap_repeats})
     try:
-        batch = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
+        batch = forward_batch(cfg, trainer, mm, device)
         rows = [_onload_then_forward(cfg, trainer, mm, device, batch),
                 _swap(cfg, trainer, mm, device),
                 _full_cycle(cfg, mm, device)]
@@ -79,6 +79,42 @@ def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device
         log.info("overlap %s: %.3f s serial, %.3f s overlapped (ratio %.2f)", r["name"], r["serial_s"],
                  r["overlapped_s"], r["ratio"])
     return rows
+
+
+CALIBRATION_TOKENS = 16
+"""Tokens of the short forward that ``overlap_forward: match_copy`` times to size the row's forward."""
+
+
+def forward_batch(cfg, trainer=None, mm: Optional[TrainerMemoryManager] = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """The ``onload_then_forward`` row's token ids (B, T) for ``cfg.overlap_forward``: the bench
+    batch, a given shape, or (``match_copy``, needs ``trainer``, ``mm`` and ``device``) one sequence
+    whose forward lasts about as long as a blocking weights onload, assuming time linear in tokens."""
+    from chatlearn_mem.testbed import gpt
+
+    full = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
+    if cfg.overlap_forward is None:
+        return full
+    if cfg.overlap_forward != "match_copy":
+        sequences, tokens = cfg.overlap_forward
+        return gpt.synthetic_batch(cfg.trainer, 1, batch_size=sequences)[:, :tokens]
+    short = full[:1, :CALIBRATION_TOKENS]
+
+    def forward():
+        with torch.no_grad():
+            trainer.loss(short)
+
+    def onload():
+        mm.offload(Part.WEIGHTS)
+        return timed(lambda: mm.onload(Part.WEIGHTS), device)[0]
+
+    forward()  # warm
+    fwd = sorted(timed(forward, device)[0] for _ in range(3))[1]
+    copy = sorted(onload() for _ in range(3))[1]
+    tokens = min(cfg.trainer.seq_length, max(2, round(1 + (CALIBRATION_TOKENS - 1) * copy / fwd)))
+    log.info("overlap onload_then_forward: a forward of 1 x %d tokens (weights onload %.1f ms, "
+             "%d-token forward %.1f ms)", tokens, copy * 1e3, CALIBRATION_TOKENS, fwd * 1e3)
+    return full[:1, :tokens]
 
 
 def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
@@ -106,7 +142,7 @@ def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
                 samples[name].append(t)
     fwd = stats(samples["forward"])["median"]
     row = _row("onload_then_forward", samples["serial"], samples["overlapped"], forward_alone_s=fwd,
-               forward_samples_s=samples["forward"])
+               forward_samples_s=samples["forward"], forward_shape=list(batch.shape))
     row["best_possible_ratio"] = fwd / row["serial_s"] if row["serial_s"] else None
     row["overlapped_vs_forward"] = row["overlapped_s"] / fwd if fwd else None
     return row
@@ -171,6 +207,14 @@ def _full_cycle(cfg, mm, device) -> dict:
     return _row("full_cycle", samples["serial"], samples["overlapped"], parts=[str(p) for p in parts])
 
 
+def _forward_tokens(cfg) -> Optional[int]:
+    """Tokens of the row's forward; None for ``match_copy`` (it lasts about a weights onload)."""
+    if cfg.overlap_forward == "match_copy":
+        return None
+    sequences, tokens = cfg.overlap_forward or (cfg.batch_size, cfg.trainer.seq_length)
+    return sequences * (tokens - 1)
+
+
 def plan_args(cfg) -> dict:
     """What the overlap rows of ``cfg`` (a ``BenchConfig``) add to the host memory plan and the time
     estimate (``overlap_bytes``; ``forward_tokens`` for the estimate); empty without them."""
@@ -179,7 +223,7 @@ def plan_args(cfg) -> dict:
     from chatlearn_mem.testbed import gpt
 
     return {"overlap_bytes": gpt.estimate_part_bytes(critic_config(cfg.trainer), value_head=True),
-            "forward_tokens": cfg.batch_size * (cfg.trainer.seq_length - 1),
+            "forward_tokens": _forward_tokens(cfg),
             "overlap_repeats": cfg.overlap_repeats or cfg.repeats}
 
 

@@ -278,7 +278,7 @@ class TimeEstimate:
 def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], repeats: int, warmup: int,
                      cycles: int, cuda: bool, pin: bool, builtin_available: bool = True,
                      copy_gbps: Optional[float] = None, fresh_gbps: Optional[float] = None,
-                     overlap_bytes: Optional[Mapping[str, int]] = None, forward_tokens: int = 0,
+                     overlap_bytes: Optional[Mapping[str, int]] = None, forward_tokens: Optional[int] = 0,
                      overlap_repeats: Optional[int] = None) -> TimeEstimate:
     """Seconds a run with these parts and settings should take (sizes in, seconds out).
 
@@ -289,7 +289,8 @@ def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
             copy and fill runs at it. Ignored on CUDA (:data:`PINNED_GBPS`, :data:`PAGEABLE_GBPS`).
         fresh_gbps: Fresh host pages per second (GB/s), measured; default :data:`FRESH_PAGE_GBPS`.
         overlap_bytes: With the overlap rows, the second trainer's bytes per part (see
-            :func:`plan_host_memory`); ``forward_tokens``: tokens of their forward pass;
+            :func:`plan_host_memory`); ``forward_tokens``: tokens of their forward pass (None: it
+            lasts one weights onload, as ``overlap_forward: match_copy`` sizes it);
             ``overlap_repeats``: their timed repeats (default ``repeats``).
     """
     if cuda:
@@ -334,7 +335,8 @@ def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         rounds = warmup + (overlap_repeats or repeats)
         full = sum(call("manager", FULL, d) for d in (0, 1))
         weights = sum(call("manager", Part.WEIGHTS.value, d) for d in (0, 1))
-        forward = 2 * n_params * forward_tokens / FORWARD_FLOPS[cuda]
+        forward = (2 * n_params * forward_tokens / FORWARD_FLOPS[cuda] if forward_tokens is not None
+                   else weights / 2)
         critic = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value) / 1e9 / bw["pinned"]
         critic_params = overlap_bytes.get(Part.OPTIMIZER_STATES.value, 0) / 8
         overlap_s = (rounds * (3 * forward + 2 * weights)  # onload_then_forward

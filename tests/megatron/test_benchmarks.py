@@ -281,3 +281,27 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
         assert all(a.equal(b) for a, b in zip(before, states)) and mm.audit().ok
     finally:
         mm.close()
+
+
+def test_the_overlap_forward_batch(dist1):
+    """onload_then_forward's forward: the bench batch, a given shape, or one sequence sized to the copy."""
+    from chatlearn_mem import TrainerMemoryManager
+    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem_bench.config import load_config
+    from chatlearn_mem_bench.overlap import forward_batch
+    import torch
+
+    cfg = load_config("tiny")
+    full = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
+    assert torch.equal(forward_batch(cfg), full)
+    assert torch.equal(forward_batch(cfg.model_copy(update={"overlap_forward": (1, 8)})), full[:1, :8])
+    trainer = gpt.build_gpt_trainer(cfg.trainer)
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    try:
+        batch = forward_batch(cfg.model_copy(update={"overlap_forward": "match_copy"}), trainer, mm,
+                              torch.device("cpu"))
+        assert batch.shape[0] == 1 and 2 <= batch.shape[1] <= cfg.trainer.seq_length
+        assert torch.equal(batch, full[:1, :batch.shape[1]])
+        assert not mm.is_offloaded("weights")  # the calibration leaves the weights resident
+    finally:
+        mm.close()

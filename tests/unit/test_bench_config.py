@@ -96,3 +96,12 @@ def test_an_unwritable_output_dir_fails_before_measuring(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"output_dir .*file/bench is not writable \(Not a directory\); choose another"):
         run_and_report(load_config("tiny", [f"output_dir={tmp_path / 'file' / 'bench'}"]), echo=lambda line: None)
     assert calls == []
+
+
+def test_overlap_forward_is_a_shape_within_the_sequence_or_match_copy():
+    assert load_config("cpu").overlap_forward == "match_copy"  # sized to the copy on the machine it runs on
+    assert load_config("gpu").overlap_forward is None
+    assert load_config("tiny", ["overlap_forward=[1,8]"]).overlap_forward == (1, 8)
+    for bad in ("[1,200]", "[0,8]", "[1,1]", "fast"):
+        with pytest.raises(ConfigError, match="overlap_forward"):
+            load_config("tiny", [f"overlap_forward={bad}"])
