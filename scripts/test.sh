@@ -6,12 +6,17 @@
 #      `.venv312` (torch 2.13.0 comes there as the registry's CUDA build, about 4.7 GB; it runs on CPU);
 # then check the wheel as a user installs it (scripts/wheel_check.sh).
 #
-# Environment: LEGS (default "0.16 0.13 0.19") picks legs; PYTHON312 names the Python 3.12 to use (else it is
+# The Ray tier (tests/ray, marker `ray`) runs on one leg only: RAY_LEG (default 0.19, the newest megatron-core, what
+# a new user installs), or the first leg of LEGS when RAY_LEG is not among them; every other tier runs on every leg.
+#
+# Environment: LEGS (default "0.16 0.13 0.19") picks legs; RAY_LEG (above); PYTHON312 names the Python 3.12 to use (else it is
 # looked up on PATH and under ~/.pyenv/versions/3.12*); SKIP_WHEEL_CHECK=1 skips the wheel check.
 # Extra arguments go to pytest, e.g. `LEGS=0.19 bash scripts/test.sh tests/unit` for one tier on one leg.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LEGS="${LEGS:-0.16 0.13 0.19}"
+RAY_LEG="${RAY_LEG:-0.19}"
+case " $LEGS " in *" $RAY_LEG "*) ;; *) RAY_LEG="$(echo $LEGS | cut -d' ' -f1)" ;; esac
 pip_quiet() { "$1" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
 summary=()
 
@@ -19,9 +24,11 @@ run_leg() {  # run_leg NAME PYTHON [PYTHONPATH]: the suite on one interpreter / 
   local name="$1" py="$2" path="${3:-}" start=$SECONDS
   local version
   version="$(PYTHONPATH="$path" "$py" -c 'import sys; from chatlearn_mem.mcore.layout import megatron_core_version as v; print(f"Python {sys.version.split()[0]} + megatron-core {v()}")')"
-  echo "== test suite on $version"
-  PYTHONPATH="$path" "$py" -m pytest -q -p no:cacheprovider "${@:4}"
-  summary+=("leg $name ($version): passed in $((SECONDS - start)) s")
+  local tiers=() what="every tier"
+  if [ "$name" != "$RAY_LEG" ]; then tiers=(-m "not ray"); what="every tier but Ray (it runs on the $RAY_LEG leg)"; fi
+  echo "== test suite on $version: $what"
+  PYTHONPATH="$path" "$py" -m pytest -q -p no:cacheprovider "${tiers[@]}" "${@:4}"
+  summary+=("leg $name ($version, $what): passed in $((SECONDS - start)) s")
 }
 
 find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run counts as missing
