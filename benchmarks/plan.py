@@ -227,7 +227,13 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         items.append(PlanItem("overlap rows: second trainer's host store", copied, pin, "overlap"))
         if not cuda:
             items.append(PlanItem("overlap rows: second trainer", sum(overlap_bytes.values()), False, "overlap"))
+            # the swap row's copy bound: two copies scaled to COPY_BOUND_BYTES, sources and destinations
+            items.append(PlanItem("overlap rows: swap copy-bound buffers", 4 * COPY_BOUND_BYTES, False, "overlap"))
     return HostMemoryPlan(tuple(items))
+
+
+COPY_BOUND_BYTES = 64 * 2**20
+"""The larger copy of the CPU swap row's copy bound (``chatlearn_mem_bench.overlap.copy_bound_ratio``)."""
 
 
 def refuse_unless_fits(plan: HostMemoryPlan, usable: HostMemory, margin_bytes: int,

@@ -149,6 +149,9 @@ def _overlap_lines(rows) -> list[str]:
         elif r["name"] == "swap":
             note = (f"out {r['out_bytes'] / MiB:.0f} MiB, in {r['in_bytes'] / MiB:.0f} MiB "
                     f"({r['critic_layers']}-layer trainer)")
+            if r.get("copy_bound_ratio") is not None:
+                note += (f"; two host copies at once take {r['copy_bound_ratio']:.2f} of serial here: "
+                         f"no swap beats that on this machine")
         lines.append(f"| {r['name']} | {_ms(r['serial_s'])} ({_ms(s[0])}-{_ms(s[1])}) | {_ms(r['overlapped_s'])} "
                      f"({_ms(o[0])}-{_ms(o[1])}) | {r['ratio']:.2f} ({q[0]:.2f}-{q[1]:.2f}) | {note} |")
     return lines

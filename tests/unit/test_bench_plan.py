@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("psutil")
 
+from chatlearn_mem import Part  # noqa: E402
 from chatlearn_mem.host_memory import HostMemory  # noqa: E402
 from chatlearn_mem_bench import load_config  # noqa: E402
 from chatlearn_mem_bench.plan import (HostMemoryPlanError, estimate_part_sizes, estimate_seconds,  # noqa: E402
@@ -91,3 +92,32 @@ def test_refusal_is_one_line_with_the_numbers_and_what_to_run_instead():
     assert str(e.value) == ("the benchmark would hold up to 0.0 MiB pinned + 32.0 MiB pageable = 32.0 MiB of host "
                             "memory, but the process can use 20.0 MiB (MemAvailable 0.02 GiB; minus a 1.0 MiB margin); "
                             f"nothing was measured. Run less ({20 * 2**20} bytes left).")
+
+
+def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
+    """Two host copies at once over the same copies in turn: a ratio near 0.5 with two free cores
+    and memory to spare, near 1 where one memory bus limits both; the target names the bound when it
+    is above the limit, and passes or fails on the measured ratio alone."""
+    from chatlearn_mem_bench.overlap import copy_bound_ratio, overlap_targets
+
+    ratio = copy_bound_ratio(2 * 2**20, 2**20, repeats=3, nbytes=2**20)
+    assert 0.2 < ratio < 5.0
+    row = {"name": "swap", "ratio": 0.9, "ratio_spread": [0.85, 0.95], "overlapped_s": 0.9, "serial_s": 1.0,
+           "threads": 1, "copy_bound_ratio": 0.97}
+    [target] = overlap_targets([row], gpu=False)
+    assert not target["passed"] and "out of reach on this machine: two host copies at once take 0.97" in target["detail"]
+    [target] = overlap_targets([{**row, "copy_bound_ratio": 0.6, "ratio": 0.8}], gpu=False)
+    assert target["passed"] and "out of reach" not in target["detail"]
+
+
+def test_the_cpu_plan_counts_the_copy_bound_buffers():
+    from chatlearn_mem_bench.plan import COPY_BOUND_BYTES
+
+    sizes = {p.value: [2**20] for p in Part}
+    overlap = {p.value: 2**19 for p in Part}
+    cpu = {i.what: i.nbytes for i in plan_host_memory(sizes, methods=[], cuda=False, pin=False, bucket_size=2**20,
+                                                       overlap_bytes=overlap).items}
+    assert cpu["overlap rows: swap copy-bound buffers"] == 4 * COPY_BOUND_BYTES
+    gpu = {i.what for i in plan_host_memory(sizes, methods=[], cuda=True, pin=True, bucket_size=2**20,
+                                            overlap_bytes=overlap).items}
+    assert "overlap rows: swap copy-bound buffers" not in gpu
