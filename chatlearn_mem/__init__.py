@@ -18,8 +18,9 @@ names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exerc
 """
 
 from chatlearn_mem.audit import AuditReport
-from chatlearn_mem.checkpoint import (CheckpointError, SaveHandle, estimate_checkpoint_nbytes, latest_checkpoint,
-                                      list_checkpoints, load_checkpoint, save_checkpoint)
+from chatlearn_mem.checkpoint import (CheckpointDamagedError, CheckpointError, SaveHandle, estimate_checkpoint_nbytes,
+                                      latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
+                                      verify_checkpoint)
 from chatlearn_mem.config import MemoryConfig, load_config
 from chatlearn_mem.device_report import DeviceReport, device_report
 from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, HostMemoryError,
@@ -35,10 +36,10 @@ from chatlearn_mem.transitions import Transfer, swap
 
 __all__ = [
     "BoundaryMoves", "ResidencyPlan", "plan_residency", "residency_bytes_moved",  # the residency planner
-    "AuditReport", "ChatlearnMemError", "CheckpointError", "ConfigError", "DeviceReport", "ExternalChangeError",
+    "AuditReport", "ChatlearnMemError", "CheckpointDamagedError", "CheckpointError", "ConfigError", "DeviceReport", "ExternalChangeError",
     "HostMemoryError", "InferenceMemoryManager", "MemoryConfig", "OffloadedError", "Part", "Residency", "SaveHandle",
     "TrainerMemoryManager", "Transfer", "TransferError", "TransferStats", "UnsupportedLayoutError", "device_report", "estimate_checkpoint_nbytes",
     "latest_checkpoint",
-    "list_checkpoints", "load_checkpoint", "load_config", "manager_of", "save_checkpoint", "swap",
+    "list_checkpoints", "load_checkpoint", "load_config", "manager_of", "save_checkpoint", "swap", "verify_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -31,6 +31,14 @@ metadata, :data:`METADATA_FILE` is written last and rank 0 renames the directory
 and :func:`load_checkpoint` ignore directories without the metadata file or with a temporary
 name, so a process killed during a save leaves the previous checkpoint as the newest one.
 
+Verified: the metadata file holds a manifest of every other file of the checkpoint (its size and
+CRC-32). Each rank checksums the files it wrote (megatron's ``__<rank>_*.distcp``) right after
+writing them, in the save's writing thread while they are still in the page cache; rank 0 adds
+the files written at the commit (megatron's metadata). :func:`verify_checkpoint` reads every file
+back against it, and :func:`load_checkpoint` does so before loading (``verify=True``), so a
+truncated or damaged file is one :class:`CheckpointDamagedError` naming it, not an error from
+deep inside megatron's reader. Checkpoints written before the manifest load unverified.
+
 Format choice: megatron-core's ``dist_checkpointing`` (``torch_dist`` backend) works on the CPU
 backend (gloo, CPU-only torch); ``torch.distributed.checkpoint`` is not needed. The distributed
 optimizer is saved in a format that reshards across tensor- and data-parallel sizes by default
@@ -48,6 +56,7 @@ import shutil
 import signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -56,9 +65,9 @@ import torch
 from chatlearn_mem.errors import ChatlearnMemError
 from chatlearn_mem.mcore import layout
 
-__all__ = ["CheckpointError", "SaveHandle", "METADATA_FILE", "commit_directory", "estimate_checkpoint_nbytes",
-           "fsync_dir", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
-           "write_json_atomic"]
+__all__ = ["CheckpointDamagedError", "CheckpointError", "SaveHandle", "METADATA_FILE", "commit_directory",
+           "estimate_checkpoint_nbytes", "fsync_dir", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "save_checkpoint", "verify_checkpoint", "write_json_atomic"]
 
 METADATA_FILE = "chatlearn_checkpoint.json"
 """Written last into a checkpoint directory; a directory without it is incomplete and ignored."""
@@ -68,6 +77,97 @@ _NAME = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(ChatlearnMemError):
     """A checkpoint cannot be written or does not fit the trainer; the message says what to do."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A file of a complete checkpoint is missing or differs from the checkpoint's manifest.
+
+    Attributes:
+        path: The checkpoint directory.
+        file: The damaged file, relative to ``path``.
+        problem: What differs ("has 1024 bytes, the manifest says 4096", ...).
+    """
+
+    def __init__(self, path: str, file: str, problem: str):
+        self.path, self.file, self.problem = path, file, problem
+        super().__init__(f"checkpoint {path} is damaged: {file} {problem}")
+
+
+# -- the manifest: every file's size and CRC-32 ---------------------------------------------------------
+_CHUNK = 8 * 2**20
+
+
+def _digest(path: str) -> dict:
+    """``{"bytes", "crc32"}`` of one file, read in chunks."""
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_CHUNK)
+            if not block:
+                break
+            crc, n = zlib.crc32(block, crc), n + len(block)
+    return {"bytes": n, "crc32": f"{crc:08x}"}
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under ``directory`` but the metadata file, as relative paths, sorted."""
+    out = []
+    for base, _, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(base, name), directory)
+            if rel != METADATA_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def _own_files(directory: str, rank: int) -> dict[str, dict]:
+    """The manifest entries of the tensor files ``rank`` wrote (torch's ``__<rank>_<n>.distcp``)."""
+    prefix = f"__{rank}_"
+    return {f: _digest(os.path.join(directory, f)) for f in _files(directory) if f.startswith(prefix)}
+
+
+def _check_files(path: str, manifest: dict[str, dict], names: list[str]) -> Optional[CheckpointDamagedError]:
+    for name in names:
+        want = manifest[name]
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return CheckpointDamagedError(path, name, "is missing")
+        size = os.path.getsize(full)
+        if size != want["bytes"]:
+            return CheckpointDamagedError(path, name, f"has {size} bytes, the manifest says {want['bytes']}")
+        got = _digest(full)
+        if got["crc32"] != want["crc32"]:
+            return CheckpointDamagedError(path, name, f"has CRC-32 {got['crc32']}, the manifest says "
+                                                      f"{want['crc32']} (same size: the bytes changed)")
+    return None
+
+
+def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1) -> dict:
+    """Read every file of a complete checkpoint back against its manifest.
+
+    Args:
+        path: A checkpoint directory (from :func:`latest_checkpoint` / :func:`list_checkpoints`).
+        rank, world_size: Verify only every ``world_size``-th file starting at ``rank`` (so that
+            the ranks of a job share the reading); the defaults verify all.
+
+    Returns:
+        ``{"files", "bytes", "seconds", "verified"}``: what was read; ``verified`` is False for a
+        checkpoint written before manifests (nothing to compare with: nothing read).
+
+    Raises:
+        CheckpointDamagedError: The first file that is missing or differs (named).
+        CheckpointError: ``path`` is not a complete checkpoint (no or unreadable metadata).
+    """
+    t0 = time.perf_counter()
+    manifest = _read_metadata(path).get("files")
+    if manifest is None:
+        return {"files": 0, "bytes": 0, "seconds": 0.0, "verified": False}
+    names = sorted(manifest)[rank::world_size]
+    error = _check_files(path, manifest, names)
+    if error is not None:
+        raise error
+    return {"files": len(names), "bytes": sum(manifest[n]["bytes"] for n in names),
+            "seconds": time.perf_counter() - t0, "verified": True}
 
 
 # -- writer processes die with the trainer ----------------------------------------------------------
@@ -193,6 +293,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _gather(obj: Any) -> list:
+    """``obj`` of every rank (a list in rank order); ``[obj]`` without a process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -295,8 +406,11 @@ class SaveHandle:
     _finish: Any = None
     _error: Optional[BaseException] = None
     _committed: bool = False
+    _manifest: Optional[dict] = None
     seconds: float = 0.0
     """Wall time from the call to the commit (set by :meth:`wait`)."""
+    manifest_seconds: float = 0.0
+    """Of which this rank spent checksumming files for the manifest."""
 
     def done(self) -> bool:
         """Whether the tensors are written (the checkpoint is complete once :meth:`wait` returned)."""
@@ -402,6 +516,7 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     del state  # the request holds what it writes
 
     handle = SaveHandle(final, step, nbytes)
+    rank = _rank()
 
     def write():
         _writing.pid = os.getpid()
@@ -413,6 +528,9 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                     args[1] = preload()
                 if request.async_fn is not None:
                     request.async_fn(*args, **getattr(request, "async_fn_kwargs", {}))
+            t = time.perf_counter()
+            handle._manifest = _own_files(tmp, rank)  # while the files are in the page cache
+            handle.manifest_seconds = time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             handle._error = e
         finally:
@@ -422,10 +540,17 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
         _barrier()
         for fn in request.finalize_fns:
             fn()
-        if _rank() == 0:
+        manifests = _gather(handle._manifest)
+        if rank == 0:
+            t = time.perf_counter()
+            files = {k: v for m in manifests for k, v in m.items()}
+            for name in _files(tmp):  # megatron's metadata, and any file not named after its rank
+                if name not in files:
+                    files[name] = _digest(os.path.join(tmp, name))
+            handle.manifest_seconds += time.perf_counter() - t
             meta = {"format": _FORMAT, "step": step, "megatron_core": layout.megatron_core_version(),
                     "parallel": {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")},
-                    "tensors": shapes, "distrib_optimizer_sharding": sharding, "metadata": metadata}
+                    "tensors": shapes, "distrib_optimizer_sharding": sharding, "metadata": metadata, "files": files}
             commit_directory(tmp, final, METADATA_FILE, meta)
             if keep_last is not None:
                 for old in list_checkpoints(root)[:-keep_last]:
@@ -449,10 +574,14 @@ def _read_metadata(path: str) -> dict:
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path!r} is not a complete checkpoint (no {METADATA_FILE}); pass a directory "
                               "that latest_checkpoint()/list_checkpoints() returned")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != _FORMAT:
-        raise CheckpointError(f"{path!r} has format {meta.get('format')!r}; this version reads {_FORMAT!r}")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointDamagedError(path, METADATA_FILE, f"cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path!r} has format {found!r}; this version reads {_FORMAT!r}")
     return meta
 
 
@@ -469,7 +598,7 @@ def _shape_differences(saved: dict, current: dict) -> list[str]:
     return out
 
 
-def load_checkpoint(manager: Any, path: str) -> dict:
+def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
     """Load a checkpoint saved by :func:`save_checkpoint` into a resident trainer.
 
     The model shape must match; the tensor- and data-parallel split may differ (megatron reshards).
@@ -479,12 +608,16 @@ def load_checkpoint(manager: Any, path: str) -> dict:
     Args:
         manager: The trainer's :class:`~chatlearn_mem.TrainerMemoryManager`, every part on the device.
         path: A checkpoint directory (e.g. from :func:`latest_checkpoint`).
+        verify: First read every file back against the checkpoint's manifest
+            (:func:`verify_checkpoint`), the ranks sharing the files; False when the caller did.
 
     Returns:
         The checkpoint's metadata: ``step``, ``parallel`` (the split it was saved with),
         ``metadata`` (what the save was given) and more.
 
     Raises:
+        CheckpointDamagedError: A file is missing or differs from the manifest (on every rank, the
+            same file named); nothing was loaded.
         CheckpointError: ``path`` is not a complete checkpoint, or its tensors differ in shape or
             dtype from the model's (the message lists each difference).
         OffloadedError: A part of the trainer is offloaded (call ``onload()`` first).
@@ -492,6 +625,14 @@ def load_checkpoint(manager: Any, path: str) -> dict:
     from megatron.core import dist_checkpointing
 
     meta = _read_metadata(path)
+    if verify and meta.get("files") is not None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mine = _check_files(path, meta["files"], sorted(meta["files"])[_rank()::world])
+        found = [e for e in _gather(None if mine is None else (mine.file, mine.problem)) if e is not None]
+        if found:
+            raise CheckpointDamagedError(path, *found[0])
     chunks, optimizer, _ = _trainer(manager)
     manager._prepare_load()
     same_split = {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")} == meta["parallel"]

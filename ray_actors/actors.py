@@ -305,15 +305,16 @@ class TrainerActor(_ManagedActor):
             path = handle.wait()
         return {"path": path, "nbytes": handle.nbytes, "seconds": handle.seconds}
 
-    def load_checkpoint(self, path: str) -> dict:
+    def load_checkpoint(self, path: str, verify: bool = True) -> dict:
         """Load a checkpoint saved by :meth:`save_checkpoint` (every rank; the trainer onloaded first
-        when asleep). Returns the checkpoint's metadata (see :func:`chatlearn_mem.checkpoint.load_checkpoint`)."""
+        when asleep). Returns the checkpoint's metadata (see :func:`chatlearn_mem.checkpoint.load_checkpoint`;
+        ``verify``: read the files back against the manifest first, the ranks sharing them)."""
         from chatlearn_mem.checkpoint import load_checkpoint
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.manager.onload()
-            return load_checkpoint(self.manager, path)
+            return load_checkpoint(self.manager, path, verify=verify)
 
 
 class InferenceActor(_ManagedActor):

@@ -32,13 +32,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from chatlearn_mem.checkpoint import commit_directory, write_json_atomic
+from chatlearn_mem.checkpoint import (CheckpointDamagedError, CheckpointError, commit_directory, verify_checkpoint,
+                                     write_json_atomic)
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ActorFailedError, CheckpointDirError, CheckpointSaveError, ResumeError
 
 __all__ = ["RUN_FILE", "RunCheckpointer", "check_checkpoint_dir", "check_room", "config_differences",
-           "latest_run_checkpoint", "list_run_checkpoints", "read_run_state", "remove_temporaries",
-           "write_json_atomic"]
+           "latest_run_checkpoint", "list_run_checkpoints", "newest_intact_run_checkpoint", "read_run_state",
+           "remove_temporaries", "verify_run_checkpoint", "write_json_atomic"]
 
 RUN_FILE = "run.json"
 """The run's state; written last into a run checkpoint."""
@@ -92,6 +93,50 @@ def read_run_state(path: os.PathLike) -> dict:
     if state.get("format") != _FORMAT:
         raise ResumeError(f"{path} has format {state.get('format')!r}; this version reads {_FORMAT!r}")
     return state
+
+
+def verify_run_checkpoint(path: os.PathLike) -> dict:
+    """Read a run checkpoint's ``run.json`` and every trainer's checkpoint back against its
+    manifest (:func:`chatlearn_mem.checkpoint.verify_checkpoint`); returns the ``run.json``.
+
+    Raises:
+        ResumeError: ``run.json`` cannot be read or has another format.
+        CheckpointError: A trainer's checkpoint is incomplete or a file of it is damaged
+            (:class:`~chatlearn_mem.checkpoint.CheckpointDamagedError` names the file).
+    """
+    path = Path(path)
+    state = read_run_state(path)
+    step = f"step_{int(state['iterations_done']):08d}"
+    for role in TRAINERS:
+        verify_checkpoint(str(path / role / step))
+    return state
+
+
+def newest_intact_run_checkpoint(root: os.PathLike, progress: Callable[[str], None] = print
+                                 ) -> Optional[tuple[Path, dict]]:
+    """The newest complete run checkpoint under ``root`` whose files all match their manifests,
+    with its ``run.json``; None when there is no complete checkpoint. Each damaged one skipped on
+    the way is one line to ``progress`` naming the file.
+
+    Raises:
+        ResumeError: There are complete checkpoints but none is intact (each one's damage named).
+    """
+    found = list_run_checkpoints(root)
+    damaged = []
+    for _, path in reversed(found):
+        try:
+            return path, verify_run_checkpoint(path)
+        except (ResumeError, CheckpointError) as e:
+            if isinstance(e, CheckpointDamagedError):  # the file, named from the run checkpoint down
+                reason = f"{Path(e.path).relative_to(path) / e.file} {e.problem}"
+            else:
+                reason = str(e).replace(f"{path}{os.sep}", "")
+            damaged.append(f"{path.name}: {reason}")
+            progress(f"checkpoint {path.name} is damaged, skipped: {reason}")
+    if damaged:
+        raise ResumeError(f"no intact checkpoint in {root} to resume from ({'; '.join(damaged)}). Restore the "
+                          "files from a copy, or start the run anew without --resume in another output_dir")
+    return None
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

@@ -39,7 +39,7 @@ import torch
 
 from chatlearn_mem import Part
 from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
-                                           latest_run_checkpoint, list_run_checkpoints, read_run_state,
+                                           latest_run_checkpoint, list_run_checkpoints, newest_intact_run_checkpoint,
                                            remove_temporaries, write_json_atomic)
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
@@ -158,10 +158,14 @@ class PPORun:
 
     def restore(self, path: Path, state: dict) -> None:
         """Continue the run a checkpoint saved: load every trainer rank's state from ``path`` and
-        take the driver's state (``run.json``) over; then :meth:`next_iteration` is where it left off."""
+        take the driver's state (``run.json``) over; then :meth:`next_iteration` is where it left off.
+        The driver verified the files against their manifests when it chose ``path``
+        (:func:`~chatlearn_mem_ray.checkpoints.newest_intact_run_checkpoint`): the ranks do not read
+        them twice."""
         c = self.colo
         self.where = (None, "resume")
-        c.call("resume", {a: a.load_checkpoint.remote(str(Path(path) / role / f"step_{state['iterations_done']:08d}"))
+        step = f"step_{state['iterations_done']:08d}"
+        c.call("resume", {a: a.load_checkpoint.remote(str(Path(path) / role / step), verify=False)
                           for role in ("policy", "critic") for a in getattr(c, role)})
         self.iterations = [dict(m) for m in state["iterations"]]
         self.timeline = MemoryTimeline.from_json(state["memory_timeline"])
@@ -525,15 +529,15 @@ def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -
     mode, root = cfg.checkpoint.resume, cfg.checkpoint_dir
     if mode is False:
         return None
-    newest = latest_run_checkpoint(root)
-    if newest is None:
+    intact = newest_intact_run_checkpoint(root, progress)
+    if intact is None:
         if mode == "auto":
             progress(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from the beginning")
             return None
         raise ResumeError(f"nothing to resume: no complete checkpoint in {root}. Run without --resume (or with "
                           "checkpoint.resume=auto) to start from the beginning, or point checkpoint.directory "
                           "at the run's checkpoints")
-    state = read_run_state(newest)
+    newest, state = intact
     blocking, changed = config_differences(state["config"], cfg)
     if blocking:
         raise ResumeError(f"cannot resume from {newest}: the config's model differs from the checkpoint's: "
@@ -609,8 +613,9 @@ def _restart(cfg: RunConfig, error: BaseException, run: Optional[PPORun], record
     checkpoint the run continues from (None: from the start)."""
     iteration, phase = run.where if run is not None else (None, "setup")
     done = len(run.iterations) if run is not None else 0
-    newest = latest_run_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.every or record["resumed_from"] else None
-    state = read_run_state(newest) if newest is not None else None
+    intact = (newest_intact_run_checkpoint(cfg.checkpoint_dir, progress)
+              if cfg.checkpoint.every or record["resumed_from"] else None)
+    newest, state = intact if intact is not None else (None, None)
     back_to = state["iterations_done"] if state is not None else 0
     where = f" (in iteration {iteration + 1})" if iteration is not None else ""
     entry = {"number": number, "actor": getattr(error, "actor", None), "phase": phase,

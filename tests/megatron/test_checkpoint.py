@@ -290,3 +290,82 @@ def test_estimate_refuses_a_format_this_megatron_cannot_save(dist1):
             estimate_checkpoint_nbytes(mm, resharding=False)
     else:
         assert estimate_checkpoint_nbytes(mm, resharding=False) == estimate_checkpoint_nbytes(mm)
+
+
+def test_the_manifest_names_a_damaged_file_and_nothing_is_loaded(dist1, tmp_path):
+    """Every file is in the manifest with its size and CRC-32; a truncated file, a changed byte, a
+    missing file and unreadable metadata are each one CheckpointDamagedError naming the file, raised
+    before megatron reads anything; the trainer is untouched and loads the intact copy after."""
+    import json
+    import shutil
+
+    from chatlearn_mem import CheckpointDamagedError, verify_checkpoint
+
+    cfg = gpt.GPTTrainerConfig()
+    _, _, mm, trainer = train(cfg, steps=2)
+    handle = save_checkpoint(mm, tmp_path / "a", step=2, async_=True)
+    handle.wait()
+    path = latest_checkpoint(tmp_path / "a")
+    meta = json.loads(open(os.path.join(path, METADATA_FILE)).read())
+    on_disk = sorted(os.path.relpath(os.path.join(b, n), path) for b, _, ns in os.walk(path) for n in ns)
+    assert sorted(meta["files"]) == [f for f in on_disk if f != METADATA_FILE]
+    assert any(f.startswith("__0_") for f in meta["files"])  # the rank's own tensor file(s), from the write thread
+    assert all(v["bytes"] == os.path.getsize(os.path.join(path, f)) for f, v in meta["files"].items())
+    assert handle.manifest_seconds > 0
+    report = verify_checkpoint(path)
+    assert report["verified"] and report["files"] == len(meta["files"])
+    assert report["bytes"] == sum(v["bytes"] for v in meta["files"].values())
+
+    _, _, mm2, other = train(cfg, steps=1)
+    before = full_state(other)
+    data = max(meta["files"], key=lambda f: meta["files"][f]["bytes"])
+
+    def damaged(name, how):
+        copy = tmp_path / name / "step_00000002"
+        shutil.copytree(path, copy)
+        how(copy)
+        return str(copy)
+
+    def truncate(p):
+        os.truncate(p / data, meta["files"][data]["bytes"] // 2)
+
+    def flip(p):
+        with open(p / data, "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+    cases = [("truncated", truncate, rf"{data} has {meta['files'][data]['bytes'] // 2} bytes, the manifest says "),
+             ("flipped", flip, rf"{data} has CRC-32 [0-9a-f]{{8}}, the manifest says"),
+             ("missing", lambda p: os.remove(p / data), rf"{data} is missing"),
+             ("metadata", lambda p: (p / METADATA_FILE).write_text('{"format": '), rf"{METADATA_FILE} cannot be read")]
+    for name, how, message in cases:
+        broken = damaged(name, how)
+        with pytest.raises(CheckpointDamagedError, match=message) as e:
+            load_checkpoint(mm2, broken)
+        assert e.value.path == broken and e.value.file in (data, METADATA_FILE)
+        if name != "metadata":
+            with pytest.raises(CheckpointDamagedError, match=message):
+                verify_checkpoint(broken)
+    assert_same(full_state(other), before)  # nothing was loaded
+    load_checkpoint(mm2, path)
+    assert_same(full_state(other), full_state(trainer))
+
+
+def test_a_checkpoint_without_a_manifest_loads_unverified(dist1, tmp_path):
+    import json
+
+    from chatlearn_mem import verify_checkpoint
+
+    _, _, mm, trainer = train(gpt.GPTTrainerConfig(), steps=1)
+    save_checkpoint(mm, tmp_path, step=1)
+    path = latest_checkpoint(tmp_path)
+    meta_path = os.path.join(path, METADATA_FILE)
+    meta = json.loads(open(meta_path).read())
+    del meta["files"]  # as written before manifests
+    open(meta_path, "w").write(json.dumps(meta))
+    assert verify_checkpoint(path) == {"files": 0, "bytes": 0, "seconds": 0.0, "verified": False}
+    _, _, mm2, other = train(gpt.GPTTrainerConfig(), steps=0)
+    load_checkpoint(mm2, path)
+    assert_same(full_state(other), full_state(trainer))

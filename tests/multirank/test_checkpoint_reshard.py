@@ -20,3 +20,16 @@ def test_round_trip_through_another_tensor_parallel_split(tmp_path):
     for r in out["check_dp2"]:
         assert r["compared"] > 0 and r["saved_split"]["tp"] == 2
         assert r["differ"] == [], f"rank {r['rank']}: {len(r['differ'])} tensors differ, e.g. {r['differ'][:3]}"
+    # both saves' manifests hold the tensor files of both ranks (each checksummed by its writer) and
+    # megatron's metadata; every file reads back as recorded
+    import json
+    import os
+
+    from chatlearn_mem.checkpoint import METADATA_FILE, latest_checkpoint, verify_checkpoint
+
+    for name in ("a", "b"):
+        path = latest_checkpoint(str(tmp_path / name))
+        files = json.loads(open(os.path.join(path, METADATA_FILE)).read())["files"]
+        assert {f[:3] for f in files if f.endswith(".distcp")} == {"__0", "__1"}
+        assert ".metadata" in files
+        assert verify_checkpoint(path)["files"] == len(files)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 ITERATIONS = 4
 BASE = ["ppo.iterations=4", "ppo.prompts_per_iteration=16", "memory.compare_iterations=0", "ray.phase_timeout_s=180"]
-TIMING = ("seconds", "phase_seconds", "checkpoint_seconds")
+TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,32 @@ def test_a_run_stopped_by_ctrl_c_resumes_to_the_same_end(uninterrupted, tmp_path
     assert sum(line.startswith("iter ") for line in lines) == 2  # only iterations 3 and 4 ran again
     assert outcome(log) == outcome(uninterrupted)
     assert json.loads((tmp_path / "log.json").read_text())["iterations"] == log["iterations"]
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_older_one(uninterrupted, tmp_path):
+    """A tensor file of the newest checkpoint truncated: one line naming it, the run resumes from the
+    checkpoint before it (the actors never read the damaged file) and ends bit-identical."""
+    args = [*BASE, f"output_dir={tmp_path}", "checkpoint.every=1", "checkpoint.async_save=false"]
+
+    def ctrl_c(run, iteration):
+        if iteration == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(RunInterrupted):
+        run_ppo(load_config("cpu_tiny", args), progress=lambda line: None, on_iteration=ctrl_c)
+    newest = latest_run_checkpoint(tmp_path / "checkpoints")
+    assert newest.name == "iter_00000003"
+    step = newest / "policy" / "step_00000003"
+    data = max((f for f in os.listdir(step) if f.endswith(".distcp")), key=lambda f: os.path.getsize(step / f))
+    size = os.path.getsize(step / data)
+    os.truncate(step / data, size - 1)
+
+    lines = []
+    log = run_ppo(load_config("cpu_tiny", [*args, "checkpoint.resume=true"]), progress=lines.append)
+    assert (f"checkpoint iter_00000003 is damaged, skipped: policy/step_00000003/{data} has {size - 1} bytes, "
+            f"the manifest says {size}") in lines
+    assert log["resumed_from"]["iterations_done"] == 2
+    assert outcome(log) == outcome(uninterrupted)
 
 
 def test_a_failed_save_stops_the_run_cleanly_with_the_previous_checkpoint_intact(local_ray, tmp_path):

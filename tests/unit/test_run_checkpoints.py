@@ -18,9 +18,19 @@ def _cfg(tmp_path, *overrides):
 
 
 def fake_checkpoint(cfg, iterations: int, complete: bool = True):
-    """A run checkpoint directory as the driver commits it (no trainer state inside)."""
+    """A run checkpoint directory as the driver commits it; each trainer's checkpoint holds one
+    tensor file and megatron's metadata, with the manifest the library writes."""
+    from chatlearn_mem.checkpoint import _FORMAT, METADATA_FILE, _digest
+
     path = cfg.checkpoint_dir / f"iter_{iterations:08d}"
     path.mkdir(parents=True)
+    for role in ck.TRAINERS:
+        step = path / role / f"step_{iterations:08d}"
+        step.mkdir(parents=True)
+        (step / "__0_0.distcp").write_bytes(bytes(range(256)) * (16 * iterations))
+        (step / ".metadata").write_bytes(b"megatron's metadata")
+        files = {f: _digest(str(step / f)) for f in ("__0_0.distcp", ".metadata")}
+        (step / METADATA_FILE).write_text(json.dumps({"format": _FORMAT, "step": iterations, "files": files}))
     if complete:
         (path / ck.RUN_FILE).write_text(json.dumps({
             "format": ck._FORMAT, "iterations_done": iterations, "config": json.loads(cfg.model_dump_json()),
@@ -152,3 +162,37 @@ def test_the_resume_flag_sets_checkpoint_resume(tmp_path):
     assert json.loads(result.output)["checkpoint"]["resume"] == "auto"
     result = CliRunner().invoke(app, ["ppo", "--resume", f"output_dir={tmp_path}", "checkpoint.every=1"])
     assert result.exit_code == 1 and result.output.startswith("error: nothing to resume: no complete checkpoint in ")
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_naming_the_file(tmp_path):
+    """A truncated tensor file in the newest checkpoint: one line naming it, and the run resumes
+    from the older intact one; damage in every checkpoint: one error naming each; never a traceback
+    from a reader."""
+    cfg = _cfg(tmp_path, "checkpoint.resume=true")
+    fake_checkpoint(cfg, 2)
+    newest = fake_checkpoint(cfg, 3)
+    data = newest / "critic" / "step_00000003" / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size // 2)
+    lines = []
+    path, state = find_resume_point(cfg, lines.append)
+    assert path.name == "iter_00000002" and state["iterations_done"] == 2
+    assert lines == [f"checkpoint iter_00000003 is damaged, skipped: critic/step_00000003/__0_0.distcp has "
+                     f"{size // 2} bytes, the manifest says {size}"]
+
+    older = cfg.checkpoint_dir / "iter_00000002" / "policy" / "step_00000002" / ".metadata"
+    older.write_bytes(b"megatron's metadatA")  # same size, one byte changed
+    for mode in ("true", "auto"):
+        with pytest.raises(ResumeError, match=r"no intact checkpoint in .* to resume from \(iter_00000003: .*"
+                                              r"__0_0.distcp has .*; iter_00000002: .*\.metadata has CRC-32 "):
+            find_resume_point(_cfg(tmp_path, f"checkpoint.resume={mode}"), lambda line: None)
+
+
+def test_a_damaged_run_json_is_skipped_too(tmp_path):
+    cfg = _cfg(tmp_path, "checkpoint.resume=true")
+    fake_checkpoint(cfg, 2)
+    (fake_checkpoint(cfg, 3) / ck.RUN_FILE).write_text('{"format": ')
+    lines = []
+    assert find_resume_point(cfg, lines.append)[0].name == "iter_00000002"
+    assert len(lines) == 1 and lines[0].startswith("checkpoint iter_00000003 is damaged, skipped: ")
