@@ -75,6 +75,8 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in (
         "save_awake", "save_asleep", "save_async_return", "save_async_total",
         "save_awake_dp", "save_asleep_dp", "save_async_return_dp", "save_async_total_dp", "plain_write")}
+    # seconds of each save spent checksumming its files for the manifest (in the writing thread)
+    manifest: dict[str, list[float]] = {k: [] for k in times if k.startswith("save") and "return" not in k}
     nbytes = 0
     asleep_device_bytes = []
     step = 0
@@ -87,13 +89,16 @@ def main() -> None:
         for suffix, resharding in (("", True), ("_dp", False)):
             step += 1
             t0 = time.perf_counter()
-            nbytes = save_checkpoint(mm, root, step=step, keep_last=1, resharding=resharding).nbytes
+            handle = save_checkpoint(mm, root, step=step, keep_last=1, resharding=resharding)
+            nbytes = handle.nbytes
             times["save_awake" + suffix].append(time.perf_counter() - t0)
+            manifest["save_awake" + suffix].append(handle.manifest_seconds)
             mm.offload()
             step += 1
             t0 = time.perf_counter()
-            save_checkpoint(mm, root, step=step, keep_last=1, resharding=resharding)
+            handle = save_checkpoint(mm, root, step=step, keep_last=1, resharding=resharding)
             times["save_asleep" + suffix].append(time.perf_counter() - t0)
+            manifest["save_asleep" + suffix].append(handle.manifest_seconds)
             asleep_device_bytes.append(mm.residency().device_bytes)
             step += 1
             t0 = time.perf_counter()
@@ -101,6 +106,7 @@ def main() -> None:
             times["save_async_return" + suffix].append(time.perf_counter() - t0)
             handle.wait()
             times["save_async_total" + suffix].append(time.perf_counter() - t0)
+            manifest["save_async_total" + suffix].append(handle.manifest_seconds)
             asleep_device_bytes.append(mm.residency().device_bytes)
             mm.onload()
         plain_write()
@@ -111,6 +117,8 @@ def main() -> None:
         "seconds": med, "samples_s": samples, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if "return" not in k},
         "save_vs_plain_write": {k: med["plain_write"] / v for k, v in med.items() if "return" not in k},
         "asleep_device_bytes_max": max(asleep_device_bytes),
+        "manifest_seconds": {k: statistics.median(v) for k, v in manifest.items()},
+        "manifest_share_of_save": {k: statistics.median(v) / med[k] for k, v in manifest.items()},
         "torch": torch.__version__, "megatron_core": __import__("chatlearn_mem.mcore.layout", fromlist=["x"])
         .megatron_core_version(), "cpu_count": os.cpu_count(), "dir": root,
     }
