@@ -8,7 +8,8 @@
 - Checkpoints, resume and restarts of dead actors: the ``checkpoint`` section of the config;
   :mod:`chatlearn_mem_ray.checkpoints` reads what a run saved.
 - :class:`RunError`: the base of every error that stops a run; :class:`RunInterrupted` (a
-  ``KeyboardInterrupt``) when Ctrl-C stops one after its log was written.
+  ``KeyboardInterrupt``) when Ctrl-C stops one after its log was written, :class:`RunTerminated`
+  when SIGTERM does (at the end of an iteration, its checkpoint saved).
 - Command line: ``chatlearn-mem ppo [--config cpu_tiny|gpu|PATH] [key=value ...]``.
 """
 
@@ -17,10 +18,11 @@ from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, load_config
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, CheckpointSaveError,
                                       ClusterConnectionError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
-                                      ResourceError, ResumeError, RunError, RunInterrupted, WeightSyncError)
+                                      ResourceError, ResumeError, RunError, RunInterrupted, RunTerminated,
+                                      WeightSyncError)
 from chatlearn_mem_ray.ppo import run_ppo
 
 __all__ = ["ActorFailedError", "AuditFailedError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
            "Colocation", "InferenceActor", "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError",
-           "ResumeError", "RunConfig", "RunError", "RunInterrupted", "TrainerActor", "WeightSyncError", "load_config",
+           "ResumeError", "RunConfig", "RunError", "RunInterrupted", "RunTerminated", "TrainerActor", "WeightSyncError", "load_config",
            "run_ppo"]

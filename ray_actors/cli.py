@@ -6,7 +6,8 @@ Both subcommands read their config the same way, through the project's one loade
 file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the shipped
 presets. A bad config prints ``error: ...`` (every problem, with its key) and exits 2; a run that
 fails prints ``error: ...`` and exits 1; Ctrl-C prints how far the run got and where its log is,
-and exits 130.
+and exits 130; SIGTERM (a scheduler's preemption) stops the run at the end of the iteration, saves
+a checkpoint when checkpoints are on (``checkpoint.on_sigterm``), says how to resume and exits 143.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def _guarded(work: Callable[[], T]) -> T:
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
         raise _fail(f"{type(e).__name__}: {e}", 1) from None
     except KeyboardInterrupt as e:  # RunInterrupted says how far the run got and where its log is
+        from chatlearn_mem_ray.errors import RunTerminated
+
         typer.echo(str(e) or "stopped by Ctrl-C", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(143 if isinstance(e, RunTerminated) else 130) from None
 
 
 @app.command()

@@ -231,6 +231,15 @@ class CheckpointConfig(_Strict):
     and continue from the newest checkpoint (from the start when there is none yet), up to this
     many times per run; past that the run stops naming the actor and the phase. An exception
     raised by an actor's code (which would recur) is never retried."""
+    on_sigterm: bool = True
+    """On SIGTERM (what a scheduler sends before it preempts a job), with checkpoints on: once the
+    current iteration ends, save a checkpoint of the iterations done (unless the newest already
+    holds them) before stopping, when the previous save took less than :attr:`sigterm_grace_s`.
+    The run then exits 143 saying how far it got and how to resume. False: stop without saving."""
+    sigterm_grace_s: float = Field(30.0, gt=0)
+    """Seconds a scheduler leaves between SIGTERM and SIGKILL (30 is both Kubernetes' and Slurm's
+    default). The SIGTERM checkpoint is skipped, and the line says so, when the previous save took
+    longer than what is left of it."""
 
 
 def _default_policy() -> GPTTrainerConfig:

@@ -99,3 +99,23 @@ class RunInterrupted(KeyboardInterrupt):
         plural = "" if iterations == 1 else "s"
         super().__init__(f"stopped by Ctrl-C after {iterations} iteration{plural}; log: {log_path}")
         self.iterations, self.log_path = iterations, log_path
+
+
+class RunTerminated(RunInterrupted):
+    """SIGTERM stopped a run at a safe point (the end of an iteration), after its log was written,
+    its final checkpoint saved (``checkpoint.on_sigterm``) and Ray shut down. The command exits 143
+    with ``str()``: how far it got and how to resume.
+
+    Attributes:
+        iterations: Iterations completed (all of them are in the log).
+        log_path: The ``log.json`` written.
+        checkpoint: The newest complete checkpoint (None: none).
+    """
+
+    def __init__(self, iterations: int, log_path, checkpoint=None, note: str = ""):
+        plural = "" if iterations == 1 else "s"
+        resume = (f"newest checkpoint {checkpoint} ({note}); continue with --resume" if checkpoint is not None
+                  else f"no checkpoint ({note}); a new run starts from the beginning")
+        KeyboardInterrupt.__init__(self, f"stopped by SIGTERM after {iterations} iteration{plural}; {resume}; "
+                                         f"log: {log_path}")
+        self.iterations, self.log_path, self.checkpoint = iterations, log_path, checkpoint

@@ -31,6 +31,8 @@ import math
 import os
 import platform
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -45,6 +47,7 @@ from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, BudgetError, CheckpointDirError,
                                       NonFiniteLossError, OutputDirError, PhaseTimeoutError, ResumeError, RunInterrupted,
+                                      RunTerminated,
                                       WeightSyncError)
 from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, estimate_sizes
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
@@ -602,6 +605,66 @@ def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, sec
                         "seconds": seconds}, **(extra or {})}
 
 
+class _Terminate(BaseException):
+    """Raised by the driver at a safe point once SIGTERM arrived (a BaseException: no ``except
+    Exception`` on the way turns it into a failure)."""
+
+
+class _SigtermWatch:
+    """The driver's own SIGTERM handler for the length of a run, in place of Ray's (whose core
+    worker installs one that prints a crash dump). The first SIGTERM only notes the time: the run
+    stops at the end of the iteration. A second one stops it at once, as Ctrl-C does."""
+
+    _UNSET = object()
+
+    def __init__(self, progress: Callable[[str], None]):
+        self.at: Optional[float] = None
+        self.note = ""
+        self._progress, self._previous = progress, self._UNSET
+
+    def install(self) -> None:
+        """Take SIGTERM (again after ``ray.init``); only the main thread can."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.signal(signal.SIGTERM, self._handle)
+        if self._previous is self._UNSET:
+            self._previous = previous
+
+    def restore(self) -> None:
+        if self._previous is not self._UNSET:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._previous = self._UNSET
+
+    def _handle(self, signum, frame) -> None:
+        if self.at is not None:
+            raise _Terminate()
+        self.at = time.monotonic()
+        self._progress("SIGTERM received: the run stops once this iteration ends (a second SIGTERM stops it now)")
+
+
+def _sigterm_checkpoint(cfg: RunConfig, run: "PPORun", record: dict, done: int, term: _SigtermWatch) -> str:
+    """At the safe point after SIGTERM: make the newest checkpoint hold the ``done`` iterations
+    when ``checkpoint.on_sigterm`` and the time left allow it; returns what was done, for the line."""
+    ck = cfg.checkpoint
+    if not ck.every or run.checkpointer is None:
+        return "checkpoints are off (checkpoint.every=0)" if not ck.every else "the comparison iterations are not saved"
+    run.checkpointer.complete()
+    if record["checkpoints"] and record["checkpoints"][-1]["iterations_done"] == done:
+        return f"it holds all {done} iterations"
+    if not ck.on_sigterm:
+        return "checkpoint.on_sigterm=false: no checkpoint saved on SIGTERM"
+    last = record["checkpoints"][-1]["seconds"] if record["checkpoints"] else None
+    left = ck.sigterm_grace_s - (time.monotonic() - term.at)
+    if last is not None and last > left:
+        return (f"no time to save the last iterations: the previous save took {last:.1f}s and "
+                f"{max(0.0, left):.1f}s of checkpoint.sigterm_grace_s={ck.sigterm_grace_s:g} are left")
+    run.where = (done - 1, "checkpoint")
+    state = dict(run.state(), restarts=list(record["restarts"]), checkpoints=list(record["checkpoints"]))
+    run.checkpointer.save(done, state)
+    run.checkpointer.complete()
+    return f"saved on SIGTERM, it holds all {done} iterations"
+
+
 def _restartable(e: BaseException) -> bool:
     """A lost actor process or a hung phase is worth a restart; an exception from code is not."""
     return isinstance(e, PhaseTimeoutError) or (isinstance(e, ActorFailedError) and e.died)
@@ -639,7 +702,7 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
     ``output_dir`` (and the checkpoint directory) are checked before Ray starts. ``log.json`` is
     rewritten atomically after every iteration (``status``: ``running``), so a run that fails or
     is interrupted keeps every iteration it completed; at the end ``status`` is ``completed``,
-    ``failed`` (with ``error``) or ``interrupted``.
+    ``failed`` (with ``error``), ``interrupted`` (Ctrl-C) or ``terminated`` (SIGTERM).
 
     Checkpoints (the ``checkpoint`` section): every ``checkpoint.every`` iterations the trainers
     save their state from their host stores (see :mod:`chatlearn_mem_ray.checkpoints`);
@@ -663,6 +726,9 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
     Raises:
         RunError: A subclass saying why the run stopped (the log is written first).
         RunInterrupted: Ctrl-C (a ``KeyboardInterrupt``), after the log was written and Ray shut down.
+        RunTerminated: SIGTERM (a ``RunInterrupted``): the run stopped at the end of the iteration
+            it was in, saved a checkpoint of it (``checkpoint.on_sigterm``), wrote the log
+            (``status``: ``terminated``) and shut Ray down. Only when called from the main thread.
     """
     resume = find_resume_point(cfg, progress)
     check_budget(cfg)
@@ -686,10 +752,13 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         write_json_atomic(log_path, log)
         return log
 
+    term = _SigtermWatch(progress)
+
     def attempt() -> None:
         nonlocal run
         t_start = time.perf_counter()
         with Colocation(cfg, progress) as colo:
+            term.install()  # after ray.init, whose core worker installed its own handler
             run = PPORun(cfg, colo, progress, on_phase)
             if resume is not None:
                 run.restore(*resume)
@@ -732,11 +801,15 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                 progress(_progress_line(m, total + extra_its))
                 if on_iteration is not None:
                     on_iteration(run, it)
+                if term.at is not None and it + 1 < total + extra_its:  # the safe point after SIGTERM
+                    term.note = _sigterm_checkpoint(cfg, run, record, it + 1, term)
+                    raise _Terminate()
             if run.checkpointer is not None:
                 run.checkpointer.complete()
             record["final_weights"] = run.final_weights()
 
     restarts_here = 0
+    term.install()
     try:
         while True:
             try:
@@ -751,6 +824,12 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                     raise
                 restarts_here += 1
                 resume = _restart(cfg, e, run, record, restarts_here, progress)
+    except _Terminate:
+        done = len(run.iterations) if run is not None else 0
+        _write_quietly(write, progress, "terminated", "stopped by SIGTERM")
+        newest = latest_run_checkpoint(cfg.checkpoint_dir) if ck.every else None
+        raise RunTerminated(done, log_path, newest.name if newest is not None else None,
+                            term.note or "stopped before the iteration ended") from None
     except KeyboardInterrupt:
         done = len(run.iterations) if run is not None else 0
         _write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")
@@ -760,6 +839,8 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         if _write_quietly(write, progress, "failed", f"{type(e).__name__}: {e}") and done:
             progress(f"the run stopped; log of its {done} completed iteration(s): {log_path}")
         raise
+    finally:
+        term.restore()
     log = write("completed")
     plot_timeline(run.timeline, out_dir / "memory_timeline.png",
                   f"colocated PPO, {cfg.parallel.world_size} rank(s), {len(run.iterations)} iterations")

@@ -139,3 +139,44 @@ def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
     assert len(complete) <= 2 and all(n <= done for n, _ in complete), (complete, done)  # keep_last=2
     for n, path in complete:
         assert read_run_state(path)["iterations_done"] == n
+
+
+def test_sigterm_stops_at_the_end_of_the_iteration_saves_and_exits_143(tmp_path):
+    """What a scheduler does before preempting: SIGTERM to the driver. No crash dump from Ray's own
+    handler, the iteration ends, a checkpoint of every completed iteration is saved (checkpoints
+    every 3, so the one taken on SIGTERM is its own), Ray is shut down, exit 143 with one line
+    saying how far the run got and how to go on."""
+    proc = subprocess.Popen([*RUN, "ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=3"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    out: list[str] = []
+    threading.Thread(target=lambda: [(lines.put(line), out.append(line)) for line in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
+            if line.startswith("iter   1/50"):
+                break
+        ray_processes = psutil.Process(proc.pid).children(recursive=True)
+        assert ray_processes
+        os.kill(proc.pid, signal.SIGTERM)  # the driver only, as Kubernetes signals a container's first process
+        proc.wait(timeout=180)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received at time" not in err and "PC: @" not in err and "Traceback" not in err, err
+    assert any(line.startswith("SIGTERM received: the run stops once this iteration ends") for line in out), out
+    log = json.loads((tmp_path / "log.json").read_text())
+    done = len(log["iterations"])
+    assert log["status"] == "terminated" and 1 <= done < 50
+    newest = list_run_checkpoints(tmp_path / "checkpoints")[-1]
+    assert newest[0] == done and read_run_state(newest[1])["iterations_done"] == done
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by SIGTERM after {done} iteration") and \
+        f"newest checkpoint iter_{done:08d} (" in last and "continue with --resume" in last, err
+    if done % 3:  # not a save point of checkpoint.every: the checkpoint was taken on SIGTERM
+        assert f"(saved on SIGTERM, it holds all {done} iterations)" in last, err
+    _, alive = psutil.wait_procs(ray_processes, timeout=30)
+    assert not alive, [p.pid for p in alive]  # no Ray process of the run is left
