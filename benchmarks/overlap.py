@@ -28,7 +28,7 @@ import torch
 
 from chatlearn_mem import Part, TrainerMemoryManager, swap
 from chatlearn_mem_bench.measure import stats, timed
-from chatlearn_mem_bench.plan import COPY_BOUND_BYTES
+from chatlearn_mem_bench.plan import COPY_BOUND_BYTES, copy_bound_sizes
 
 __all__ = ["OVERLAP_ROWS", "TARGETS", "critic_config", "measure_overlap", "overlap_targets", "plan_args"]
 
@@ -61,8 +61,6 @@ def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device
         cfg: The :class:`~chatlearn_mem_bench.config.BenchConfig` (trainer, batch size, repeats).
         threads: Intra-op threads while measuring (CPU only; restored afterwards).
     """
-    from chatlearn_mem.testbed import gpt
-
     before = torch.get_num_threads()
     if threads and device.type == "cpu":
         torch.set_num_threads(threads)
@@ -160,13 +158,13 @@ def critic_config(trainer_cfg):
 def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = COPY_BOUND_BYTES) -> float:
     """On a CPU "device": the time of two host copies run at once (two threads, as the two lanes)
     over the time of the same copies one after the other, median of ``repeats`` interleaved pairs.
-    The copies are ``out_bytes`` and ``in_bytes`` scaled so that the larger is ``nbytes``: how much a
+    The copies are ``out_bytes`` and ``in_bytes`` scaled so that the larger is at most ``nbytes``
+    (:func:`~chatlearn_mem_bench.plan.copy_bound_sizes`): how much a
     swap can gain from running its two directions together on this machine's memory bus, before any
     release, regrow or pacing. A GPU's two copy engines are separate hardware; this is CPU only."""
     import threading
 
-    scale = nbytes / max(out_bytes, in_bytes, 1)
-    sizes = [max(1, int(out_bytes * scale)), max(1, int(in_bytes * scale))]
+    sizes = copy_bound_sizes(out_bytes, in_bytes, nbytes)
     src = [torch.ones(n, dtype=torch.uint8) for n in sizes]
     dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
 

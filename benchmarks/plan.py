@@ -227,13 +227,21 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         items.append(PlanItem("overlap rows: second trainer's host store", copied, pin, "overlap"))
         if not cuda:
             items.append(PlanItem("overlap rows: second trainer", sum(overlap_bytes.values()), False, "overlap"))
-            # the swap row's copy bound: two copies scaled to COPY_BOUND_BYTES, sources and destinations
-            items.append(PlanItem("overlap rows: swap copy-bound buffers", 4 * COPY_BOUND_BYTES, False, "overlap"))
+            # the swap row's copy bound: its two copies scaled down, sources and destinations
+            n_out, n_in = copy_bound_sizes(sum(b[str(p)] for p in Part), sum(overlap_bytes.values()))
+            items.append(PlanItem("overlap rows: swap copy-bound buffers", 2 * (n_out + n_in), False, "overlap"))
     return HostMemoryPlan(tuple(items))
 
 
 COPY_BOUND_BYTES = 64 * 2**20
-"""The larger copy of the CPU swap row's copy bound (``chatlearn_mem_bench.overlap.copy_bound_ratio``)."""
+"""The larger copy of the CPU swap row's copy bound at most (``chatlearn_mem_bench.overlap.copy_bound_ratio``)."""
+
+
+def copy_bound_sizes(out_bytes: int, in_bytes: int, nbytes: int = COPY_BOUND_BYTES) -> tuple[int, int]:
+    """The two copies of the swap row's copy bound: the row's outgoing and incoming bytes scaled so
+    that the larger is ``nbytes``, or the row's own sizes when both are smaller."""
+    scale = min(1.0, nbytes / max(out_bytes, in_bytes, 1))
+    return max(1, int(out_bytes * scale)), max(1, int(in_bytes * scale))
 
 
 def refuse_unless_fits(plan: HostMemoryPlan, usable: HostMemory, margin_bytes: int,

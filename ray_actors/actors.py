@@ -12,7 +12,7 @@ Every method returns plain Python or CPU tensors, so results cross process bound
 from __future__ import annotations
 
 import os
-import socket
+import platform
 import warnings
 from typing import Any, Callable, Literal, Mapping, Optional
 
@@ -25,12 +25,6 @@ from chatlearn_mem_ray import modeling
 
 __all__ = ["InferenceActor", "TrainerActor"]
 
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _stats(stats) -> list[dict]:
@@ -54,19 +48,29 @@ class _ManagedActor:
         self._in_flight: list = []  # Transfer handles of non-blocking offloads and onloads (see settle)
 
     def master_address(self) -> str:
-        """A ``tcp://ip:port`` init method on this actor's node (call on rank 0)."""
+        """A ``tcp://ip:port`` init method on this actor's node (call on rank 0, which then joins
+        with :meth:`setup`). The rendezvous server starts here, listening on a port the OS picks:
+        a port chosen free and bound later could be taken in between (seen as a DistNetworkError
+        when many processes start at once)."""
+        import datetime
+
+        import torch.distributed as dist
+
         try:
             import ray
 
             ip = ray.util.get_node_ip_address()
         except Exception:  # not inside Ray
             ip = "127.0.0.1"
-        return f"tcp://{ip}:{_free_port()}"
+        self._master_store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(minutes=30))
+        return f"tcp://{ip}:{self._master_store.port}"
 
     def _init_distributed(self, rank: int, world_size: int, tp: int, init_method: str, seed: int) -> None:
         from chatlearn_mem.testbed import gpt
 
-        gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed)
+        store = getattr(self, "_master_store", None) if rank == 0 else None
+        gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed, store=store)
 
     def offload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
         """Offload the chosen parts (None: every part of the manager; offloaded ones are skipped).
@@ -135,6 +139,24 @@ class _ManagedActor:
     def pid(self) -> int:
         """This actor's process id (tests kill it to simulate a lost process)."""
         return os.getpid()
+
+    def node_info(self) -> dict:
+        """Where this actor runs and what: ``{"node_id", "ip", "hostname", "versions"}`` (see
+        :func:`chatlearn_mem_ray.nodes.software_versions`)."""
+        import ray
+
+        from chatlearn_mem_ray.nodes import software_versions
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "hostname": platform.node(), "versions": software_versions()}
+
+    def check_shared(self, token_path: str, token: str) -> bool:
+        """Whether this actor's node reads the driver's token file (and leaves a marker beside it)."""
+        import ray
+
+        from chatlearn_mem_ray.nodes import check_shared_from_node
+
+        return check_shared_from_node(token_path, token, ray.get_runtime_context().get_node_id())
 
 
 class TrainerActor(_ManagedActor):

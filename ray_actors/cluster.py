@@ -10,10 +10,13 @@ bounded by :func:`join_environment`, which also turns token authentication on fo
 machine when a token exists (as Ray does for ``ray.init()`` without an address).
 
 Placement: one placement-group bundle per trainer rank (``ray.cpus_per_rank`` CPUs, plus one GPU
-when GPUs are used). Bundle ``i`` holds rank ``i`` of the policy and of the critic; bundle 0 also
-holds the rollout and the reference model. Each actor asks for a quarter of its bundle, so the
-four models of bundle 0 share one GPU (or its CPUs) and only the memory manager keeps them from
-needing four times the memory.
+when GPUs are used), one placement group per tensor-parallel group on one node, the groups packed
+or spread over the nodes (``ray.placement``; see :mod:`chatlearn_mem_ray.nodes`). Bundle ``i``
+holds rank ``i`` of the policy and of the critic; bundle 0 also holds the rollout and the
+reference model. Each actor asks for a quarter of its bundle, so the four models of bundle 0 share
+one GPU (or its CPUs) and only the memory manager keeps them from needing four times the memory.
+Every actor reports its node and the versions it runs; a version that differs from the driver's
+stops the run before any work.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from chatlearn_mem_ray.config import RunConfig
-from chatlearn_mem_ray.errors import ActorFailedError, ClusterConnectionError, PhaseTimeoutError, ResourceError
+from chatlearn_mem_ray.errors import (ActorFailedError, CheckpointDirError, ClusterConnectionError, PhaseTimeoutError,
+                                      ResourceError, VersionSkewError)
+from chatlearn_mem_ray.nodes import (group_targets, node_label, remove_check_files, shared_dir_check,
+                                     software_versions, unseen_nodes, version_skew)
 
 __all__ = ["ClusterTarget", "Colocation", "check_resources", "current_cluster_file", "init_kwargs", "join_environment",
            "probe_address", "resolve_address"]
@@ -327,15 +333,18 @@ class Colocation:
         rollout, reference: The inference actors.
         names: Actor handle -> name (for error messages).
         ranks: Per trainer actor name, its ``setup()`` result (dp_rank, tp_rank, ...).
+        nodes: Per actor name, its node's label (``ip/node-id prefix``).
     """
 
     def __init__(self, cfg: RunConfig, progress: Optional[Callable[[str], None]] = None):
         self.cfg = cfg
         self.progress = progress or logger.info
         self._started_ray = False
-        self._pg = None
+        self._pgs: list = []
         self.names: dict[Any, str] = {}
         self.ranks: dict[str, dict] = {}
+        self.nodes: dict[str, str] = {}
+        self._node_ids: dict[str, str] = {}  # actor name -> Ray node id
         self.policy: list = []
         self.critic: list = []
         self.rollout = self.reference = None
@@ -386,20 +395,26 @@ class Colocation:
         from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
 
         cfg = self.cfg
+        tp = cfg.parallel.tensor_model_parallel_size
+        groups = cfg.parallel.world_size // tp
         bundle = {"CPU": cfg.ray.cpus_per_rank} | ({"GPU": 1} if self.use_gpu else {})
-        self._pg = placement_group([dict(bundle) for _ in range(cfg.parallel.world_size)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=cfg.ray.phase_timeout_s)
-        if not ready:
-            raise ResourceError(f"the placement group ({cfg.parallel.world_size} x {bundle}) could not be "
-                                f"scheduled within {cfg.ray.phase_timeout_s:g} s; the cluster has "
-                                f"{ray.available_resources()} available")
+        targets = group_targets(groups, cfg.ray.cpus_per_rank * tp, tp if self.use_gpu else 0,
+                                ray.nodes(), cfg.ray.placement)
+        self._pgs = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
+                                     _soft_target_node_id=target) for target in targets]
+        ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs),
+                            timeout=cfg.ray.phase_timeout_s)
+        if len(ready) < len(self._pgs):
+            raise ResourceError(f"the placement groups ({groups} tensor-parallel group(s) of {tp} x {bundle}, each "
+                                f"on one node) could not be scheduled within {cfg.ray.phase_timeout_s:g} s; the "
+                                f"cluster has {ray.available_resources()} available")
 
         def options(index: int) -> dict:
             share = {"num_cpus": cfg.ray.cpus_per_rank * ACTOR_SHARE}
             if self.use_gpu:
                 share["num_gpus"] = ACTOR_SHARE
             return dict(share, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self._pg, placement_group_bundle_index=index))
+                self._pgs[index // tp], placement_group_bundle_index=index % tp))
 
         memory = cfg.memory.manager.model_dump()
         Trainer, Inference = ray.remote(TrainerActor), ray.remote(InferenceActor)
@@ -412,6 +427,7 @@ class Colocation:
         self.rollout = Inference.options(**options(0)).remote("rollout", cfg.policy.model_dump(), memory)
         self.reference = Inference.options(**options(0)).remote("reference", cfg.policy.model_dump(), memory)
         self.names[self.rollout], self.names[self.reference] = "rollout", "reference"
+        self._check_nodes()
 
         p = cfg.parallel
         for group in (self.policy, self.critic):
@@ -423,8 +439,51 @@ class Colocation:
             init = self.call("setup", {a: a.master_address.remote()})[a]
             self.call("setup", {a: a.setup.remote(init)})
 
+    def _check_nodes(self) -> None:
+        """Learn every actor's node; stop before any work when one runs other versions than the driver."""
+        info = {self.names[a]: r for a, r in self.call("setup", {a: a.node_info.remote() for a in self.all_actors}).items()}
+        self._node_ids = {name: r["node_id"] for name, r in info.items()}
+        self.nodes = {name: node_label(r["node_id"], r["ip"]) for name, r in info.items()}
+        skew = version_skew(software_versions(), {n: {"versions": r["versions"], "node": self.nodes[n]}
+                                                  for n, r in info.items()})
+        if skew:
+            raise VersionSkewError("the actors must run the driver's versions: " + "; ".join(skew)
+                                   + ". Install the same versions on every node (one image or one environment)")
+        by_node: dict[str, list[str]] = {}
+        for name in (self.names[a] for a in self.all_actors):
+            by_node.setdefault(self.nodes[name], []).append(name)
+        self.progress(f"actors on {len(by_node)} node(s): "
+                      + "; ".join(f"{node}: {', '.join(names)}" for node, names in by_node.items()))
+
+    def check_shared_dir(self, directory: Path) -> None:
+        """With actors on several nodes (or the driver on a node without actors): check that every
+        node reads and writes ``directory``.
+
+        Raises:
+            CheckpointDirError: Naming the nodes that cannot see it.
+        """
+        ray = _ray()
+        nodes = sorted(set(self._node_ids.values()))
+        if len(nodes) < 2 and ray.get_runtime_context().get_node_id() in nodes:
+            return
+        one = {}
+        for a in self.all_actors:
+            one.setdefault(self._node_ids[self.names[a]], a)
+        token_path, token = shared_dir_check(Path(directory))
+        try:
+            seen = self.call("setup", {a: a.check_shared.remote(str(token_path), token) for a in one.values()})
+            missing = unseen_nodes(token_path, {n: seen[a] for n, a in one.items()})
+        finally:
+            remove_check_files(token_path)
+        if missing:
+            labels = {self._node_ids[n]: self.nodes[n] for n in self.nodes}
+            raise CheckpointDirError(
+                f"checkpoint.directory {directory} is not shared by every node of the run: node(s) "
+                f"{', '.join(labels.get(n, n) for n in missing)} cannot read or write what the driver wrote there. "
+                "Put it on a filesystem every node mounts at the same path (NFS, a parallel filesystem)")
+
     def close(self) -> None:
-        """Kill the actors and the placement group; stop Ray if this object started it."""
+        """Kill the actors and the placement groups; stop Ray if this object started it."""
         ray = _ray()
         if not ray.is_initialized():
             return
@@ -434,14 +493,14 @@ class Colocation:
             except Exception:  # already dead
                 pass
         self.names.clear()
-        if self._pg is not None:
+        for pg in self._pgs:
             try:
                 from ray.util.placement_group import remove_placement_group
 
-                remove_placement_group(self._pg)
+                remove_placement_group(pg)
             except Exception:
                 pass
-            self._pg = None
+        self._pgs = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -52,6 +52,11 @@ class RayConfig(_Strict):
     cpus_per_rank: float = Field(1.0, gt=0)
     """CPUs in each placement-group bundle (one bundle per trainer rank); the actors colocated
     on a bundle share them."""
+    placement: Literal["pack", "spread"] = "pack"
+    """How the trainer ranks go over the cluster's nodes. Each tensor-parallel group is one
+    placement group on one node (``STRICT_PACK``); ``pack`` puts the groups on as few nodes as
+    fit them, ``spread`` one group per node round-robin (fewer ranks per machine: more host memory
+    and PCIe per rank). Each rank's colocated models share its bundle in both."""
     use_gpu: Literal["auto", True, False] = "auto"
     """Put one GPU in each bundle. ``auto``: when this machine (or the cluster) has GPUs."""
     phase_timeout_s: float = Field(600.0, gt=0)

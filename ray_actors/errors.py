@@ -8,7 +8,7 @@ from chatlearn_mem import ChatlearnMemError
 
 __all__ = ["ActorFailedError", "AuditFailedError", "BudgetError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
            "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError", "ResumeError", "RunError",
-           "RunInterrupted", "WeightSyncError"]
+           "RunInterrupted", "RunTerminated", "VersionSkewError", "WeightSyncError"]
 
 
 class RunError(ChatlearnMemError):
@@ -23,6 +23,11 @@ class BudgetError(RunError):
 
 class ResourceError(RunError):
     """The run asks for more CPUs or GPUs than the machine or cluster has."""
+
+
+class VersionSkewError(RunError):
+    """An actor runs another version of chatlearn-mem, megatron-core, torch or Ray than the driver
+    (checked before any work); the message names each actor, its node and both versions."""
 
 
 class ClusterConnectionError(RunError):

@@ -741,7 +741,7 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
     ck = cfg.checkpoint
     total = cfg.ppo.iterations
     extra_its = cfg.memory.compare_iterations if cfg.memory.enabled else 0
-    record: dict = {"resumed_from": None, "restarts": [], "checkpoints": [], "final_weights": {}}
+    record: dict = {"resumed_from": None, "restarts": [], "checkpoints": [], "final_weights": {}, "nodes": {}}
     if resume is not None:
         record["resumed_from"] = {"checkpoint": str(resume[0]), "iterations_done": resume[1]["iterations_done"]}
         record["restarts"] = list(resume[1].get("restarts", []))  # those of the run it continues
@@ -759,6 +759,9 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         t_start = time.perf_counter()
         with Colocation(cfg, progress) as colo:
             term.install()  # after ray.init, whose core worker installed its own handler
+            record["nodes"] = dict(colo.nodes)
+            if ck.every or resume is not None:
+                colo.check_shared_dir(cfg.checkpoint_dir)
             run = PPORun(cfg, colo, progress, on_phase)
             if resume is not None:
                 run.restore(*resume)
@@ -842,8 +845,10 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
     finally:
         term.restore()
     log = write("completed")
+    nodes = sorted(set(record["nodes"].values()))
     plot_timeline(run.timeline, out_dir / "memory_timeline.png",
-                  f"colocated PPO, {cfg.parallel.world_size} rank(s), {len(run.iterations)} iterations")
+                  f"colocated PPO, {cfg.parallel.world_size} rank(s), {len(run.iterations)} iterations, "
+                  f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}")
     for key, s in log["summary"].items():
         if isinstance(s, dict):
             progress(f"{key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**20:.2f} MiB "

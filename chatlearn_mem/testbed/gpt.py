@@ -131,7 +131,7 @@ def _megatron():
 def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1, init_method: Optional[str] = None,
                      seed: int = 1234, virtual_pipeline_model_parallel_size: Optional[int] = None,
-                     expert_model_parallel_size: int = 1) -> None:
+                     expert_model_parallel_size: int = 1, store: Optional[Any] = None) -> None:
     """Join (or create) the default process group and megatron's model-parallel groups.
 
     Uses gloo on CPU (installing the CPU backend) and NCCL with CUDA. Safe to call again in the
@@ -143,6 +143,9 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
         virtual_pipeline_model_parallel_size: Model chunks per pipeline rank (interleaved
             schedule); None for one chunk.
         expert_model_parallel_size: Ranks the MoE experts are split across.
+        store: A ``torch.distributed.Store`` to rendezvous through instead of ``init_method`` (rank
+            0's own ``TCPStore`` server, already listening: the other ranks join it with
+            ``tcp://host:port``).
     """
     _megatron()
     cpu_backend.install()
@@ -158,7 +161,11 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        if store is not None:  # the key prefix torch adds to a store it makes from tcp://
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                    world_size=world_size)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size, pipeline_model_parallel_size,

@@ -95,13 +95,14 @@ def test_refusal_is_one_line_with_the_numbers_and_what_to_run_instead():
 
 
 def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
-    """Two host copies at once over the same copies in turn: a ratio near 0.5 with two free cores
-    and memory to spare, near 1 where one memory bus limits both; the target names the bound when it
-    is above the limit, and passes or fails on the measured ratio alone."""
+    """Two host copies at once over the same copies in turn (a ratio, its value a measurement: not
+    asserted); the target names the bound when it is above the limit, and passes or fails on the
+    measured ratio alone."""
+    import math
     from chatlearn_mem_bench.overlap import copy_bound_ratio, overlap_targets
 
     ratio = copy_bound_ratio(2 * 2**20, 2**20, repeats=3, nbytes=2**20)
-    assert 0.2 < ratio < 5.0
+    assert ratio > 0 and math.isfinite(ratio)
     row = {"name": "swap", "ratio": 0.9, "ratio_spread": [0.85, 0.95], "overlapped_s": 0.9, "serial_s": 1.0,
            "threads": 1, "copy_bound_ratio": 0.97}
     [target] = overlap_targets([row], gpu=False)
@@ -111,13 +112,16 @@ def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
 
 
 def test_the_cpu_plan_counts_the_copy_bound_buffers():
-    from chatlearn_mem_bench.plan import COPY_BOUND_BYTES
+    from chatlearn_mem_bench.plan import COPY_BOUND_BYTES, copy_bound_sizes
 
     sizes = {p.value: [2**20] for p in Part}
     overlap = {p.value: 2**19 for p in Part}
     cpu = {i.what: i.nbytes for i in plan_host_memory(sizes, methods=[], cuda=False, pin=False, bucket_size=2**20,
                                                        overlap_bytes=overlap).items}
-    assert cpu["overlap rows: swap copy-bound buffers"] == 4 * COPY_BOUND_BYTES
+    # a small trainer: the row's own sizes (4 MiB out, 2 MiB in), sources and destinations
+    assert cpu["overlap rows: swap copy-bound buffers"] == 2 * (4 * 2**20 + 2 * 2**20)
+    # a large one: scaled so that the larger copy is COPY_BOUND_BYTES
+    assert copy_bound_sizes(4 * 2**30, 2**30) == (COPY_BOUND_BYTES, COPY_BOUND_BYTES // 4)
     gpu = {i.what for i in plan_host_memory(sizes, methods=[], cuda=True, pin=True, bucket_size=2**20,
                                             overlap_bytes=overlap).items}
     assert "overlap rows: swap copy-bound buffers" not in gpu

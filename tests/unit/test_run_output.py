@@ -29,7 +29,7 @@ class FakeColocation:
 
     def __init__(self, cfg, progress=None):
         self.cfg, self.closed, self.all_actors, self.use_gpu = cfg, False, [], False
-        self.policy, self.critic, self.names = [], [], {}
+        self.policy, self.critic, self.names, self.nodes = [], [], {}, {}
         FakeColocation.made.append(self)
 
     def __enter__(self):
@@ -40,6 +40,9 @@ class FakeColocation:
 
     def call(self, phase, refs, timeout_s=None):
         return {}
+
+    def check_shared_dir(self, directory):
+        pass
 
 
 @pytest.fixture
