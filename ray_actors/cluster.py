@@ -327,6 +327,8 @@ class Colocation:
     Args:
         cfg: The run config.
         progress: Receives the line saying which cluster was joined (default: the logger).
+        wait_s: Wait up to this long for the cluster to have room for every rank (a restart after a
+            lost node: a replacement may be joining) before :class:`ResourceError`.
 
     Attributes:
         policy, critic: The trainer actors, one per rank.
@@ -336,8 +338,10 @@ class Colocation:
         nodes: Per actor name, its node's label (``ip/node-id prefix``).
     """
 
-    def __init__(self, cfg: RunConfig, progress: Optional[Callable[[str], None]] = None):
+    def __init__(self, cfg: RunConfig, progress: Optional[Callable[[str], None]] = None, wait_s: float = 0.0):
         self.cfg = cfg
+        self.wait_s = wait_s  # how long to wait for the cluster to have room (after a lost node)
+        self._deadline = 0.0
         self.progress = progress or logger.info
         self._started_ray = False
         self._pgs: list = []
@@ -383,9 +387,27 @@ class Colocation:
                            if cfg.ray.num_cpus is not None else "")
                 self.progress(f"joined {where} (from {target.source}){ignored}")
             self._started_ray = True
-        total = ray.cluster_resources()
-        self.use_gpu = check_resources(cfg, total.get("CPU", 0), total.get("GPU", 0), where)
+        self.use_gpu = self._wait_for_room(ray, where)
         self._place()
+
+    def _wait_for_room(self, ray, where: str) -> bool:
+        """:func:`check_resources` on the live nodes, retried for up to :attr:`wait_s` (the placement
+        groups then wait for what is left of it: Ray may count a lost node's resources until its
+        health checks declare it dead)."""
+        self._deadline = time.monotonic() + self.wait_s
+        deadline, said = self._deadline, False
+        while True:
+            total = ray.cluster_resources()  # the nodes alive now
+            try:
+                return check_resources(self.cfg, total.get("CPU", 0), total.get("GPU", 0), where)
+            except ResourceError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if not said:
+                    self.progress(f"waiting up to {self.wait_s:g} s (ray.node_wait_s) for the cluster to have room "
+                                  f"for every rank again: {str(e).splitlines()[-1].strip()}")
+                    said = True
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _place(self) -> None:
         ray = _ray()
@@ -402,11 +424,13 @@ class Colocation:
                                 ray.nodes(), cfg.ray.placement)
         self._pgs = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
                                      _soft_target_node_id=target) for target in targets]
-        ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs),
-                            timeout=cfg.ray.phase_timeout_s)
+        timeout, why = cfg.ray.phase_timeout_s, "ray.phase_timeout_s"
+        if self.wait_s:  # a restart: what is left of ray.node_wait_s
+            timeout, why = max(1.0, self._deadline - time.monotonic()), "ray.node_wait_s"
+        ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs), timeout=timeout)
         if len(ready) < len(self._pgs):
             raise ResourceError(f"the placement groups ({groups} tensor-parallel group(s) of {tp} x {bundle}, each "
-                                f"on one node) could not be scheduled within {cfg.ray.phase_timeout_s:g} s; the "
+                                f"on one node) could not be scheduled within {timeout:.0f} s ({why}); the "
                                 f"cluster has {ray.available_resources()} available")
 
         def options(index: int) -> dict:
@@ -544,5 +568,33 @@ class Colocation:
                                            died=True) from None
                 except RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
+                    dead = self._dead_peer(actor)
+                    if dead is not None:  # a collective broke because a peer's process (or node) is gone
+                        raise ActorFailedError(dead, phase, f"the actor process died; {name} then failed in a "
+                                               f"collective ({type(cause).__name__})", died=True) from e
                     raise ActorFailedError(name, phase, f"{type(cause).__name__}: {cause}") from e
         return results
+
+    def _dead_peer(self, failed: Any) -> Optional[str]:
+        """After ``failed`` raised: the name of another actor whose process is gone, if any. A rank
+        whose peer died (a killed process, a lost node) fails in its next collective with an error
+        of its own (gloo: "Connection closed by peer"); what the run must see is the death, which
+        a restart can mend. Waits up to a minute for Ray to notice a lost node (its health checks),
+        less when every other actor answers."""
+        ray = _ray()
+        from ray.exceptions import RayActorError
+
+        refs = {a.ping.remote(): a for a in self.all_actors if a is not failed and a is not None}
+        pending = list(refs)
+        deadline = time.monotonic() + min(60.0, self.cfg.ray.phase_timeout_s)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            try:
+                ray.get(ready[0])
+            except RayActorError:
+                return self.names.get(refs[ready[0]], "?")
+            except Exception:  # noqa: BLE001 - an answer that is no death
+                pass
+        return None

@@ -61,6 +61,12 @@ class RayConfig(_Strict):
     """Put one GPU in each bundle. ``auto``: when this machine (or the cluster) has GPUs."""
     phase_timeout_s: float = Field(600.0, gt=0)
     """Longest a phase may take before the run stops with an error naming the actors it waits for."""
+    node_wait_s: float = Field(300.0, ge=0)
+    """After a restart (``checkpoint.max_restarts``): longest the run waits for the cluster to have
+    room for every rank again (a replacement for a lost node joining) before it stops, or, with
+    ``checkpoint.elastic``, goes on with fewer data-parallel ranks. Keep it above the time Ray
+    takes to declare a lost node dead (its health checks: about 15-30 s by default), or a lost
+    node's resources still count when the wait ends."""
 
 
 class ParallelConfig(_Strict):
@@ -236,6 +242,11 @@ class CheckpointConfig(_Strict):
     and continue from the newest checkpoint (from the start when there is none yet), up to this
     many times per run; past that the run stops naming the actor and the phase. An exception
     raised by an actor's code (which would recur) is never retried."""
+    elastic: bool = False
+    """When a restart finds fewer resources than the run needs, even after ``ray.node_wait_s``:
+    go on with the largest data-parallel size the cluster still holds (the checkpoint resharded to
+    it; the results then differ from those of the original layout, and the run says so). False:
+    stop, naming what is missing."""
     on_sigterm: bool = True
     """On SIGTERM (what a scheduler sends before it preempts a job), with checkpoints on: once the
     current iteration ends, save a checkpoint of the iterations done (unless the newest already

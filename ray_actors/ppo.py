@@ -46,7 +46,8 @@ from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir
 from chatlearn_mem_ray.cluster import Colocation
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, BudgetError, CheckpointDirError,
-                                      NonFiniteLossError, OutputDirError, PhaseTimeoutError, ResumeError, RunInterrupted,
+                                      NonFiniteLossError, OutputDirError, PhaseTimeoutError, ResourceError, ResumeError,
+                                      RunInterrupted,
                                       RunTerminated,
                                       WeightSyncError)
 from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, estimate_sizes
@@ -665,6 +666,37 @@ def _sigterm_checkpoint(cfg: RunConfig, run: "PPORun", record: dict, done: int, 
     return f"saved on SIGTERM, it holds all {done} iterations"
 
 
+def _cluster_resources() -> dict:
+    """CPUs and GPUs of the live nodes of the cluster this driver is connected to."""
+    import ray
+
+    return ray.cluster_resources()
+
+
+def _elastic_config(cfg: RunConfig, error: BaseException, progress: Callable[[str], None]) -> RunConfig:
+    """``cfg`` with the largest data-parallel size the live nodes hold (``checkpoint.elastic``), said
+    in one line; re-raises ``error`` when no smaller layout fits or validates."""
+    total = _cluster_resources()
+    p, per = cfg.parallel, cfg.ray.cpus_per_rank
+    fit = int(total.get("CPU", 0) // per)
+    if cfg.ray.use_gpu is True or (cfg.ray.use_gpu == "auto" and total.get("GPU", 0) >= 1):
+        fit = min(fit, int(total.get("GPU", 0)))
+    ranks = fit // p.tensor_model_parallel_size * p.tensor_model_parallel_size
+    if ranks < p.tensor_model_parallel_size or ranks >= p.world_size:
+        raise error
+    data = json.loads(cfg.model_dump_json())
+    data["parallel"]["world_size"] = ranks
+    try:
+        smaller = RunConfig.model_validate(data)
+    except ValueError as e:
+        raise ResourceError(f"{error}; checkpoint.elastic cannot go on with {ranks} rank(s): {e}") from None
+    progress(f"checkpoint.elastic: the cluster holds {ranks} of {p.world_size} rank(s) after waiting "
+             f"ray.node_wait_s={cfg.ray.node_wait_s:g} s; going on with data-parallel size "
+             f"{ranks // p.tensor_model_parallel_size} (was {p.data_parallel_size}), the checkpoint resharded to it. "
+             "From here the results differ from those of the original layout")
+    return smaller
+
+
 def _restartable(e: BaseException) -> bool:
     """A lost actor process or a hung phase is worth a restart; an exception from code is not."""
     return isinstance(e, PhaseTimeoutError) or (isinstance(e, ActorFailedError) and e.died)
@@ -753,11 +785,12 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         return log
 
     term = _SigtermWatch(progress)
+    restarts_here = 0
 
     def attempt() -> None:
         nonlocal run
         t_start = time.perf_counter()
-        with Colocation(cfg, progress) as colo:
+        with Colocation(cfg, progress, wait_s=cfg.ray.node_wait_s if restarts_here else 0.0) as colo:
             term.install()  # after ray.init, whose core worker installed its own handler
             record["nodes"] = dict(colo.nodes)
             if ck.every or resume is not None:
@@ -811,7 +844,6 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                 run.checkpointer.complete()
             record["final_weights"] = run.final_weights()
 
-    restarts_here = 0
     term.install()
     try:
         while True:
@@ -819,6 +851,11 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                 attempt()
                 break
             except BaseException as e:
+                if isinstance(e, ResourceError) and restarts_here and ck.elastic:
+                    smaller = _elastic_config(cfg, e, progress)
+                    record["restarts"][-1]["world_size"] = smaller.parallel.world_size
+                    cfg = smaller
+                    continue
                 if not _restartable(e):
                     raise
                 if restarts_here >= ck.max_restarts:

@@ -27,8 +27,9 @@ class FakeColocation:
 
     made: list = []
 
-    def __init__(self, cfg, progress=None):
+    def __init__(self, cfg, progress=None, wait_s=0.0):
         self.cfg, self.closed, self.all_actors, self.use_gpu = cfg, False, [], False
+        self.wait_s = wait_s
         self.policy, self.critic, self.names, self.nodes = [], [], {}, {}
         FakeColocation.made.append(self)
 
@@ -273,3 +274,42 @@ def test_an_exception_in_an_actors_code_is_not_retried(fake_run, tmp_path):
     with pytest.raises(ActorFailedError):
         run_ppo(_cfg(tmp_path, "checkpoint.max_restarts=3"), progress=lambda line: None)
     assert len(FakeColocation.made) == 1 and _log(tmp_path)["restarts"] == []
+
+
+def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_elastic(fake_run, tmp_path,
+                                                                                       monkeypatch):
+    """A rank's node is lost in iteration 2: the restart's Colocation may wait ray.node_wait_s for
+    room (the first one does not wait); when the room never comes back, checkpoint.elastic goes on
+    with the data-parallel size the live nodes hold, says that results now differ, and logs it;
+    without elastic the ResourceError stops the run."""
+    from chatlearn_mem_ray.errors import ResourceError
+
+    class ShrunkCluster(FakeColocation):
+        def __enter__(self):
+            if self.wait_s and self.cfg.parallel.world_size > 1:  # the lost node never came back
+                raise ResourceError("not enough resources for this run:\n  2 rank(s) need 2 CPUs but ... has 1")
+            return self
+
+    monkeypatch.setattr(ppo, "Colocation", ShrunkCluster)
+    monkeypatch.setattr(ppo, "_cluster_resources", lambda: {"CPU": 1.0})
+    def lose_a_node(run, it):
+        if len(FakeColocation.made) == 1:  # the first attempt only
+            raise ActorFailedError("policy_1", "generate", "the actor process died", died=True)
+
+    fake_run[1] = lose_a_node
+    base = ["parallel.world_size=2", "ppo.prompts_per_iteration=16", "checkpoint.max_restarts=1",
+            "ray.node_wait_s=7"]
+    lines = []
+    log = run_ppo(_cfg(tmp_path, *base, "checkpoint.elastic=true"), progress=lines.append)
+    made = FakeColocation.made
+    assert [(c.wait_s, c.cfg.parallel.world_size) for c in made] == [(0.0, 2), (7.0, 2), (7.0, 1)]
+    assert log["status"] == "completed" and log["config"]["parallel"]["world_size"] == 1
+    assert log["restarts"][0]["world_size"] == 1
+    assert any(line.startswith("checkpoint.elastic: the cluster holds 1 of 2 rank(s) after waiting "
+                               "ray.node_wait_s=7 s; going on with data-parallel size 1 (was 2)") and
+               line.endswith("From here the results differ from those of the original layout") for line in lines)
+
+    FakeColocation.made = []
+    with pytest.raises(ResourceError):
+        run_ppo(_cfg(tmp_path / "strict", *base), progress=lambda line: None)
+    assert [c.cfg.parallel.world_size for c in FakeColocation.made] == [2, 2]
