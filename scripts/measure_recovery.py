@@ -8,7 +8,8 @@ Every progress line is time-stamped; the script prints when the loss was seen (t
 when the actors were ready again, when the run resumed and the first iteration after it ended,
 each in seconds after the kill, and the undisturbed iteration time for scale.
 
-Run: ``python scripts/measure_recovery.py [--replace] [--node-wait-s 45]``. Prints one JSON object.
+Run: ``python scripts/measure_recovery.py [--replace] [--node-wait-s 45] [--out FILE]``. Prints one
+JSON object (and Ray's own lines about the killed raylet).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replace", action="store_true", help="a replacement node joins right after the loss")
     ap.add_argument("--node-wait-s", type=float, default=45.0, help="ray.node_wait_s")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file (Ray's own lines go to stdout)")
     args = ap.parse_args()
 
     import ray
@@ -76,6 +78,9 @@ def main() -> None:
            "undisturbed_iteration_s_median": sorted(seconds)[len(seconds) // 2],
            "lines": [f"{t - t0:+8.2f} s  {line}" for t, line in events if t - t0 > -1]}
     print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
