@@ -103,13 +103,14 @@ def test_joining_a_ray_start_head_with_token_auth(ray_start_head):
             "cpus 2.0", "task 42", "connected after False"], out.stdout + out.stderr
 
 
-def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
-    # A new session, signalled as a whole: what a terminal's Ctrl-C does to the foreground group.
-    # Checkpoints every iteration: the Ctrl-C comes while one is being written in the background.
-    proc = subprocess.Popen([*RUN, "ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=1"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _signal_after_first_iteration(args: list, send) -> tuple[int, list, str, list]:
+    """Run ``chatlearn-mem ppo`` in a new session; once iteration 1 is printed, call ``send(pid)``.
+    Returns the exit code, the Ray processes the run had started, its stderr and its stdout lines."""
+    proc = subprocess.Popen([*RUN, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    out: list[str] = []
+    threading.Thread(target=lambda: [(lines.put(line), out.append(line)) for line in proc.stdout], daemon=True).start()
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -118,13 +119,22 @@ def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
                 break
         ray_processes = psutil.Process(proc.pid).children(recursive=True)
         assert ray_processes  # the local cluster: GCS, raylet, workers
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=120)
+        send(proc.pid)
+        proc.wait(timeout=180)
         err = proc.stderr.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
+    return proc.returncode, ray_processes, err, out
+
+
+def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
+    # A new session, signalled as a whole: what a terminal's Ctrl-C does to the foreground group.
+    # Checkpoints every iteration: the Ctrl-C comes while one is being written in the background.
+    returncode, ray_processes, err, _ = _signal_after_first_iteration(
+        ["ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=1"],
+        lambda pid: os.killpg(pid, signal.SIGINT))
+    assert returncode == 130, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("stopped by Ctrl-C after ") and last.endswith(f"; log: {tmp_path / 'log.json'}"), err
     assert "Traceback" not in err, err
@@ -146,26 +156,10 @@ def test_sigterm_stops_at_the_end_of_the_iteration_saves_and_exits_143(tmp_path)
     handler, the iteration ends, a checkpoint of every completed iteration is saved (checkpoints
     every 3, so the one taken on SIGTERM is its own), Ray is shut down, exit 143 with one line
     saying how far the run got and how to go on."""
-    proc = subprocess.Popen([*RUN, "ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=3"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    out: list[str] = []
-    threading.Thread(target=lambda: [(lines.put(line), out.append(line)) for line in proc.stdout], daemon=True).start()
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
-            if line.startswith("iter   1/50"):
-                break
-        ray_processes = psutil.Process(proc.pid).children(recursive=True)
-        assert ray_processes
-        os.kill(proc.pid, signal.SIGTERM)  # the driver only, as Kubernetes signals a container's first process
-        proc.wait(timeout=180)
-        err = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, err
+    returncode, ray_processes, err, out = _signal_after_first_iteration(
+        ["ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=3"],
+        lambda pid: os.kill(pid, signal.SIGTERM))  # the driver only, as Kubernetes signals a container's first process
+    assert returncode == 143, err
     assert "SIGTERM received at time" not in err and "PC: @" not in err and "Traceback" not in err, err
     assert any(line.startswith("SIGTERM received: the run stops once this iteration ends") for line in out), out
     log = json.loads((tmp_path / "log.json").read_text())
