@@ -43,7 +43,8 @@ from chatlearn_mem import Part
 from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
                                            latest_run_checkpoint, list_run_checkpoints, newest_intact_run_checkpoint,
                                            remove_temporaries, write_json_atomic)
-from chatlearn_mem_ray.cluster import Colocation
+from chatlearn_mem_ray.cluster import Colocation, _wants_gpu
+from chatlearn_mem_ray.nodes import software_versions
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, BudgetError, CheckpointDirError,
                                       NonFiniteLossError, OutputDirError, PhaseTimeoutError, ResourceError, ResumeError,
@@ -452,15 +453,8 @@ def _progress_line(m: dict, total: int) -> str:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(dist: str) -> Optional[str]:
-        try:
-            return version(dist)  # without importing it (megatron takes seconds)
-        except PackageNotFoundError:
-            return None
-
-    return {"torch": torch.__version__, "megatron-core": of("megatron-core"), "ray": of("ray"),
+    of = software_versions()  # read without importing (megatron takes seconds)
+    return {"torch": torch.__version__, "megatron-core": of["megatron-core"], "ray": of["ray"],
             "python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
@@ -679,7 +673,7 @@ def _elastic_config(cfg: RunConfig, error: BaseException, progress: Callable[[st
     total = _cluster_resources()
     p, per = cfg.parallel, cfg.ray.cpus_per_rank
     fit = int(total.get("CPU", 0) // per)
-    if cfg.ray.use_gpu is True or (cfg.ray.use_gpu == "auto" and total.get("GPU", 0) >= 1):
+    if _wants_gpu(cfg, total.get("GPU", 0)):
         fit = min(fit, int(total.get("GPU", 0)))
     ranks = fit // p.tensor_model_parallel_size * p.tensor_model_parallel_size
     if ranks < p.tensor_model_parallel_size or ranks >= p.world_size:
