@@ -89,7 +89,7 @@ def forward_batch(cfg, trainer=None, mm: Optional[TrainerMemoryManager] = None,
     """The ``onload_then_forward`` row's token ids (B, T) for ``cfg.overlap_forward``: the bench
     batch, a given shape, or (``match_copy``, needs ``trainer``, ``mm`` and ``device``) one sequence
     whose forward lasts about as long as a blocking weights onload, assuming time linear in tokens."""
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     full = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
     if cfg.overlap_forward is None:
@@ -189,7 +189,7 @@ def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = 
 
 
 def _swap(cfg, trainer, mm, device) -> dict:
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     assert not mm.config.skip_unchanged_weights, "the benchmark's manager copies every time"
     critic_cfg = critic_config(cfg.trainer)
@@ -255,7 +255,7 @@ def plan_args(cfg) -> dict:
     estimate (``overlap_bytes``; ``forward_tokens`` for the estimate); empty without them."""
     if not cfg.overlap:
         return {}
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     return {"overlap_bytes": gpt.estimate_part_bytes(critic_config(cfg.trainer), value_head=True),
             "forward_tokens": _forward_tokens(cfg),

@@ -106,7 +106,7 @@ def estimate_part_sizes(trainer) -> dict[str, list[int]]:
     """Bytes per part of the trainer ``trainer`` (a ``GPTTrainerConfig``) would build, one rank, from
     the config alone (``gpt.estimate_part_bytes``, within megatron's padding of the measured bytes),
     as one size per part."""
-    from chatlearn_mem.testbed.gpt import estimate_part_bytes
+    from chatlearn_mem.models.gpt import estimate_part_bytes
 
     return {part: [nbytes] if nbytes else [] for part, nbytes in estimate_part_bytes(trainer).items()}
 
@@ -192,7 +192,7 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
         bucket_size: The manager's host store bucket, bytes (``MemoryConfig.bucket_size_bytes``).
         builtin_available: The installed megatron-core has its own offload calls (0.16+).
         overlap_bytes: With the overlap rows, the second (critic-sized) trainer's bytes per part
-            (:func:`chatlearn_mem.testbed.gpt.estimate_part_bytes`): its host store, and on CPU its
+            (:func:`chatlearn_mem.models.gpt.estimate_part_bytes`): its host store, and on CPU its
             "device" state too, held while those rows run.
     """
     b = part_bytes(sizes)

@@ -42,13 +42,13 @@ def _checksum(mm, trainer) -> list[int]:
 
 
 def _init_distributed(tmp: str) -> None:
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     if not torch.distributed.is_initialized():
         # A file init method: no TCP port to collide with other jobs on the machine.
-        gpt.init_distributed(init_method=f"file://{tmp}/dist_init")
+        gpt.init_distributed(init_method=f"file://{tmp}/dist_init", cpu_backend=True)
     else:
-        gpt.init_distributed()
+        gpt.init_distributed(cpu_backend=True)
 
 
 def _snap(method, part: str, device: torch.device, reference: list) -> dict:
@@ -100,7 +100,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
     """
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager
     from chatlearn_mem import host_memory
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

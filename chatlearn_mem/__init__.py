@@ -14,7 +14,7 @@ Public API::
     plan = plan_residency(sizes, phases, budget_bytes, written=written)   # which parts stay resident
 
 Beside the managers: :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
-names) and :mod:`chatlearn_mem.testbed` (GPT trainers and a CPU backend to exercise the manager).
+names), :mod:`chatlearn_mem.models` (GPT trainers) and :mod:`chatlearn_mem.cpu_backend`.
 """
 
 from chatlearn_mem.audit import AuditReport

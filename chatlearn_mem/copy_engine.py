@@ -6,7 +6,7 @@ transition overlaps with compute and, in a swap, an offload overlaps with an onl
 
 * On CUDA a lane is a side stream of its device. Submitting a step enqueues its copies on that
   stream at once (nothing on the host waits); the *fence* after a step is a CUDA event.
-* On a CPU "device" (megatron-core through :mod:`chatlearn_mem.testbed.cpu_backend`) a lane is a
+* On a CPU "device" (megatron-core through :mod:`chatlearn_mem.cpu_backend`) a lane is a
   worker thread with a FIFO queue, standing in for the stream (torch's copy releases the GIL);
   the fence after a step is its sequence number in the lane.
 

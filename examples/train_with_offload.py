@@ -22,7 +22,7 @@ import torch
 
 from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
 
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 
 def mib(n: int) -> str:
@@ -40,7 +40,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="  %(message)s")
     warnings.filterwarnings("ignore")  # megatron-core's own notices about apex, TE and deprecations
 
-    gpt.init_distributed()
+    gpt.init_distributed(cpu_backend=True)
     cfg = gpt.GPTTrainerConfig(num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=8,
                                vocab_size=512, seq_length=64)
     trainer = gpt.build_gpt_trainer(cfg)

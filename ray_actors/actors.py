@@ -20,7 +20,7 @@ import torch
 
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, Part, TrainerMemoryManager
 from chatlearn_mem.parts import PartsArg
-from chatlearn_mem.testbed.gpt import GPTTrainerConfig
+from chatlearn_mem.models.gpt import GPTTrainerConfig
 from chatlearn_mem_ray import modeling
 
 __all__ = ["InferenceActor", "TrainerActor"]
@@ -67,8 +67,10 @@ class _ManagedActor:
         return f"tcp://{ip}:{self._master_store.port}"
 
     def _init_distributed(self, rank: int, world_size: int, tp: int, init_method: str, seed: int) -> None:
-        from chatlearn_mem.testbed import gpt
+        from chatlearn_mem import cpu_backend
+        from chatlearn_mem.models import gpt
 
+        cpu_backend.install(quiet=True)  # without CUDA; the driver's device line says which it is
         store = getattr(self, "_master_store", None) if rank == 0 else None
         gpt.init_distributed(rank, world_size, tp, init_method=init_method, seed=seed, store=store)
 
@@ -188,7 +190,7 @@ class TrainerActor(_ManagedActor):
         """
         from megatron.core import parallel_state
 
-        from chatlearn_mem.testbed import gpt
+        from chatlearn_mem.models import gpt
 
         self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
         self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.role == "critic")
@@ -355,7 +357,7 @@ class InferenceActor(_ManagedActor):
 
     def setup(self, init_method: str) -> dict:
         """Create a one-rank process group and build the model (same init as the policy's)."""
-        from chatlearn_mem.testbed import gpt
+        from chatlearn_mem.models import gpt
 
         self._init_distributed(0, 1, 1, init_method, self.config.seed)
         self.model = gpt.build_gpt_model(self.config)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from chatlearn_mem import MemoryConfig
 from chatlearn_mem.config import load_config as _load
-from chatlearn_mem.testbed.gpt import GPTTrainerConfig
+from chatlearn_mem.models.gpt import GPTTrainerConfig
 
 __all__ = ["CheckpointConfig", "DEFAULT_PRESET", "MemoryPolicy", "PPOConfig", "PRESETS", "ParallelConfig", "RayConfig", "RunConfig",
            "TaskConfig", "load_config"]

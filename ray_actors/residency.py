@@ -81,7 +81,7 @@ def _key(item: Item) -> str:
 def estimate_sizes(cfg) -> dict[str, dict[Part, int]]:
     """Per actor and part, the device bytes a run of ``cfg`` (a :class:`RunConfig`) will hold, from
     the config alone: for a budget check before Ray starts (:func:`check_budget`)."""
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     p = cfg.parallel
     tp, dp = p.tensor_model_parallel_size, p.data_parallel_size

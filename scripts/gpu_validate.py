@@ -291,7 +291,7 @@ def check_bounds(steps: list[str]) -> tuple[list[str], list[str]]:
 
 IMPORTS = ("torch", "numpy", "yaml", "typer", "matplotlib", "psutil", "pytest", "pydantic", "megatron.core",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed", "megatron.core.optimizer",
-           "chatlearn_mem", "chatlearn_mem.testbed.gpt", "chatlearn_mem_bench.run", "chatlearn_mem_bench.report",
+           "chatlearn_mem", "chatlearn_mem.models.gpt", "chatlearn_mem_bench.run", "chatlearn_mem_bench.report",
            "chatlearn_mem_ray.cli", "chatlearn_mem_ray.ppo", "ray")
 """Every module the GPU run imports (Ray for the PPO step only)."""
 
@@ -330,7 +330,7 @@ def measure_device_report(cfg=None, batch_size: int = 4) -> dict:
     import torch
 
     from chatlearn_mem import TrainerMemoryManager, device_report
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     if cfg is None:
         from chatlearn_mem_ray.config import load_config as ppo_config
@@ -341,7 +341,7 @@ def measure_device_report(cfg=None, batch_size: int = 4) -> dict:
         if not torch.distributed.is_initialized():
             import tempfile
 
-            gpt.init_distributed(init_method=f"file://{tempfile.mkdtemp()}/init")
+            gpt.init_distributed(init_method=f"file://{tempfile.mkdtemp()}/init", cpu_backend=True)
         trainer = gpt.build_gpt_trainer(cfg)
         mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
         trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=batch_size))

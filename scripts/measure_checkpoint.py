@@ -61,12 +61,12 @@ def main() -> None:
     warnings.simplefilter("ignore")
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager
     from chatlearn_mem.checkpoint import save_checkpoint
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.config import load_config
 
     bench = load_config(args.preset)
     cfg = gpt.GPTTrainerConfig(**bench.trainer.model_dump()) if hasattr(bench.trainer, "model_dump") else bench.trainer
-    gpt.init_distributed(init_method=f"file://{tempfile.mktemp()}")
+    gpt.init_distributed(init_method=f"file://{tempfile.mktemp()}", cpu_backend=True)
     trainer = gpt.build_gpt_trainer(cfg)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(bucket_size_mb=bench.bucket_size_mb))
     trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=bench.batch_size))

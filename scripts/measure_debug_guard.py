@@ -42,9 +42,9 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
-    gpt.init_distributed(init_method=f"file://{tempfile.mktemp()}")
+    gpt.init_distributed(init_method=f"file://{tempfile.mktemp()}", cpu_backend=True)
     cfg = gpt.GPTTrainerConfig(hidden_size=args.hidden, num_layers=args.layers)
     batch = gpt.synthetic_batch(cfg, 0, batch_size=4)
     runs = {}

@@ -12,12 +12,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # trainer_runs is importable from
 @pytest.fixture(scope="session")
 def dist1(tmp_path_factory):
     """megatron-core initialised for one rank (gloo on CPU)."""
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     init_file = tmp_path_factory.mktemp("dist") / "init"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gpt.init_distributed(init_method=f"file://{init_file}")
+        gpt.init_distributed(init_method=f"file://{init_file}", cpu_backend=True)
     yield
 
 

@@ -25,7 +25,8 @@ import torch
 
 from chatlearn_mem import MemoryConfig, TrainerMemoryManager
 
-from chatlearn_mem.testbed import cpu_backend, gpt
+from chatlearn_mem import cpu_backend
+from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
 
 _T0 = time.perf_counter()  # module import in the spawned process, before megatron's
@@ -415,7 +416,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str,
     torch.set_num_threads(1)  # several processes share few cores
     import torch.distributed as dist
 
-    cpu_backend.install()
+    cpu_backend.install(quiet=True)
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     # a short timeout: when one rank fails a layout the others give up instead of hanging

@@ -1,6 +1,6 @@
 """megatron-core private names the CPU backend must patch so megatron trains on a CPU-only torch.
 
-:mod:`chatlearn_mem.testbed.cpu_backend` patches torch itself; the two megatron-specific patches
+:mod:`chatlearn_mem.cpu_backend` patches torch itself; the two megatron-specific patches
 live here, beside the rest of megatron's private names.
 """
 

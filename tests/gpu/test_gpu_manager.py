@@ -8,7 +8,7 @@ import torch
 
 from trainer_runs import BATCH, TRANSITIONS, assert_exact, bit_equal, full_cycle, snapshot, train
 from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager, device_report, swap
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 # Large enough that every DDP buffer and most optimizer tensors get their own allocator segments
 # (about 1.5 GB of managed state: 83 M parameters), small enough to build in seconds.

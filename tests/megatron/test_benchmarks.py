@@ -249,7 +249,7 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
     blocks fresh_host_alloc reused (never allocating) and whose power-of-two blocks the ceiling
     took again for every part."""
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, logical_tensors, part_storages
 
     cfg = gpt.GPTTrainerConfig()
@@ -287,7 +287,7 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
 def test_the_overlap_forward_batch(dist1):
     """onload_then_forward's forward: the bench batch, a given shape, or one sequence sized to the copy."""
     from chatlearn_mem import TrainerMemoryManager
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.config import load_config
     from chatlearn_mem_bench.overlap import forward_batch
     import torch

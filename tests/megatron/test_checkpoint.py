@@ -16,7 +16,7 @@ from chatlearn_mem import Part, UnsupportedLayoutError
 from chatlearn_mem.checkpoint import (CheckpointError, METADATA_FILE, estimate_checkpoint_nbytes, latest_checkpoint,
                                       list_checkpoints, load_checkpoint, save_checkpoint)
 from chatlearn_mem.mcore import layout
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 BATCH = 4
 
@@ -137,8 +137,8 @@ _KILLED_SAVE = textwrap.dedent("""
     import torch
     from trainer_runs import train
     from chatlearn_mem import checkpoint
-    from chatlearn_mem.testbed import gpt
-    gpt.init_distributed(init_method="file://" + {init!r})
+    from chatlearn_mem.models import gpt
+    gpt.init_distributed(init_method="file://" + {init!r}, cpu_backend=True)
     cfg = gpt.GPTTrainerConfig()
     _, _, mm, trainer = train(cfg, steps=1)
     mm.offload()
@@ -183,8 +183,8 @@ _KILLED_MID_WRITE = textwrap.dedent("""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from trainer_runs import train
     from chatlearn_mem import checkpoint
-    from chatlearn_mem.testbed import gpt
-    gpt.init_distributed(init_method="file://" + {init!r})
+    from chatlearn_mem.models import gpt
+    gpt.init_distributed(init_method="file://" + {init!r}, cpu_backend=True)
     _, _, mm, _ = train(gpt.GPTTrainerConfig(), steps=1)
     mm.offload()
     real_write = FileSystemWriterAsync.write_preloaded_data

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from chatlearn_mem.testbed import cpu_backend
+from chatlearn_mem import cpu_backend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is for CPU-only builds")
 

@@ -5,7 +5,7 @@ import torch
 
 from trainer_runs import reachable_bytes, train
 from chatlearn_mem import DeviceReport, device_report
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 
 def _report(mm, trainer) -> DeviceReport:

@@ -180,7 +180,7 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     here and a PPO log and junit file shaped as the GPU run writes them."""
     from typer.testing import CliRunner
 
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
     from chatlearn_mem_ray.cli import app
 
     res = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=b", "-q",

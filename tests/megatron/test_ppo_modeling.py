@@ -4,7 +4,7 @@ temperature other than 1 the sampled tokens' log-probs are those of softmax(logi
 import pytest
 import torch
 
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainer_runs import train
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from trainer_runs import STEPS, TRANSITIONS, bit_equal, train
 from chatlearn_mem import Part
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 LAYOUTS = {
     "bf16-distopt": dict(precision="bf16", use_distributed_optimizer=True),

@@ -11,7 +11,7 @@ import torch
 
 from trainer_runs import BATCH, STEPS, bit_equal, full_cycle, train
 from chatlearn_mem import ExternalChangeError, OffloadedError, Part
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 CFG = gpt.GPTTrainerConfig()  # bf16, distributed optimizer: param and grad buffers both exist
 AT = 3  # the step after which each scenario runs

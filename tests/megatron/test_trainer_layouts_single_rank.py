@@ -6,7 +6,7 @@ import torch
 
 from trainer_runs import STEPS, TRANSITIONS, bit_equal, slow_lanes, train
 from chatlearn_mem import TrainerMemoryManager
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
 
 

@@ -29,7 +29,7 @@ CFG_FIELDS: dict = {}  # GPTTrainerConfig defaults: bf16 params, distributed opt
 # -- the cases (run in the child) ------------------------------------------------------------------
 def _batch(step):
     from trainer_runs import BATCH
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     return gpt.synthetic_batch(gpt.GPTTrainerConfig(**CFG_FIELDS), step, batch_size=BATCH)
 
@@ -214,7 +214,7 @@ def _inference_backward(results: list) -> None:
 def _dropped_with_model(results: list) -> None:
     """The manager and its model both go while asleep: the host copy dies with them; warn."""
     from chatlearn_mem import TrainerMemoryManager
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     trainer = gpt.build_gpt_trainer(gpt.GPTTrainerConfig(**CFG_FIELDS))
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
@@ -242,13 +242,13 @@ def child(out_path: str, names: list[str], blocking: bool = True) -> None:
     warnings.simplefilter("ignore")
     from trainer_runs import NON_BLOCKING, bit_equal, slow_lanes, snapshot, train
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager, manager_of
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     chunk = {} if blocking else {"copy_chunk_mb": NON_BLOCKING.copy_chunk_mb}
     slow = contextlib.nullcontext if blocking else slow_lanes
 
     tmp = tempfile.mkdtemp()
-    gpt.init_distributed(init_method=f"file://{os.path.join(tmp, 'init')}")
+    gpt.init_distributed(init_method=f"file://{os.path.join(tmp, 'init')}", cpu_backend=True)
     cfg = gpt.GPTTrainerConfig(**CFG_FIELDS)
     base_losses, base_state, _, _ = train(cfg, steps=STEPS)
 
@@ -420,7 +420,7 @@ def test_state_dict_save_load_round_trip(trained, tmp_path):
     """Asleep: state_dict() raises, weights_state_dict() is the host copy to save. Either file
     loads into a fresh model bit-exactly."""
     from chatlearn_mem import OffloadedError
-    from chatlearn_mem.testbed import gpt
+    from chatlearn_mem.models import gpt
 
     mm, trainer = trained
     expected = {k: v.clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}

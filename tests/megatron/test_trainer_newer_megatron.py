@@ -7,7 +7,7 @@ import torch
 
 from trainer_runs import BATCH, STEPS, TRANSITIONS, bit_equal, train
 from chatlearn_mem import ChatlearnMemError, Part
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
 
 

@@ -15,7 +15,7 @@ from trainer_runs import BATCH, NON_BLOCKING, bit_equal, slow_lanes, snapshot, t
 from chatlearn_mem import Part, TrainerMemoryManager, swap
 from chatlearn_mem import copy_engine
 from chatlearn_mem.storage import unique_storages
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 
 CFG = gpt.GPTTrainerConfig()
 

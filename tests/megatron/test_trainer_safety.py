@@ -9,7 +9,7 @@ import torch
 
 from trainer_runs import STEPS, bit_equal, train
 from chatlearn_mem import ChatlearnMemError, OffloadedError, Part, TrainerMemoryManager, UnsupportedLayoutError
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 from chatlearn_mem import host_store, storage
 from chatlearn_mem.mcore import layout
 

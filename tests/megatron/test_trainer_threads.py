@@ -13,7 +13,7 @@ import torch
 from trainer_runs import bit_equal, snapshot, train
 from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, Part, TrainerMemoryManager
 from chatlearn_mem.mcore import checks
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 from chatlearn_mem import storage
 
 CFG = gpt.GPTTrainerConfig()

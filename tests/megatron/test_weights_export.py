@@ -5,7 +5,7 @@ import torch
 
 from trainer_runs import train
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig
-from chatlearn_mem.testbed import gpt
+from chatlearn_mem.models import gpt
 from chatlearn_mem.storage import StorageGroup
 
 

@@ -1,8 +1,10 @@
-"""Build small megatron-core GPT trainers (examples, tests, benchmarks, the Ray actors).
+"""GPT models and trainers built from megatron-core's public API: the PPO recipe's policy and critic,
+the benchmark's trainer, the examples' and the tests'.
 
-Everything here uses megatron-core's public API: ``parallel_state``, ``GPTModel`` with the local
-layer spec, ``DistributedDataParallel`` and ``get_megatron_optimizer``. On a machine without
-CUDA call :func:`chatlearn_mem.cpu_backend.install` first (``init_distributed`` does).
+Everything here uses ``parallel_state``, ``GPTModel`` with the local layer spec,
+``DistributedDataParallel`` and ``get_megatron_optimizer``. On a machine without CUDA, megatron-core
+needs :func:`chatlearn_mem.cpu_backend.install` first: call it yourself, or pass
+``init_distributed(cpu_backend=True)``. Nothing here installs it unasked.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chatlearn_mem import cpu_backend as _cpu_backend
 from chatlearn_mem.mcore.layout import INSTALL_HINT
-from chatlearn_mem.testbed import cpu_backend
 
 __all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTPipelineTrainer", "GPTValueModel", "build_gpt_model",
            "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "synthetic_batch"]
@@ -87,9 +89,9 @@ class GPTTrainerConfig(BaseModel):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather needs use_distributed_optimizer=True")
         if self.model_class == "hybrid" and self.num_moe_experts is not None:
-            raise ValueError("the hybrid testbed model has dense MLP layers only: drop num_moe_experts")
+            raise ValueError("the hybrid GPT model has dense MLP layers only: drop num_moe_experts")
         if self.model_class == "hybrid" and self.layer_spec != "local":
-            raise ValueError("the hybrid testbed model is built from the local layer spec only: drop layer_spec")
+            raise ValueError("the hybrid GPT model is built from the local layer spec only: drop layer_spec")
         if self.fp32_accumulation_params and self.grad_reduce_in_fp32:
             raise ValueError("fp32_accumulation_params needs grad_reduce_in_fp32=False (megatron's rule)")
         return self
@@ -131,11 +133,11 @@ def _megatron():
 def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1, init_method: Optional[str] = None,
                      seed: int = 1234, virtual_pipeline_model_parallel_size: Optional[int] = None,
-                     expert_model_parallel_size: int = 1, store: Optional[Any] = None) -> None:
+                     expert_model_parallel_size: int = 1, store: Optional[Any] = None,
+                     cpu_backend: bool = False) -> None:
     """Join (or create) the default process group and megatron's model-parallel groups.
 
-    Uses gloo on CPU (installing the CPU backend) and NCCL with CUDA. Safe to call again in the
-    same process with the same sizes.
+    Uses NCCL with CUDA and gloo without. Safe to call again in the same process with the same sizes.
 
     Args:
         init_method: torch.distributed init method; default ``env://`` with MASTER_ADDR/PORT
@@ -146,9 +148,20 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
         store: A ``torch.distributed.Store`` to rendezvous through instead of ``init_method`` (rank
             0's own ``TCPStore`` server, already listening: the other ranks join it with
             ``tcp://host:port``).
+        cpu_backend: Install :mod:`chatlearn_mem.cpu_backend` when CUDA is not available (it
+            patches ``torch.cuda`` process-wide and says so once). Does nothing with CUDA.
+
+    Raises:
+        RuntimeError: CUDA is not available, the CPU backend is not installed and ``cpu_backend``
+            is False.
     """
     _megatron()
-    cpu_backend.install()
+    if not torch.cuda.is_available() and not _cpu_backend.is_installed():
+        if not cpu_backend:
+            raise RuntimeError(
+                "CUDA is not available, and megatron-core needs CUDA or the CPU backend: call "
+                "chatlearn_mem.cpu_backend.install() first, or pass init_distributed(cpu_backend=True)")
+        _cpu_backend.install()
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -32,12 +32,16 @@ Limits: there are no streams (a stream is a no-op and every "async" op completes
 MoE all-to-all or flex token dispatcher (MoE works with the all-gather dispatcher and the local
 ``SequentialMLP`` experts; grouped GEMM needs TE or CUDA kernels), no sequence parallel with the local layer spec, no fused kernels
 (apex, Transformer Engine, flash attention) and no CUDA graphs. Call :func:`install` once per
-process before building the model; it does nothing when CUDA is available.
+process before building the model; it does nothing when CUDA is available. Nothing in
+chatlearn-mem installs it unasked: :func:`install` prints one line when it does (``quiet=True`` to
+keep it silent), and :func:`chatlearn_mem.models.gpt.init_distributed` installs it only with
+``cpu_backend=True``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any
 
@@ -237,10 +241,13 @@ def _enter_mode_in_new_threads() -> None:
     threading.Thread.run = run
 
 
-def install() -> bool:
+def install(quiet: bool = False) -> bool:
     """Make megatron-core's CUDA code paths run on CPU in this process.
 
     Idempotent and thread-safe. Does nothing when CUDA is available.
+
+    Args:
+        quiet: Do not print the one line (on standard error) that says the backend is now on.
 
     Returns:
         ``True`` when the CPU backend is active after the call, ``False`` when CUDA is available
@@ -259,6 +266,9 @@ def install() -> bool:
         _enter_mode_in_new_threads()
         _run_backward_under_the_mode()
         _installed = True
+    if not quiet:
+        sys.stderr.write("chatlearn-mem: no CUDA device; the CPU backend is on in this process (torch.cuda is "
+                         "patched so that megatron-core runs on the CPU)\n")
     return True
 
 
