@@ -227,9 +227,9 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
         "tests": [py, "-m", "pytest", "tests/gpu", "-v", "-rA", "-p", "no:cacheprovider",
                   f"--junitxml={work / 'junit.xml'}"],
         "report": [py, str(Path(__file__).resolve()), "--report-json", str(work / "report.json")],
-        "bench": [py, "-m", "chatlearn_mem_ray", "bench", "--config", "gpu", f"output_dir={out}", f"name={stem}",
+        "bench": [py, "-m", "chatlearn_mem_cli", "bench", "--config", "gpu", f"output_dir={out}", f"name={stem}",
                   f"revision={revision}", "-q"],
-        "ppo": [py, "-m", "chatlearn_mem_ray", "ppo", "--config", "gpu", *PPO_OVERRIDES,
+        "ppo": [py, "-m", "chatlearn_mem_cli", "ppo", "--config", "gpu", *PPO_OVERRIDES,
                 f"output_dir={out / (stem + '_ppo')}"],
     }
     outputs = {"tests": [], "report": [], "bench": [out / f"{stem}.{x}" for x in ("json", "md", "png")],
@@ -292,7 +292,7 @@ def check_bounds(steps: list[str]) -> tuple[list[str], list[str]]:
 IMPORTS = ("torch", "numpy", "yaml", "typer", "matplotlib", "psutil", "pytest", "pydantic", "megatron.core",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed", "megatron.core.optimizer",
            "chatlearn_mem", "chatlearn_mem.models.gpt", "chatlearn_mem_bench.run", "chatlearn_mem_bench.report",
-           "chatlearn_mem_ray.cli", "chatlearn_mem_ray.ppo", "ray")
+           "chatlearn_mem_cli.app", "chatlearn_mem_ray.ppo", "ray")
 """Every module the GPU run imports (Ray for the PPO step only)."""
 
 

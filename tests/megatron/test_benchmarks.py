@@ -20,7 +20,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from chatlearn_mem_bench import PARTS  # noqa: E402
 from chatlearn_mem_bench.config import COPY_PARTS, FULL  # noqa: E402
-from chatlearn_mem_ray.cli import app  # noqa: E402
+from chatlearn_mem_cli.app import app  # noqa: E402
 
 # The shipped bench configs and presets are checked in tests/unit/test_bench_config.py.
 
@@ -159,7 +159,7 @@ def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_
     at the end, so a killed or timed-out run left nothing."""
     out = tmp_path / "bench"
     path = out / "k.json"
-    proc = subprocess.Popen([sys.executable, "-m", "chatlearn_mem_ray", "bench", "--config", "tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "chatlearn_mem_cli", "bench", "--config", "tiny",
                              f"output_dir={out}", "name=k", "repeats=100", "plot=false", "-q"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240

@@ -87,8 +87,8 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
     for step in gv.STEPS:
         assert f"  {step} (budget {gv.BUDGET_S[step]} s" in text
     assert "  ppo (budget 120 s, optional): " in text
-    assert "chatlearn_mem_ray bench --config gpu output_dir=" in text and "revision=abc1234 -q" in text
-    assert "chatlearn_mem_ray ppo --config gpu parallel.world_size=1" in text
+    assert "chatlearn_mem_cli bench --config gpu output_dir=" in text and "revision=abc1234 -q" in text
+    assert "chatlearn_mem_cli ppo --config gpu parallel.world_size=1" in text
     assert "_gpu-<gpu name>_validation/bench.log" in text
     assert "_gpu-<gpu name>_validation.json" in text and "_gpu-<gpu name>_ppo/memory_timeline.png" in text
     assert out.stdout.strip().splitlines()[-1] == ("[gpu-validate] dry run ok: stopping before the first CUDA call "
@@ -181,7 +181,7 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     from typer.testing import CliRunner
 
     from chatlearn_mem.models import gpt
-    from chatlearn_mem_ray.cli import app
+    from chatlearn_mem_cli.app import app
 
     res = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=b", "-q",
                                    "repeats=3", "cycles=2", "plot=false"])

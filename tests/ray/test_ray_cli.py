@@ -23,7 +23,7 @@ pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 from chatlearn_mem_ray.checkpoints import list_run_checkpoints, read_run_state  # noqa: E402
 
-RUN = [sys.executable, "-m", "chatlearn_mem_ray", "ppo", "memory.compare_iterations=0", "ray.phase_timeout_s=300"]
+RUN = [sys.executable, "-m", "chatlearn_mem_cli", "ppo", "memory.compare_iterations=0", "ray.phase_timeout_s=300"]
 
 
 def _env(**extra) -> dict:

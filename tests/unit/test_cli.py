@@ -5,8 +5,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray import errors, ppo
-from chatlearn_mem_ray.cli import app
 
 
 @pytest.mark.parametrize("error", [
@@ -47,9 +47,9 @@ def test_a_missing_extra_names_what_to_install(monkeypatch):
 
 
 def test_the_command_without_its_extras_says_which_to_install(monkeypatch, capsys):
-    from chatlearn_mem_ray.__main__ import main
+    from chatlearn_mem_cli.__main__ import main
 
-    monkeypatch.delitem(sys.modules, "chatlearn_mem_ray.cli")
+    monkeypatch.delitem(sys.modules, "chatlearn_mem_cli.app")
     monkeypatch.setitem(sys.modules, "typer", None)  # as in a core-only install
     with pytest.raises(SystemExit) as e:
         main(["ppo"])
@@ -65,7 +65,7 @@ def test_ppo_does_not_need_the_benchmark_package(monkeypatch):
 
     code = ("import sys; sys.modules['psutil'] = None; sys.modules['chatlearn_mem_bench'] = None\n"
             "from typer.testing import CliRunner\n"
-            "from chatlearn_mem_ray.cli import app\n"
+            "from chatlearn_mem_cli.app import app\n"
             "r = CliRunner().invoke(app, ['ppo', '--print-config'])\n"
             "assert r.exit_code == 0, r.output\n"
             "r = CliRunner().invoke(app, ['bench'])\n"
@@ -87,7 +87,7 @@ def test_ppo_without_ray_installed_says_which_extra_to_install(tmp_path):
 
     code = ("import sys; sys.modules['ray'] = None\n"
             "from typer.testing import CliRunner\n"
-            "from chatlearn_mem_ray.cli import app\n"
+            "from chatlearn_mem_cli.app import app\n"
             f"r = CliRunner().invoke(app, ['ppo', 'ppo.iterations=1', 'output_dir={tmp_path}'])\n"
             "print(r.exit_code); print(r.output)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

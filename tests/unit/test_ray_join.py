@@ -238,7 +238,7 @@ def test_unreachable_address_through_the_command_line_is_one_line_and_quick(tmp_
 
     address = f"127.0.0.1:{_closed_port()}"
     env = {**os.environ, "RAY_ADDRESS": address}
-    out = subprocess.run([sys.executable, "-m", "chatlearn_mem_ray", "ppo", f"output_dir={tmp_path}"],
+    out = subprocess.run([sys.executable, "-m", "chatlearn_mem_cli", "ppo", f"output_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1, out
     assert out.stderr.strip().splitlines()[-1].startswith(

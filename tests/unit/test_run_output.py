@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from chatlearn_mem import ConfigError
 from chatlearn_mem_ray import ppo
-from chatlearn_mem_ray.cli import app
+from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import (ActorFailedError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
                                       RunInterrupted)

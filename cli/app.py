@@ -2,7 +2,7 @@
 ``bench-report`` redraws a benchmark's markdown and plot from its JSON.
 
 Both subcommands read their config the same way, through the project's one loader
-(:func:`chatlearn_mem.config.load_config`): ``--config`` takes a preset name or the path of a YAML
+(:func:`chatlearn_mem_cli.config_files.load_config`): ``--config`` takes a preset name or the path of a YAML
 file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the shipped
 presets. A bad config prints ``error: ...`` (every problem, with its key) and exits 2; a run that
 fails prints ``error: ...`` and exits 1; Ctrl-C prints how far the run got and where its log is,
@@ -143,7 +143,7 @@ def bench_report(results: str = typer.Argument(..., help="the .json a benchmark 
 @app.command()
 def presets() -> None:
     """List the shipped presets of `ppo` and `bench` (use them with --config NAME)."""
-    from chatlearn_mem.config import preset_names
+    from chatlearn_mem_cli.config_files import preset_names
 
     def show(label: str, module: str) -> None:
         from importlib import resources

@@ -1,4 +1,4 @@
-"""``chatlearn-mem`` and ``python -m chatlearn_mem_ray``: run the command line, or say what to install."""
+"""``chatlearn-mem`` and ``python -m chatlearn_mem_cli``: run the command line, or say what to install."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ _CLI_PACKAGES = {"typer", "click", "yaml"}
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of the ``chatlearn-mem`` console script."""
     try:
-        from chatlearn_mem_ray.cli import app
+        from chatlearn_mem_cli.app import app
     except ModuleNotFoundError as e:
         if e.name not in _CLI_PACKAGES:
             raise
