@@ -2,16 +2,18 @@
 ``bench-report`` redraws a benchmark's markdown and plot from its JSON.
 
 Both subcommands read their config the same way, through the project's one loader
-(:func:`chatlearn_mem_cli.config_files.load_config`): ``--config`` takes a preset name or the path of a YAML
-file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the shipped
-presets. A bad config prints ``error: ...`` (every problem, with its key) and exits 2; a run that
-fails prints ``error: ...`` and exits 1; Ctrl-C prints how far the run got and where its log is,
-and exits 130; SIGTERM (a scheduler's preemption) stops the run at the end of the iteration, saves
-a checkpoint when checkpoints are on (``checkpoint.on_sigterm``), says how to resume and exits 143.
+(:func:`chatlearn_mem_cli.config_files.load_config`): ``--config`` takes a preset name or the path
+of a YAML file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the
+shipped presets with their one-line summaries. A bad config prints ``error: ...`` (every problem,
+with its key; an unknown key with the nearest known one) and exits 2; a run that fails prints
+``error: ...`` and exits 1; Ctrl-C prints how far the run got and where its log is, and exits 130;
+SIGTERM (a scheduler's preemption) stops the run at the end of the iteration, saves a checkpoint
+when checkpoints are on (``checkpoint.on_sigterm``), says how to resume and exits 143.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import shlex
 from typing import Callable, List, Optional, TypeVar
@@ -21,6 +23,11 @@ import typer
 from chatlearn_mem.errors import ChatlearnMemError, ConfigError
 from chatlearn_mem_ray.config import DEFAULT_PRESET as PPO_DEFAULT
 
+try:  # shown by `bench --help`; without the benchmark's extras, `bench` says what to install when run
+    from chatlearn_mem_bench.config import DEFAULT_PRESET as BENCH_DEFAULT
+except ImportError:
+    BENCH_DEFAULT = None
+
 __all__ = ["app"]
 
 T = TypeVar("T")
@@ -28,8 +35,21 @@ T = TypeVar("T")
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Colocated RLHF on shared devices with an exact memory manager for megatron-core.")
 
-_OVERRIDES_HELP = "dotted key=value overrides, values parsed as YAML (e.g. ppo.iterations=5)"
+# Help texts hold no square brackets: typer's rich help reads them as markup and drops them.
+_OVERRIDES_HELP = "dotted key=value overrides, values parsed as YAML (e.g. {})"
 _CONFIG_HELP = "a preset name (see `chatlearn-mem presets`) or the path of a YAML file"
+
+
+def _paragraphs(doc: str) -> str:
+    """``doc`` with each paragraph on one line. Typer's rich help keeps a docstring's single line
+    breaks, so the source's hand wrapping would print as ragged lines; the terminal wraps instead."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
+
+
+def _command(name: Optional[str] = None) -> Callable[[Callable], Callable]:
+    """``app.command``, its help the function's docstring with the paragraphs unwrapped. The first
+    paragraph is what the command list shows: keep it to one sentence."""
+    return lambda f: app.command(name, help=_paragraphs(f.__doc__))(f)
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -59,8 +79,9 @@ def _guarded(work: Callable[[], T]) -> T:
         raise typer.Exit(143 if isinstance(e, RunTerminated) else 130) from None
 
 
-@app.command()
-def ppo(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HELP, show_default=False),
+@_command()
+def ppo(overrides: Optional[List[str]] = typer.Argument(
+            None, help=_OVERRIDES_HELP.format("ppo.iterations=5 memory.enabled=false"), show_default=False),
         config: str = typer.Option(PPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
         print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
         resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in "
@@ -87,17 +108,21 @@ def ppo(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HE
     _guarded(run)
 
 
-@app.command()
-def bench(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_HELP, show_default=False),
-          config: Optional[str] = typer.Option(None, "--config", "-c", show_default=False,
-                                               help=_CONFIG_HELP + " [default: cpu]"),
+@_command()
+def bench(overrides: Optional[List[str]] = typer.Argument(
+              None, help=_OVERRIDES_HELP.format("repeats=5 trainer.num_layers=4"), show_default=False),
+          config: Optional[str] = typer.Option(BENCH_DEFAULT, "--config", "-c", show_default=BENCH_DEFAULT is not None,
+                                               help=_CONFIG_HELP),
           print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the targets"),
           ) -> None:
     """Time offload/onload of a megatron-core trainer against a plain-copy ceiling and the usual
-    alternatives; write JSON, markdown and a PNG (to output_dir, default runs/bench)."""
+    alternatives.
 
-    def load():  # the benchmark package is imported only when `bench` runs
+    Writes JSON, markdown and a PNG to output_dir (default runs/bench) and prints the targets.
+    """
+
+    def load():  # without the [bench] extra, this import fails: one error line naming it
         from chatlearn_mem_bench.config import DEFAULT_PRESET, load_config
 
         return load_config(config or DEFAULT_PRESET, overrides or [])
@@ -117,12 +142,15 @@ def bench(overrides: Optional[List[str]] = typer.Argument(None, help=_OVERRIDES_
     _guarded(run)
 
 
-@app.command("bench-report")
+@_command("bench-report")
 def bench_report(results: str = typer.Argument(..., help="the .json a benchmark run wrote (finished or not)"),
                  plot: bool = typer.Option(True, "--plot/--no-plot", help="draw the PNG too"),
                  ) -> None:
-    """Rebuild a benchmark's markdown and PNG next to its JSON, from the JSON alone: for a run that
-    was killed or timed out, every part it finished, the targets of those rows, and what is missing."""
+    """Rebuild a benchmark's markdown and PNG next to its JSON, from the JSON alone.
+
+    For a run that was killed or timed out: every part it finished, the targets of those rows, and
+    what is missing.
+    """
 
     def run() -> None:
         from pathlib import Path
@@ -140,16 +168,21 @@ def bench_report(results: str = typer.Argument(..., help="the .json a benchmark 
     _guarded(run)
 
 
-@app.command()
+@_command()
 def presets() -> None:
-    """List the shipped presets of `ppo` and `bench` (use them with --config NAME)."""
-    from chatlearn_mem_cli.config_files import preset_names
+    """List the presets of `ppo` and `bench`, one line on each (use them with --config NAME)."""
+    from importlib import resources
 
-    def show(label: str, module: str) -> None:
-        from importlib import resources
+    from chatlearn_mem_cli.config_files import preset_description, preset_names
 
-        names = preset_names(resources.files(module))
-        typer.echo(f"{label}: {', '.join(names) if names else '(none installed)'}")
+    def show(label: str, module: str, default: Optional[str]) -> None:
+        where = resources.files(module)
+        names = preset_names(where)
+        typer.echo(f"{label}: {', '.join(names) if names else '(none installed)'}"
+                   + (f" (default: {default})" if default in names else ""))
+        width = max(map(len, names), default=0)
+        for name in names:
+            typer.echo(f"  {name:<{width}}  {preset_description(where, name)}".rstrip())
 
-    show("ppo", "chatlearn_mem_ray.presets")
-    show("bench", "chatlearn_mem_bench.presets")
+    show("ppo", "chatlearn_mem_ray.presets", PPO_DEFAULT)
+    show("bench", "chatlearn_mem_bench.presets", BENCH_DEFAULT)

@@ -9,7 +9,9 @@ call it with their model and presets. PyYAML is imported only when a config is r
 
 from __future__ import annotations
 
+import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence, TypeVar, Union
 
@@ -17,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from chatlearn_mem.errors import ConfigError
 
-__all__ = ["load_config", "parse_overrides", "preset_names", "preset_of"]
+__all__ = ["load_config", "parse_overrides", "preset_description", "preset_names", "preset_of"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -36,6 +38,13 @@ def preset_names(presets: Any) -> list[str]:
     if presets is None:
         return []
     return sorted(f.name[:-5] for f in presets.iterdir() if f.name.endswith(".yaml"))
+
+
+def preset_description(presets: Any, name: str) -> str:
+    """The one-line summary of preset ``name``: the first line of its YAML when that line is a
+    comment (``# ...``), without the ``#``; an empty string otherwise."""
+    first = (presets / f"{name}.yaml").read_text().partition("\n")[0]
+    return first[1:].strip() if first.startswith("#") else ""
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict:
@@ -79,14 +88,43 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
-def _format(error: ValidationError) -> str:
+def _leaf_types(annotation: Any) -> list:
+    args = typing.get_args(annotation)
+    return [t for a in args for t in _leaf_types(a)] if args else [annotation]
+
+
+def _section(model: type[BaseModel], path: Sequence) -> Optional[type[BaseModel]]:
+    """The model of the config section at ``path`` (field names from ``model`` down), or None
+    where the path leaves the models (a list index, a mapping, a union of several models)."""
+    for name in path:
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            return None
+        models = [t for t in _leaf_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if len(models) != 1:
+            return None
+        model = models[0]
+    return model
+
+
+def _did_you_mean(model: type[BaseModel], loc: tuple) -> str:
+    """`` (did you mean a.b?)`` for an unknown key ``loc`` close to a field of its section, else ''."""
+    *parents, leaf = loc
+    section = _section(model, parents)
+    if section is None or not isinstance(leaf, str):
+        return ""
+    close = difflib.get_close_matches(leaf, list(section.model_fields), n=1)
+    return f" (did you mean {'.'.join([*map(str, parents), close[0]])}?)" if close else ""
+
+
+def _format(error: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for e in error.errors():
         where = ".".join(str(x) for x in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") else ""
         if e["type"] == "extra_forbidden":
-            msg, got = "unknown key", ""
+            msg, got = "unknown key" + _did_you_mean(model, tuple(e["loc"])), ""
         lines.append(f"  {where}: {msg}{got}")
     return f"invalid config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n" + "\n".join(lines)
 
@@ -145,11 +183,12 @@ def load_config(model: type[M], source: Optional[Union[str, os.PathLike]] = None
 
     Raises:
         ConfigError: The source is missing or not a YAML mapping, an override is malformed, or
-            the result is invalid; the message lists every problem with its dotted key.
+            the result is invalid; the message lists every problem with its dotted key, and
+            suggests the nearest known key for an unknown one.
     """
     data = _read_source(source, presets) if source is not None else {}
     data = _merge(data, parse_overrides(overrides))
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+        raise ConfigError(_format(e, model)) from None

@@ -105,3 +105,20 @@ def test_overlap_forward_is_a_shape_within_the_sequence_or_match_copy():
     for bad in ("[1,200]", "[0,8]", "[1,1]", "fast"):
         with pytest.raises(ConfigError, match="overlap_forward"):
             load_config("tiny", [f"overlap_forward={bad}"])
+
+
+def test_an_unknown_key_in_a_yaml_file_suggests_the_nearest_one(tmp_path):
+    """Before: "repeatz: unknown key" alone."""
+    (tmp_path / "bench.yaml").write_text("repeatz: 3\ntrainer:\n  num_layer: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "bench.yaml"))
+    assert "repeatz: unknown key (did you mean repeats?)" in str(e.value)
+    assert "trainer.num_layer: unknown key (did you mean trainer.num_layers?)" in str(e.value)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_starts_with_a_one_line_summary(path):
+    """`chatlearn-mem presets` prints the first line of each YAML: one sentence that stands alone."""
+    first, second = path.read_text().splitlines()[:2]
+    assert first.startswith("# ") and first.endswith(".") and len(first) <= 66, first
+    assert second == "#" or not second.startswith("#"), f"the summary goes on: {second!r}"

@@ -96,3 +96,56 @@ def test_ppo_without_ray_installed_says_which_extra_to_install(tmp_path):
     assert code_line == "1", out.stdout
     assert message[0].startswith("error: Ray is required") and "chatlearn-mem[ray]" in message[0], out.stdout
     assert "Traceback" not in out.stdout
+
+
+def _help(args: list, columns: int = 200) -> str:
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": None})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_bench_help_shows_its_default_preset_and_a_bench_override_example():
+    """Before: `bench --help` gave the ppo override example (ppo.iterations=5) and no default preset
+    (the hand-written "[default: cpu]" was eaten as rich markup)."""
+    from chatlearn_mem_bench.config import DEFAULT_PRESET
+
+    text = _help(["bench"])
+    assert f"[default: {DEFAULT_PRESET}]" in text
+    assert "repeats=5" in text and "ppo.iterations" not in text
+
+
+def test_ppo_help_shows_its_default_preset_and_a_ppo_override_example():
+    from chatlearn_mem_ray.config import DEFAULT_PRESET
+
+    text = _help(["ppo"])
+    assert f"[default: {DEFAULT_PRESET}]" in text and "ppo.iterations=5" in text
+
+
+def _ragged(text: str) -> list:
+    """Lines broken although the next line's first word would have fitted: the source's hand
+    wrapping printed as is. Table cells (between │) are checked against the cell's right edge."""
+    lines = text.splitlines()
+    bad = []
+    for line, nxt in zip(lines, lines[1:]):
+        boxed = line.startswith("│")
+        if boxed != nxt.startswith("│") or not line.strip(" │") or not nxt.strip(" │"):
+            continue  # a paragraph or table ends here
+        a, b = (line[1:-1], nxt[1:-1]) if boxed else (line, nxt)
+        if boxed and len(b) - len(b.lstrip()) <= 2:
+            continue  # the next row of the table, not the continuation of this one
+        word = b.split()[0]
+        if word.startswith("["):
+            continue  # typer puts [default: ...] and [required] on a line of their own
+        if len(a.rstrip()) + 1 + len(word) < len(a) - 1:
+            bad.append(f"{line.rstrip()!r} / {nxt.strip()!r}")
+    return bad
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("command", [[], ["ppo"], ["bench"], ["bench-report"], ["presets"]], ids=lambda c: " ".join(c) or "top")
+def test_help_wraps_cleanly(command, columns):
+    """Before: typer's rich help kept the docstrings' line breaks, so `ppo --help` printed
+    "continues from the" alone on a line of 80 columns."""
+    text = _help(command, columns)
+    assert max(map(len, text.splitlines())) <= columns
+    assert not _ragged(text), "\n".join(_ragged(text))

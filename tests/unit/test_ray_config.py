@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from chatlearn_mem import ConfigError
 from chatlearn_mem_cli.app import app
-from chatlearn_mem_cli.config_files import parse_overrides, preset_names
+from chatlearn_mem_cli.config_files import parse_overrides, preset_description, preset_names
 from chatlearn_mem_ray.cluster import check_resources
 from chatlearn_mem_ray.config import DEFAULT_PRESET, PRESETS, RunConfig, load_config
 from chatlearn_mem_ray.errors import ResourceError
@@ -142,3 +142,44 @@ def test_cli_lists_presets():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
     assert "ppo: cpu_tiny, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output
+
+
+def test_an_unknown_key_suggests_the_nearest_one_with_its_dotted_key(tmp_path):
+    """Before: "policy.hidden_sizee: unknown key" alone."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["policy.hidden_sizee=8", "memory.manager.bucket_size=8", "bogus=1"])
+    msg = str(e.value)
+    assert "policy.hidden_sizee: unknown key (did you mean policy.hidden_size?)" in msg
+    assert "memory.manager.bucket_size: unknown key (did you mean memory.manager.bucket_size_mb?)" in msg
+    assert "bogus: unknown key\n" in msg + "\n"  # nothing close: no guess
+    (tmp_path / "run.yaml").write_text("ppo:\n  iteration: 3\ncheckpoint:\n  evry: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "run.yaml")
+    assert "ppo.iteration: unknown key (did you mean ppo.iterations?)" in str(e.value)
+    assert "checkpoint.evry: unknown key (did you mean checkpoint.every?)" in str(e.value)
+    result = CliRunner().invoke(app, ["ppo", "ray.adress=auto"])
+    assert result.exit_code == 2 and "ray.adress: unknown key (did you mean ray.address?)" in result.output
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_starts_with_a_one_line_summary(path):
+    """`chatlearn-mem presets` prints the first line of each YAML: one sentence that stands alone."""
+    first, second = path.read_text().splitlines()[:2]
+    assert first.startswith("# ") and first.endswith(".") and len(first) <= 66, first
+    assert second == "#" or not second.startswith("#"), f"the summary goes on: {second!r}"
+
+
+def test_cli_lists_presets_with_their_summaries():
+    """Before: the names alone."""
+    from chatlearn_mem_bench.config import DEFAULT_PRESET as BENCH_DEFAULT
+    from chatlearn_mem_bench.config import PRESETS as BENCH_PRESETS
+
+    result = CliRunner().invoke(app, ["presets"])
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert f"ppo: cpu_tiny, gpu (default: {DEFAULT_PRESET})" in lines
+    assert f"bench: cpu, gpu, tiny (default: {BENCH_DEFAULT})" in lines
+    for presets in (PRESETS, BENCH_PRESETS):
+        for name in preset_names(presets):
+            summary = preset_description(presets, name)
+            assert summary and any(line.split() == [name, *summary.split()] for line in lines), (name, lines)
