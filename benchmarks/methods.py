@@ -211,17 +211,11 @@ class ManagerMethod(Method):
 
     def offload(self, part: str) -> int:
         mm = self.mm
-        if part == FULL:
-            return sum(s.copied_bytes for s in mm.offload(force=True))
-        st = mm.free_grad_buffers(force=True) if part == Part.GRADS else getattr(mm, f"offload_{part}")()
-        return st.copied_bytes
+        return sum(s.copied_bytes for s in mm.offload(None if part == FULL else part, force=True))
 
     def onload(self, part: str) -> int:
         mm = self.mm
-        if part == FULL:
-            return sum(s.copied_bytes for s in mm.onload())
-        st = mm.build_grad_buffers() if part == Part.GRADS else getattr(mm, f"onload_{part}")()
-        return st.copied_bytes
+        return sum(s.copied_bytes for s in mm.onload(None if part == FULL else part))
 
     def device_bytes(self, part: str) -> int:
         r = self.mm.residency()

@@ -14,7 +14,7 @@ tensor-parallel RNG tracker). ::
     load_checkpoint(mm, latest_checkpoint("ckpt"))         # into a resident trainer
 
 While a part is offloaded its tensors are read from the host store (no device allocation, no
-onload; see ``TrainerMemoryManager._with_host_copies``). Resident parts are copied to host
+onload; see :func:`_with_host_copies`). Resident parts are copied to host
 memory when the save starts, so training may go on while it writes.
 
 Asynchronous saves: ``save_checkpoint(..., async_=True)`` plans the save (megatron's metadata
@@ -43,11 +43,12 @@ Format choice: megatron-core's ``dist_checkpointing`` (``torch_dist`` backend) w
 backend (gloo, CPU-only torch); ``torch.distributed.checkpoint`` is not needed. The distributed
 optimizer is saved in a format that reshards across tensor- and data-parallel sizes by default
 (``resharding=False``: a cheaper one that reshards data parallel only; see
-``layout.distrib_optimizer_sharding``).
+``checkpointing.distrib_optimizer_sharding``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -58,12 +59,14 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from chatlearn_mem.errors import ChatlearnMemError
-from chatlearn_mem.mcore import layout
+from chatlearn_mem.errors import ChatlearnMemError, OffloadedError
+from chatlearn_mem.guards import serialized
+from chatlearn_mem.mcore import checkpointing
+from chatlearn_mem.storage import storage_key
 
 __all__ = ["CheckpointDamagedError", "CheckpointError", "SaveHandle", "METADATA_FILE", "commit_directory",
            "estimate_checkpoint_nbytes", "fsync_dir", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -312,11 +315,79 @@ def _barrier() -> None:
 
 
 # -- building the state ------------------------------------------------------------------------------
-def _trainer(manager: Any):
-    targets = getattr(manager, "_checkpoint_targets", None)
-    if targets is None:
+def _trainer(manager: Any) -> tuple[list, Any, list]:
+    """``(model chunks, optimizer, leaf optimizers)`` of a trainer manager."""
+    from chatlearn_mem.trainer import TrainerMemoryManager
+
+    if not isinstance(manager, TrainerMemoryManager):
         raise TypeError(f"expected a chatlearn_mem.TrainerMemoryManager, got {type(manager).__name__}")
-    return targets
+    return manager._chunks, manager._optimizer, manager._leaves
+
+
+# -- the trainer's side: host copies served through the model, and the state before and after a load
+@serialized
+def _with_host_copies(manager, build: Callable[[Callable[[torch.Tensor], bool]], Any]
+                      ) -> tuple[Any, contextlib.ExitStack]:
+    """Run ``build(is_live)`` while every tensor megatron reads for a checkpoint views its host
+    copy; return its result and the registration of every host store it may still reference.
+
+    While a part is offloaded its tensors (parameters, main weights, shard views, states) keep
+    their released device storages; for the duration of ``build`` each one's ``.data`` is
+    pointed at its bytes in the host store (:meth:`StorageGroup.host_view`, no copy where the
+    bytes lie in one bucket) and the offload guards let megatron's ``sharded_state_dict`` calls
+    through, in this thread only. Then every ``.data`` is pointed back at its device storage:
+    nothing is allocated on the device and the trainer stays asleep. ``build`` must detach what
+    it keeps (a parameter object follows its ``.data`` back) and copy what ``is_live(t)``
+    (the tensor is training state on the device) says will change.
+
+    The returned ExitStack holds :meth:`StorageGroup.reading` on every offloaded part: until it
+    is closed, an offload that would overwrite those host stores waits.
+    """
+    manager._settle()  # R5: read the host copies once written
+    served = {}
+    for g in manager._groups.values():
+        if g.offloaded and g.keep_contents:
+            for s, _ in g.released:
+                served[storage_key(s)] = g
+    live = manager._storage_keys()
+    swapped = []
+    readers = contextlib.ExitStack()
+    try:
+        for t in checkpointing.checkpoint_read_tensors(manager._chunks, manager._leaves):
+            group = served.get(storage_key(t))
+            if group is not None:
+                view = group.host_view(t)
+                swapped.append((t, t.data))
+                t.data = view
+        manager._serving_host = threading.get_ident()
+        out = build(lambda t: storage_key(t) in live)
+        for g in dict.fromkeys(served.values()):
+            readers.enter_context(g.reading())
+        return out, readers
+    finally:
+        manager._serving_host = None
+        for t, original in reversed(swapped):
+            t.data = original
+
+@serialized
+def _prepare_load(manager) -> None:
+    """Before a checkpoint is loaded: every part resident, optimizer states created."""
+    manager._settle()
+    offloaded = [p.value for p, g in manager._groups.items() if g.offloaded]
+    if offloaded:
+        raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call "
+                             "onload() first")
+    checkpointing.init_optimizer_states(manager._leaves)
+
+@serialized
+def _after_load(manager) -> None:
+    """After a checkpoint was loaded: the optimizer replaced its state tensors and every part
+    changed, so host copies are stale and the manager takes the new tensors over."""
+    manager._dirty_epoch += 1
+    manager._release_claim()
+    manager._claim("this model" if len(manager._chunks) == 1 else "this list of model chunks")
+    manager._remember_weight_storages()
+    manager._record_placement()
 
 
 def _sharded_state(manager: Any, is_loading: bool, sharding: str) -> dict:
@@ -324,13 +395,13 @@ def _sharded_state(manager: Any, is_loading: bool, sharding: str) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     chunks, optimizer, leaves = _trainer(manager)
-    layout.dist_checkpointing_numpy2_compat()
-    model = layout.model_sharded_state_dict(chunks)
-    split = layout.parallel_split()
-    rng = ShardedObject("chatlearn_rng_state", layout.rng_state(), (split["pp"], split["tp"], split["dp"]),
+    checkpointing.dist_checkpointing_numpy2_compat()
+    model = checkpointing.model_sharded_state_dict(chunks)
+    split = checkpointing.parallel_split()
+    rng = ShardedObject("chatlearn_rng_state", checkpointing.rng_state(), (split["pp"], split["tp"], split["dp"]),
                         (split["pp_rank"], split["tp_rank"], split["dp_rank"]), replica_id=0)
-    return {**model, "optimizer": layout.optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
-            "rng": rng, "optimizer_steps": layout.optimizer_steps(leaves)}
+    return {**model, "optimizer": checkpointing.optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
+            "rng": rng, "optimizer_steps": checkpointing.optimizer_steps(leaves)}
 
 
 def _detach_for_save(state: dict, is_live) -> dict:
@@ -383,12 +454,12 @@ def estimate_checkpoint_nbytes(manager: Any, resharding: bool = True) -> int:
             (what :func:`save_checkpoint` would raise, found before anything runs).
     """
     chunks, _, leaves = _trainer(manager)
-    layout.distrib_optimizer_sharding(leaves, resharding)
+    checkpointing.distrib_optimizer_sharding(leaves, resharding)
     params = [p for c in chunks for p in c.parameters()]
     weights = sum(p.numel() * p.element_size() for p in params)
     owned = sum(p.numel() for p in params if p.requires_grad)
-    if any(layout.is_distributed_optimizer(leaf) for leaf in leaves):
-        owned = -(-owned // max(1, layout.parallel_split()["dp"]))
+    if any(checkpointing.is_distributed_optimizer(leaf) for leaf in leaves):
+        owned = -(-owned // max(1, checkpointing.parallel_split()["dp"]))
     return weights + owned * 4 * 3
 
 
@@ -485,16 +556,16 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
     final = os.path.join(root, _name(step))
     tmp = os.path.join(root, ".tmp." + _name(step))
     _check_writable(root)
-    sharding = layout.distrib_optimizer_sharding(_trainer(manager)[2], resharding)
+    sharding = checkpointing.distrib_optimizer_sharding(_trainer(manager)[2], resharding)
 
     def build(is_live):
-        if None in layout.optimizer_steps(_trainer(manager)[2]):  # read here: the states may be offloaded
+        if None in checkpointing.optimizer_steps(_trainer(manager)[2]):  # read here: the states may be offloaded
             raise CheckpointError("the optimizer has not taken a step yet, so it has no state to save (megatron's "
                                   "optimizers cannot write a checkpoint before their first step); save after "
                                   "optimizer.step()")
         return _detach_for_save(_sharded_state(manager, is_loading=False, sharding=sharding), is_live)
 
-    state, readers = manager._with_host_copies(build)
+    state, readers = _with_host_copies(manager, build)
     try:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
@@ -507,9 +578,9 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                      if isinstance(getattr(v, "data", None), torch.Tensor))
         # One writer process per rank: thread_count files per rank, each a process forked to write.
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-        layout.use_in_process_write_results_queue()
+        checkpointing.use_in_process_write_results_queue()
         request = dist_checkpointing.save(state, tmp, sharded_strategy=strategy, async_sharded_save=True,
-                                          **layout.dist_checkpointing_save_kwargs())
+                                          **checkpointing.dist_checkpointing_save_kwargs())
     except BaseException:
         readers.close()
         raise
@@ -548,8 +619,8 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                 if name not in files:
                     files[name] = _digest(os.path.join(tmp, name))
             handle.manifest_seconds += time.perf_counter() - t
-            meta = {"format": _FORMAT, "step": step, "megatron_core": layout.megatron_core_version(),
-                    "parallel": {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")},
+            meta = {"format": _FORMAT, "step": step, "megatron_core": checkpointing.megatron_core_version(),
+                    "parallel": {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")},
                     "tensors": shapes, "distrib_optimizer_sharding": sharding, "metadata": metadata, "files": files}
             commit_directory(tmp, final, METADATA_FILE, meta)
             if keep_last is not None:
@@ -634,8 +705,8 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
         if found:
             raise CheckpointDamagedError(path, *found[0])
     chunks, optimizer, _ = _trainer(manager)
-    manager._prepare_load()
-    same_split = {k: v for k, v in layout.parallel_split().items() if not k.endswith("_rank")} == meta["parallel"]
+    _prepare_load(manager)
+    same_split = {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")} == meta["parallel"]
     state = _sharded_state(manager, is_loading=True, sharding=meta["distrib_optimizer_sharding"])
     problems = _shape_differences(meta["tensors"], _tensor_shapes(state))
     if problems:
@@ -644,12 +715,12 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
     if not same_split:
         del state["rng"]
     loaded = dist_checkpointing.load(state, path)
-    layout.clear_optimizer_states(_trainer(manager)[2])
-    layout.load_model_state(chunks, loaded)
-    with layout.loading_optimizer_steps_compat(_trainer(manager)[2]):
+    checkpointing.clear_optimizer_states(_trainer(manager)[2])
+    checkpointing.load_model_state(chunks, loaded)
+    with checkpointing.loading_optimizer_steps_compat(_trainer(manager)[2]):
         optimizer.load_state_dict(loaded["optimizer"])
-    layout.set_optimizer_steps(_trainer(manager)[2], loaded["optimizer_steps"])
+    checkpointing.set_optimizer_steps(_trainer(manager)[2], loaded["optimizer_steps"])
     if same_split:
-        layout.set_rng_state(loaded["rng"])
-    manager._after_load()
+        checkpointing.set_rng_state(loaded["rng"])
+    _after_load(manager)
     return meta

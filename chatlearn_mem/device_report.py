@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from chatlearn_mem.mcore import layout
+from chatlearn_mem.mcore import transient
 
 __all__ = ["DeviceReport", "HOLDERS", "device_report", "reachable_tensors"]
 
@@ -183,9 +183,9 @@ def _default_device(managers: Sequence[Any], roots: Sequence[Any]) -> torch.devi
 
 
 def _holder_of_path(owners: tuple) -> str:
-    if any(layout.is_transformer_engine_module(o) for o in owners):
+    if any(transient.is_transformer_engine_module(o) for o in owners):
         return TRANSFORMER_ENGINE
-    if any(layout.is_moe_token_dispatcher(o) for o in owners):
+    if any(transient.is_moe_token_dispatcher(o) for o in owners):
         return MOE_DISPATCHER
     return MODEL_OTHER
 
@@ -236,9 +236,9 @@ def device_report(*roots: Any, managers: Iterable[Any] = (), device: Optional[to
             for t in mm._part_tensors(part):
                 if t is not None:
                     claim(MANAGER_RESIDUE, f"manager{i}.{part}", t)
-    for path, t in layout.global_memory_buffer_tensors():
+    for path, t in transient.global_memory_buffer_tensors():
         claim(GLOBAL_MEMORY_BUFFER, path, t)
-    te_globals = layout.transformer_engine_global_tensors()
+    te_globals = transient.transformer_engine_global_tensors()
     for path, t, _ in reachable_tensors(*(v for _, v in te_globals), names=[k for k, _ in te_globals]):
         claim(TRANSFORMER_ENGINE, path, t)
     for path, t, owners in reachable_tensors(*roots):

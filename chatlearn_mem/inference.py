@@ -8,7 +8,8 @@ import torch
 
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
-from chatlearn_mem.manager import MemoryManagerBase, serialized
+from chatlearn_mem.guards import serialized
+from chatlearn_mem.manager import MemoryManagerBase
 from chatlearn_mem.parts import Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
 

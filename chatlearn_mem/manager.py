@@ -1,14 +1,16 @@
-"""What the trainer and inference managers share: parts, their state machine, locking, guards."""
+"""What the trainer and inference managers share: the parts and their state machine.
+
+A part (:class:`~chatlearn_mem.parts.Part`) is a named :class:`~chatlearn_mem.storage.StorageGroup`;
+it is resident or offloaded, and moves between the two through the copy engine (submitted,
+settled, rolled back on failure). The guards that keep calls away from released memory live in
+:mod:`chatlearn_mem.guards`, the one-manager-per-model registry in :mod:`chatlearn_mem.owners`.
+"""
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
 import threading
 import warnings
-import weakref
-from typing import Any, Callable, Hashable, Iterable, Optional
+from typing import Hashable, Iterable, Optional
 
 import torch
 import torch.utils._pytree
@@ -16,113 +18,14 @@ import torch.utils._pytree
 from chatlearn_mem import external, host_memory, transitions
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
-from chatlearn_mem.debug_guard import ReleasedTensorGuard, function_name
-from chatlearn_mem.errors import ChatlearnMemError, HostMemoryError, OffloadedError
+from chatlearn_mem.debug_guard import ReleasedTensorGuard
+from chatlearn_mem.errors import ChatlearnMemError, HostMemoryError
+from chatlearn_mem.guards import ModelGuards, serialized
+from chatlearn_mem.owners import OwnedStorages, caller_site
 from chatlearn_mem.parts import Part, PartsArg, parse_parts
 from chatlearn_mem.storage import GroupTransfer, StorageGroup, extent, storage_key, unique_storages
 
-__all__ = ["MemoryManagerBase", "manager_of", "serialized"]
-
-
-_READ_ONLY_CALLS = frozenset({"audit", "residency"})
-
-
-def serialized(method: Callable) -> Callable:
-    """Run a public manager method under the manager's lock: concurrent calls queue, never interleave.
-
-    The outermost call also records itself in ``_active_call`` so that the forward and step guards
-    (which run in the training thread, outside the lock) can refuse to run while another thread
-    is releasing or restoring memory.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            if self._closed:
-                raise ChatlearnMemError(f"{type(self).__name__}.{method.__name__}() after close(): "
-                                        "the manager is closed; create a new one")
-            outer = self._active_call is None
-            if outer:
-                self._active_call = (method.__name__, threading.get_ident())
-                if self._debug_guard is not None:  # the manager's own calls need no guard
-                    self._debug_guard.uninstall_here()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                if outer:
-                    self._active_call = None
-                    if self._debug_guard is not None:
-                        self._debug_guard.update(self._released_keys(), self._moving_keys())
-
-    return wrapper
-
-
-# -- one manager per model ---------------------------------------------------------------------
-# storage key -> the live manager that releases and restores that storage. Weak: the registry
-# never keeps a manager alive (the hooks it registers on its model do, as long as the model lives).
-_owners: dict[int, weakref.ref] = {}
-_owners_lock = threading.Lock()
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _owner(key: int) -> Optional["MemoryManagerBase"]:
-    """The live manager of a storage key; call with ``_owners_lock`` held."""
-    ref = _owners.get(key)
-    manager = ref() if ref is not None else None
-    if manager is None and ref is not None:
-        del _owners[key]  # left by a manager collected while the lock was held (see __del__)
-    if manager is None or manager._closed:
-        return None
-    # A storage the manager claimed may have been freed since (a parameter whose .data was
-    # rebound) and its address reused: only a storage the manager moves *now* counts.
-    return manager if key in manager._storage_keys() else None
-
-
-def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, torch.nn.Module):
-        # unbound: megatron's DDP shadows Module.buffers with a list attribute
-        yield from torch.nn.Module.parameters(obj)
-        yield from torch.nn.Module.buffers(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors_of(o)
-    else:
-        raise TypeError(f"expected a torch.nn.Module, a tensor or a list of them, got {type(obj).__name__}")
-
-
-def manager_of(model: Any) -> Optional["MemoryManagerBase"]:
-    """The live (not closed) memory manager of ``model``, or None.
-
-    A manager stays alive as long as its model (the hooks it registers hold it), so a sleeping
-    model can always be woken up: ``manager_of(model).onload()``.
-
-    Args:
-        model: What the manager was created with (a megatron DDP chunk or a list of them, an
-            ``nn.Module``), any module inside it, or one of its parameters.
-
-    Raises:
-        TypeError: ``model`` is none of those.
-    """
-    with _owners_lock:
-        for t in _tensors_of(model):
-            manager = _owner(storage_key(t))
-            if manager is not None:
-                return manager
-    return None
-
-
-def _caller_site() -> str:
-    """``file:line`` of the first frame outside this package (where a manager was created)."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame = frame.f_back
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
-
-
-_ONLOAD_CALLS = {Part.WEIGHTS: "onload_weights()", Part.GRADS: "build_grad_buffers()",
-                 Part.MAIN_WEIGHTS: "onload_main_weights()", Part.OPTIMIZER_STATES: "onload_optimizer_states()"}
+__all__ = ["MemoryManagerBase"]
 
 
 def _own_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
@@ -131,7 +34,7 @@ def _own_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
     yield from (t for t in module.buffers(recurse=False) if t is not None)
 
 
-class MemoryManagerBase:
+class MemoryManagerBase(ModelGuards, OwnedStorages):
     """Parts (named :class:`StorageGroup` s), their offload/onload with no-op warnings, and guards.
 
     Subclasses say which tensors make up each part (:meth:`_part_tensors`) and which token
@@ -152,7 +55,7 @@ class MemoryManagerBase:
         self._hook_handles: list = []  # anything with .remove(): torch hook handles, method guards
         self._closed = False
         self._claimed: list[int] = []
-        self._created_at = _caller_site()
+        self._created_at = caller_site()
         self._debug_guard = (ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard()
                              else None)
         self._placements: dict[Part, external.Placement] = {}  # recorded after each call, see external.py
@@ -469,174 +372,6 @@ class MemoryManagerBase:
     def _empty_cache(self) -> None:
         if self.config.empty_cache and self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _check_no_concurrent_call(self, what: str) -> None:
-        """Refuse ``what`` (a forward pass, an optimizer step) while another thread is inside an
-        offload or onload: the memory it would compute with is being released or restored."""
-        active = self._active_call
-        if active is not None and active[1] != threading.get_ident() and active[0] not in _READ_ONLY_CALLS:
-            raise ChatlearnMemError(
-                f"{what} while another thread is inside {type(self).__name__}.{active[0]}(); the "
-                "memory it would use is being released or restored. Run training and the manager's "
-                "calls from one thread at a time (e.g. a Ray actor with max_concurrency=1 or one "
-                "concurrency group)")
-
-    def _check_weights_resident(self, what: str) -> None:
-        if self._groups[Part.WEIGHTS].offloaded:  # also while an offload is in flight
-            raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() "
-                                 "(or onload()) first")
-        if not self._weight_users_of:  # no per-module fences (megatron's overlapped param gather)
-            self._await_parts((Part.WEIGHTS,))
-
-    def _require(self, what: str, parts: Iterable[Part], hint: str = "") -> None:
-        """Raise :class:`OffloadedError` when one of ``parts`` (which ``what`` needs) is offloaded.
-
-        The guard of every call the manager intercepts; a no-op once the manager is closed.
-        """
-        if self._closed or self._serving_host == threading.get_ident():
-            return  # closed, or the tensors view their host copies for a checkpoint (trainer)
-        self._check_no_concurrent_call(what)
-        self._await_parts(parts)  # R4: an onload in flight is waited for, not refused
-        missing = [p for p in parts if p in self._groups and self._groups[p].offloaded]
-        if missing:
-            calls = ", ".join(_ONLOAD_CALLS[p] for p in missing)
-            raise OffloadedError(f"{what} while {', '.join(missing)} are offloaded: call {calls} "
-                                 f"(or onload()) first{hint}")
-
-    def _in_own_call(self) -> bool:
-        """Whether this thread is inside one of the manager's public calls."""
-        active = self._active_call
-        return active is not None and active[1] == threading.get_ident()
-
-    # -- guards on the model (torch hooks) -------------------------------------------------------
-    def _guard_module(self, outer: torch.nn.Module, inner: torch.nn.Module) -> None:
-        """Register the torch hooks that guard a model: forward (on ``outer`` and, first of all its
-        pre-hooks, ``inner``), backward (a hook on each forward output that needs a gradient,
-        which fires before any backward node of the model runs), ``state_dict()`` and
-        ``load_state_dict()`` (on ``inner``, which megatron's DDP delegates both to)."""
-        for m in dict.fromkeys((outer, inner)):
-            self._hook_handles.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
-        self._hook_handles.append(outer.register_forward_hook(self._after_forward))
-        self._hook_handles.append(inner.register_state_dict_pre_hook(self._before_state_dict))
-        register = getattr(inner, "register_load_state_dict_pre_hook", None)
-        if register is not None:  # torch >= 2.5
-            self._hook_handles.append(register(self._before_load_state_dict))
-        else:
-            self._hook_handles.append(inner._register_load_state_dict_pre_hook(
-                lambda module, *args: self._before_load_state_dict(module, *args), with_module=True))
-
-    def _before_forward(self, module, args) -> None:
-        self._check_no_concurrent_call("forward pass")
-        self._check_weights_resident("forward pass")
-
-    def _backward_parts(self) -> tuple[Part, ...]:
-        """The parts a backward pass through the model reads or writes."""
-        return (Part.WEIGHTS,)
-
-    def _after_forward(self, module, args, output) -> None:
-        if not torch.is_grad_enabled() or self._closed:
-            return
-        for t in torch.utils._pytree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._before_backward)
-
-    def _before_backward(self, grad) -> None:
-        self._require("backward pass", self._backward_parts())
-
-    def _before_state_dict(self, module, prefix, keep_vars) -> None:
-        if not self._in_own_call():  # weights_state_dict() reads the names through state_dict()
-            self._require("state_dict()", (Part.WEIGHTS,), hint=", or use the manager's weights_state_dict() "
-                          "for a host copy of the weights without waking the model")
-
-    def _before_load_state_dict(self, module, *args) -> None:
-        self._require("load_state_dict()", (Part.WEIGHTS,))
-
-    # -- the debug guard ---------------------------------------------------------------------------
-    def _moving_keys(self) -> frozenset[int]:
-        """Storages a non-blocking offload in flight is still copying from."""
-        return frozenset(s._cdata for _, gt in self._pending.values() if gt.direction == "offload"
-                         for s in gt.storages)
-
-    def _released_keys(self) -> frozenset[int]:
-        return frozenset(s._cdata for g in self._groups.values() if g.offloaded for s, _ in g.released)
-
-    def _guard_names(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of the tensors the debug guard can name (subclasses add theirs)."""
-        return self._named_weights()
-
-    def _released_message(self, t: torch.Tensor, func) -> Optional[str]:
-        """The debug guard's error for ``func`` on ``t``; None inside the manager's own calls."""
-        if self._in_own_call() or self._closed:
-            return None
-        key = storage_key(t)
-        part = next((p for p, g in self._groups.items()
-                     if g.offloaded and any(s._cdata == key for s, _ in g.released)), None)
-        if part is None:
-            return None
-        where = (key, t.storage_offset(), tuple(t.shape), t.stride())
-        name = None
-        for n, x in self._guard_names():
-            if x is t:
-                name = n
-                break
-            if name is None and isinstance(x, torch.Tensor) and \
-                    (storage_key(x), x.storage_offset(), tuple(x.shape), x.stride()) == where:
-                name = f"a view of {n}"
-        name = name or f"a tensor of shape {tuple(t.shape)} ({t.dtype}) in a released {part} storage"
-        return (f"{function_name(func)} on {name} while {part} are offloaded: call {_ONLOAD_CALLS[part]} "
-                "(or onload()) first. Raised by the debug guard (MemoryConfig.debug_guard / "
-                "CHATLEARN_MEM_DEBUG_GUARD=1); without it this operation would read released memory (a crash "
-                "on CPU, garbage on a GPU)")
-
-    # -- one manager per model ---------------------------------------------------------------------
-    def _storage_keys(self) -> set[int]:
-        return {storage_key(t) for t in self._all_tensors()}
-
-    def _claim(self, what: str) -> None:
-        """Register as the manager of every storage this manager moves; refuse when another live
-        manager already moves one of them. Call once the parts are known, before any hook."""
-        keys = self._storage_keys()
-        with _owners_lock:
-            for k in keys:
-                other = _owner(k)
-                if other is not None and other is not self:
-                    raise ChatlearnMemError(
-                        f"{what} is already managed by {type(other).__name__} (created at {other._created_at}); "
-                        "a second manager would release and restore the same storages behind the first "
-                        "one's back (each onload would shrink what the other restored). Use that manager "
-                        "(chatlearn_mem.manager_of(model) returns it) or call its close() first")
-            ref = weakref.ref(self)
-            for k in keys:
-                _owners[k] = ref
-        self._claimed = list(keys)
-
-    def _all_tensors(self) -> Iterable[torch.Tensor]:
-        for _, t in self._named_weights():
-            yield t
-        for part in self._groups:
-            for t in self._part_tensors(part):
-                if t is not None:
-                    yield t
-
-    def _release_claim(self, blocking: bool = True) -> None:
-        """Drop this manager's entries from the registry.
-
-        Args:
-            blocking: False from ``__del__``: the garbage collector can run a finaliser in a
-                thread that already holds ``_owners_lock`` (inside ``manager_of`` or ``_claim``),
-                and waiting for it there would deadlock. The entries then stay as dead weak
-                references, which ``_owner`` ignores and removes.
-        """
-        if not _owners_lock.acquire(blocking=blocking):
-            return
-        try:
-            for k in self._claimed:
-                ref = _owners.get(k)
-                if ref is not None and ref() in (self, None):
-                    del _owners[k]
-            self._claimed = []
-        finally:
-            _owners_lock.release()
 
     def mark_weights_dirty(self) -> None:
         """Declare that the weights changed in a way the manager cannot see.

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Callable, Hashable, Iterable, Optional
+from typing import Any, Hashable, Iterable, Optional
 
 import torch
 
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError, UnsupportedLayoutError
-from chatlearn_mem.manager import MemoryManagerBase, serialized
-from chatlearn_mem.mcore import checks, layout
+from chatlearn_mem.guards import serialized
+from chatlearn_mem.manager import MemoryManagerBase
+from chatlearn_mem import guards
+from chatlearn_mem.mcore import checks, layout, transient
 from chatlearn_mem.parts import OTHER, Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
-from chatlearn_mem.storage import TransferStats, storage_key
+from chatlearn_mem.storage import storage_key
 
 __all__ = ["TrainerMemoryManager"]
 
@@ -80,7 +80,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         # several walks per offload on a 12-layer model (parameters are fixed objects once DDP
         # wraps the model, see _check_rebinds; buffers are read through their module each time)
         self._buffer_slots = [slot for c in self._chunks for slot in layout.module_buffer_slots(c)]
-        self._input_modules = [layout.pipeline_input_modules(c) for c in self._chunks]
+        self._input_modules = [transient.pipeline_input_modules(c) for c in self._chunks]
         self._steps = 0
         self._forward_since_step = False
         self._check_layout()
@@ -92,11 +92,11 @@ class TrainerMemoryManager(MemoryManagerBase):
             self._register_weight_users(m for c in self._chunks for m in c.module.modules())
         for c in self._chunks:
             self._guard_module(c, c.module)
-            self._hook_handles += layout.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
-            self._hook_handles += layout.guard_methods(
+            self._hook_handles += guards.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
+            self._hook_handles += guards.guard_methods(
                 c.module, {"sharded_state_dict": layout.DDP_METHOD_PARTS["sharded_state_dict"]}, self._require)
         for opt in dict.fromkeys([optimizer] + self._leaves):  # the outer optimizer first
-            self._hook_handles += layout.guard_methods(opt, layout.OPTIMIZER_METHOD_PARTS, self._require)
+            self._hook_handles += guards.guard_methods(opt, layout.OPTIMIZER_METHOD_PARTS, self._require)
         for leaf in self._leaves:
             opt = layout.torch_optimizer(leaf)
             self._hook_handles.append(opt.register_step_pre_hook(self._before_step))
@@ -162,7 +162,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             if p.grad is not None:
                 yield p.grad
         for modules in self._input_modules:
-            yield from layout.pipeline_input_tensors(modules)
+            yield from transient.pipeline_input_tensors(modules)
 
     def _part_token(self, part: Part) -> Optional[Hashable]:
         if part is Part.GRADS:
@@ -192,7 +192,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             if self._groups[Part.GRADS].offloaded:
                 raise OffloadedError(
                     "training forward pass while the grad buffers are released: call "
-                    "build_grad_buffers() (or onload()) first, or run forward-only passes under "
+                    "onload(['grads']) (or onload()) first, or run forward-only passes under "
                     "torch.no_grad()")
             self._forward_since_step = True
 
@@ -238,48 +238,6 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     # -- public API ----------------------------------------------------------------------------
     @serialized
-    def free_grad_buffers(self, force: bool = False) -> Optional[TransferStats]:
-        """Release the grad buffers without copying them.
-
-        Args:
-            force: Drop gradients even when they were never consumed by an optimizer step.
-
-        Raises:
-            ChatlearnMemError: The buffers hold non-zero gradients accumulated since the last
-                optimizer step (and ``force`` is False), or a grad reduction is in flight.
-        """
-        return self._one("offload", self._begin_offload([Part.GRADS], force=force))
-
-    @serialized
-    def build_grad_buffers(self) -> Optional[TransferStats]:
-        """Reallocate the grad buffers, zeroed; every ``main_grad`` view is valid again."""
-        return self._one("onload", self._begin_onload([Part.GRADS]))
-
-    @serialized
-    def offload_main_weights(self) -> Optional[TransferStats]:
-        """Copy the optimizers' fp32 main weights to the host store and free them."""
-        return self._one("offload", self._begin_offload([Part.MAIN_WEIGHTS]))
-
-    @serialized
-    def onload_main_weights(self) -> Optional[TransferStats]:
-        """Bring the fp32 main weights back."""
-        return self._one("onload", self._begin_onload([Part.MAIN_WEIGHTS]))
-
-    @serialized
-    def offload_optimizer_states(self) -> Optional[TransferStats]:
-        """Copy the optimizer state tensors into flat host buckets and free them."""
-        return self._one("offload", self._begin_offload([Part.OPTIMIZER_STATES]))
-
-    @serialized
-    def onload_optimizer_states(self) -> Optional[TransferStats]:
-        """Bring the optimizer state tensors back."""
-        return self._one("onload", self._begin_onload([Part.OPTIMIZER_STATES]))
-
-    def _one(self, kind: str, started) -> Optional[TransferStats]:
-        out = self._run(kind, started, blocking=True)
-        return out[0] if out else None
-
-    @serialized
     def offload(self, parts: PartsArg = None, *, force: bool = False, blocking: bool = True):
         """Offload the chosen parts (all by default) in a safe order: grads, states, main weights, weights.
 
@@ -290,7 +248,8 @@ class TrainerMemoryManager(MemoryManagerBase):
 
         Args:
             parts: A :class:`~chatlearn_mem.Part`, a part name, or a list of them; None: all.
-            force: Drop gradients that no optimizer step consumed (see :meth:`free_grad_buffers`).
+            force: Drop gradients that no optimizer step consumed (else such gradients make the
+                offload refuse, changing nothing).
             blocking: True (default): wait, return the stats. False: return a
                 :class:`~chatlearn_mem.Transfer` at once; the parts count as offloaded from now on.
 
@@ -361,76 +320,6 @@ class TrainerMemoryManager(MemoryManagerBase):
             report.add(sentence)
         return report
 
-    # -- checkpoints (chatlearn_mem.checkpoint) ----------------------------------------------------
-    @serialized
-    def _with_host_copies(self, build: Callable[[Callable[[torch.Tensor], bool]], Any]
-                          ) -> tuple[Any, contextlib.ExitStack]:
-        """Run ``build(is_live)`` while every tensor megatron reads for a checkpoint views its host
-        copy; return its result and the registration of every host store it may still reference.
-
-        While a part is offloaded its tensors (parameters, main weights, shard views, states) keep
-        their released device storages; for the duration of ``build`` each one's ``.data`` is
-        pointed at its bytes in the host store (:meth:`StorageGroup.host_view`, no copy where the
-        bytes lie in one bucket) and the offload guards let megatron's ``sharded_state_dict`` calls
-        through, in this thread only. Then every ``.data`` is pointed back at its device storage:
-        nothing is allocated on the device and the trainer stays asleep. ``build`` must detach what
-        it keeps (a parameter object follows its ``.data`` back) and copy what ``is_live(t)``
-        (the tensor is training state on the device) says will change.
-
-        The returned ExitStack holds :meth:`StorageGroup.reading` on every offloaded part: until it
-        is closed, an offload that would overwrite those host stores waits.
-        """
-        self._settle()  # R5: read the host copies once written
-        served = {}
-        for g in self._groups.values():
-            if g.offloaded and g.keep_contents:
-                for s, _ in g.released:
-                    served[storage_key(s)] = g
-        live = self._storage_keys()
-        swapped = []
-        readers = contextlib.ExitStack()
-        try:
-            for t in layout.checkpoint_read_tensors(self._chunks, self._leaves):
-                group = served.get(storage_key(t))
-                if group is not None:
-                    view = group.host_view(t)
-                    swapped.append((t, t.data))
-                    t.data = view
-            self._serving_host = threading.get_ident()
-            out = build(lambda t: storage_key(t) in live)
-            for g in dict.fromkeys(served.values()):
-                readers.enter_context(g.reading())
-            return out, readers
-        finally:
-            self._serving_host = None
-            for t, original in reversed(swapped):
-                t.data = original
-
-    @serialized
-    def _prepare_load(self) -> None:
-        """Before a checkpoint is loaded: every part resident, optimizer states created."""
-        self._settle()
-        offloaded = [p.value for p, g in self._groups.items() if g.offloaded]
-        if offloaded:
-            raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call "
-                                 "onload() first")
-        layout.init_optimizer_states(self._leaves)
-
-    @serialized
-    def _after_load(self) -> None:
-        """After a checkpoint was loaded: the optimizer replaced its state tensors and every part
-        changed, so host copies are stale and the manager takes the new tensors over."""
-        self._dirty_epoch += 1
-        self._release_claim()
-        self._claim("this model" if len(self._chunks) == 1 else "this list of model chunks")
-        self._remember_weight_storages()
-        self._record_placement()
-
-    @property
-    def _checkpoint_targets(self) -> tuple[list, Any, list]:
-        """``(model chunks, optimizer, leaf optimizers)`` for :mod:`chatlearn_mem.checkpoint`."""
-        return self._chunks, self._optimizer, self._leaves
-
     # -- internals -----------------------------------------------------------------------------
     def _check_grads_consumed(self) -> None:
         if not self._forward_since_step:
@@ -441,7 +330,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             raise ChatlearnMemError(
                 f"refusing to free grad buffers {', '.join(dirty)}: they hold gradients that no "
                 "optimizer step has consumed. Run optimizer.step() or model.zero_grad_buffer() "
-                "first, or call free_grad_buffers(force=True) / offload(force=True) to drop them")
+                "first, or call offload(force=True) to drop them")
 
     def _drop_stale_grads(self) -> None:
         # The same as megatron's optimizer.zero_grad(set_to_none=True): these are derived from
@@ -454,4 +343,4 @@ class TrainerMemoryManager(MemoryManagerBase):
             if p.grad is not None:
                 p.grad = None
         for modules in self._input_modules:
-            layout.clear_pipeline_input_tensors(modules)
+            transient.clear_pipeline_input_tensors(modules)

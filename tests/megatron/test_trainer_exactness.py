@@ -40,8 +40,8 @@ def _weights_only(mm, trainer, step, blocking=True):
 
 def _grads_only(mm, trainer, step, blocking=True):
     if blocking:
-        mm.free_grad_buffers()
-        mm.build_grad_buffers()
+        mm.offload(Part.GRADS)
+        mm.onload(Part.GRADS)
     else:
         mm.offload(Part.GRADS, blocking=False)
         mm.onload(Part.GRADS, blocking=False)
@@ -64,10 +64,10 @@ def _forward_only_phase(mm, trainer, step, blocking=True):
 def _alternating(mm, trainer, step, blocking=True):
     if step % 2:
         if blocking:
-            mm.offload_main_weights()
-            mm.offload_optimizer_states()
-            mm.onload_optimizer_states()
-            mm.onload_main_weights()
+            mm.offload(Part.MAIN_WEIGHTS)
+            mm.offload(Part.OPTIMIZER_STATES)
+            mm.onload(Part.OPTIMIZER_STATES)
+            mm.onload(Part.MAIN_WEIGHTS)
         else:
             mm.offload(Part.MAIN_WEIGHTS, blocking=False)
             mm.offload(Part.OPTIMIZER_STATES, blocking=False)
@@ -75,10 +75,10 @@ def _alternating(mm, trainer, step, blocking=True):
             mm.onload(Part.MAIN_WEIGHTS, blocking=False)
     else:
         if blocking:
-            mm.free_grad_buffers()
+            mm.offload(Part.GRADS)
             mm.offload_weights()
             mm.onload_weights()
-            mm.build_grad_buffers()
+            mm.onload(Part.GRADS)
         else:
             mm.offload(Part.GRADS, blocking=False)
             mm.offload_weights(blocking=False)

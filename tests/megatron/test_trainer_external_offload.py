@@ -64,7 +64,7 @@ def test_grads_released_by_megatron_are_named_and_refused(baseline):
         report = mm.audit()
         assert not report.ok and any("grads:" in p and "offload_grad_buffers" in p for p in report.problems), report
         _refused(mm, mm.offload, "grads:", "offload_grad_buffers", "restore_grad_buffers")
-        _refused(mm, mm.free_grad_buffers, "grads:")
+        _refused(mm, lambda: mm.offload(Part.GRADS), "grads:")
         assert not any(mm.is_offloaded(p) for p in Part)
         trainer.model.restore_grad_buffers(synchronize=False)  # what the message says to do
         assert mm.audit().ok

@@ -328,13 +328,13 @@ def _result(misuse, name):
     return r
 
 
-_ALL = r"main_weights, optimizer_states, weights, grads are offloaded: call onload_main_weights\(\), " \
-       r"onload_optimizer_states\(\), onload_weights\(\), build_grad_buffers\(\) \(or onload\(\)\) first"
+_ALL = r"main_weights, optimizer_states, weights, grads are offloaded: call " \
+       r"onload\(\['main_weights', 'optimizer_states', 'weights', 'grads'\]\) \(or onload\(\)\) first"
 
 EXPECTED = {
     # the usual train step starts with zero_grad_buffer
     "train_step_without_onload": ("OffloadedError", r"^DistributedDataParallel\.zero_grad_buffer\(\) while grads are "
-                                  r"offloaded: call build_grad_buffers\(\) \(or onload\(\)\) first$"),
+                                  r"offloaded: call onload\(\['grads'\]\) \(or onload\(\)\) first$"),
     "zero_grad_buffer": ("OffloadedError", r"^DistributedDataParallel\.zero_grad_buffer\(\) while grads are offloaded"),
     "start_grad_sync": ("OffloadedError", r"^DistributedDataParallel\.start_grad_sync\(\) while grads are offloaded"),
     "finish_grad_sync": ("OffloadedError", r"^DistributedDataParallel\.finish_grad_sync\(\) while grads are offloaded"),
@@ -343,7 +343,7 @@ EXPECTED = {
     "training_forward": ("OffloadedError", r"^forward pass while the weights are offloaded: call onload_weights\(\)"),
     "no_grad_forward": ("OffloadedError", r"^forward pass while the weights are offloaded: call onload_weights\(\)"),
     "backward_after_offload": ("OffloadedError", r"^backward pass while weights, grads are offloaded: call "
-                               r"onload_weights\(\), build_grad_buffers\(\) \(or onload\(\)\) first$"),
+                               r"onload\(\['weights', 'grads'\]\) \(or onload\(\)\) first$"),
     "megatron_optimizer_step": ("OffloadedError", r"^\w*Optimizer\.step\(\) while " + _ALL + "$"),
     "torch_optimizer_step": ("OffloadedError", r"^optimizer step while " + _ALL + "$"),
     "model_state_dict": ("OffloadedError", r"^state_dict\(\) while weights are offloaded: call onload_weights\(\) "
@@ -355,8 +355,8 @@ EXPECTED = {
     "model_load_state_dict": ("OffloadedError", r"^load_state_dict\(\) while weights are offloaded: call "
                               r"onload_weights\(\)"),
     "optimizer_state_dict": ("OffloadedError", r"^\w*Optimizer\.state_dict\(\) while main_weights, "
-                             r"optimizer_states are offloaded: call onload_main_weights\(\), "
-                             r"onload_optimizer_states\(\) \(or onload\(\)\) first$"),
+                             r"optimizer_states are offloaded: call "
+                             r"onload\(\['main_weights', 'optimizer_states'\]\) \(or onload\(\)\) first$"),
     "optimizer_sharded_state_dict": ("OffloadedError", r"^\w*Optimizer\.sharded_state_dict\(\) while main_weights, "
                                      r"optimizer_states, weights are offloaded"),
     "second_manager": ("ChatlearnMemError", r"^this model is already managed by TrainerMemoryManager \(created at "
@@ -373,9 +373,9 @@ EXPECTED = {
     "debug_guard_logging_hook": ("OffloadedError", r"^__repr__\(\) on param chunk0\.module\.embedding\."
                                  r"word_embeddings\.weight while weights are offloaded"),
     "debug_guard_optimizer_state": ("OffloadedError", r"^abs\(\) on optimizer state 'exp_avg' #0 of optimizer 0 "
-                                    r"while optimizer_states are offloaded: call onload_optimizer_states\(\)"),
+                                    r"while optimizer_states are offloaded: call onload\(\['optimizer_states'\]\)"),
     "debug_guard_main_grad": ("OffloadedError", r"^sum\(\) on .* while grads are offloaded: call "
-                              r"build_grad_buffers\(\)"),
+                              r"onload\(\['grads'\]\)"),
     "inference_backward_after_offload": ("OffloadedError", r"^backward pass while weights are offloaded: call "
                                          r"onload_weights\(\) \(or onload\(\)\) first$"),
 }
@@ -481,8 +481,8 @@ def test_host_memory_refusal_changes_nothing(trained, monkeypatch):
     with pytest.raises(HostMemoryError):
         mm.offload_weights()
     assert not mm.is_offloaded(Part.WEIGHTS)
-    mm.free_grad_buffers()  # grads are dropped, never copied: nothing to allocate, allowed
-    mm.build_grad_buffers()
+    mm.offload(Part.GRADS)  # grads are dropped, never copied: nothing to allocate, allowed
+    mm.onload(Part.GRADS)
     mm.close()
 
     # Without the margin the store fits exactly; once allocated it is reused, so later offloads

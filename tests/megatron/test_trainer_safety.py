@@ -24,19 +24,21 @@ def trained(dist1):
 
 
 @pytest.mark.parametrize("offload,onload", [
-    ("offload_weights", "onload_weights"), ("free_grad_buffers", "build_grad_buffers"),
-    ("offload_main_weights", "onload_main_weights"), ("offload_optimizer_states", "onload_optimizer_states"),
-    ("offload", "onload")])
-def test_repeated_calls_are_noops_with_a_warning(trained, offload, onload):
+    ("offload_weights", "onload_weights"), ("offload", "onload")])
+@pytest.mark.parametrize("part", [None, Part.GRADS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
+def test_repeated_calls_are_noops_with_a_warning(trained, offload, onload, part):
+    if offload == "offload_weights" and part is not None:
+        pytest.skip("offload_weights() takes no part")
     mm, _ = trained
+    args = () if part is None else (part,)
     with pytest.warns(UserWarning, match="already on the device"):
-        assert not getattr(mm, onload)()
-    getattr(mm, offload)()
+        assert not getattr(mm, onload)(*args)
+    getattr(mm, offload)(*args)
     before = mm.residency()
     with pytest.warns(UserWarning, match="already"):
-        assert not getattr(mm, offload)()
+        assert not getattr(mm, offload)(*args)
     assert mm.residency() == before
-    getattr(mm, onload)()
+    getattr(mm, onload)(*args)
     assert mm.audit().ok
 
 
@@ -58,22 +60,22 @@ def test_training_forward_with_released_grads_raises_but_no_grad_forward_works(t
     batch = gpt.synthetic_batch(CFG, 0)
     with torch.no_grad():
         expected = trainer.loss(batch)
-    mm.free_grad_buffers()
-    with pytest.raises(OffloadedError, match=r"build_grad_buffers\(\)"):
+    mm.offload(Part.GRADS)
+    with pytest.raises(OffloadedError, match=r"onload\(\['grads'\]\)"):
         trainer.loss(batch)
     with torch.no_grad():
         assert torch.equal(trainer.loss(batch), expected)
-    mm.build_grad_buffers()
+    mm.onload(Part.GRADS)
     trainer.train_step(batch)
 
 
 @pytest.mark.parametrize("part", ["main_weights", "optimizer_states"])
 def test_step_with_offloaded_optimizer_part_raises(trained, part):
     mm, trainer = trained
-    getattr(mm, f"offload_{part}")()
-    with pytest.raises(OffloadedError, match=rf"{part} are offloaded: call onload_{part}\(\)"):
+    mm.offload(part)
+    with pytest.raises(OffloadedError, match=rf"{part} are offloaded: call onload\(\['{part}'\]\)"):
         trainer.train_step(gpt.synthetic_batch(CFG, 5))
-    getattr(mm, f"onload_{part}")()
+    mm.onload(part)
     trainer.train_step(gpt.synthetic_batch(CFG, 6))
     assert mm.audit().ok
 
@@ -81,10 +83,10 @@ def test_step_with_offloaded_optimizer_part_raises(trained, part):
 def test_step_before_first_state_exists_with_states_offloaded_raises(dist1):
     trainer = gpt.build_gpt_trainer(CFG)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
-    mm.offload_optimizer_states()  # nothing exists yet: an empty offload
+    mm.offload(Part.OPTIMIZER_STATES)  # nothing exists yet: an empty offload
     with pytest.raises(OffloadedError, match="optimizer_states"):
         trainer.train_step(gpt.synthetic_batch(CFG, 0))
-    mm.onload_optimizer_states()
+    mm.onload(Part.OPTIMIZER_STATES)
     trainer.train_step(gpt.synthetic_batch(CFG, 0))
 
 
@@ -99,24 +101,24 @@ def test_free_grads_refuses_unconsumed_gradients(trained):
     _backward_without_step(trainer)
     before = mm.residency()
     with pytest.raises(ChatlearnMemError, match=r"no optimizer step has consumed.*force=True"):
-        mm.free_grad_buffers()
+        mm.offload(Part.GRADS)
     with pytest.raises(ChatlearnMemError, match="force=True"):
         mm.offload()
     assert mm.residency() == before  # the refused offload released nothing
     assert not any(mm.is_offloaded(p) for p in Part)
-    mm.free_grad_buffers(force=True)
-    mm.build_grad_buffers()
+    mm.offload(Part.GRADS, force=True)
+    mm.onload(Part.GRADS)
     assert all(not b.grad_data.any() for b in layout.ddp_buffers(trainer.model))
 
 
 def test_free_grads_allowed_after_step_or_zeroing(trained):
     mm, trainer = trained
-    mm.free_grad_buffers()  # the last thing that happened was a step
-    mm.build_grad_buffers()
+    mm.offload(Part.GRADS)  # the last thing that happened was a step
+    mm.onload(Part.GRADS)
     _backward_without_step(trainer)
     trainer.model.zero_grad_buffer()
-    mm.free_grad_buffers()  # zeroed: nothing to lose
-    mm.build_grad_buffers()
+    mm.offload(Part.GRADS)  # zeroed: nothing to lose
+    mm.onload(Part.GRADS)
 
 
 def _cycle_then_continue(fail_patch, monkeypatch):

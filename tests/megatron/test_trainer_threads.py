@@ -22,9 +22,9 @@ PARTS = tuple(Part)
 # Every public method, in an order in which each call is valid, with its arguments.
 TRAINER_CALLS = [
     ("residency", ()), ("audit", ()), ("mark_weights_dirty", ()), ("weights_state_dict", ()),
-    ("offload_weights", ()), ("onload_weights", ()), ("free_grad_buffers", ()), ("build_grad_buffers", ()),
-    ("offload_main_weights", ()), ("onload_main_weights", ()),
-    ("offload_optimizer_states", ()), ("onload_optimizer_states", ()),
+    ("offload_weights", ()), ("onload_weights", ()), ("offload", (Part.GRADS,)), ("onload", (Part.GRADS,)),
+    ("offload", (Part.MAIN_WEIGHTS,)), ("onload", (Part.MAIN_WEIGHTS,)),
+    ("offload", (Part.OPTIMIZER_STATES,)), ("onload", (Part.OPTIMIZER_STATES,)),
     ("offload", ()), ("onload", ()), ("close", ()),
 ]
 INFERENCE_CALLS = [("residency", ()), ("audit", ()), ("mark_weights_dirty", ()), ("weights_state_dict", ()),

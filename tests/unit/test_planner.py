@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from chatlearn_mem import plan_residency, residency_bytes_moved
+from chatlearn_mem import plan_residency
+from chatlearn_mem.planner import residency_bytes_moved
 from chatlearn_mem.planner import _MAX_WORK, _plan
 from planner_oracle import optimum_bytes, schedule_bytes
 

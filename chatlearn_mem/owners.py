@@ -1,0 +1,143 @@
+"""One manager per model: a process-wide registry of which live manager moves which storage.
+
+:func:`manager_of` finds the manager of a model (to wake a sleeping model from anywhere), and a
+second manager created on the same model is refused with where the first one was created. The
+registry holds weak references: it never keeps a manager alive (the hooks a manager registers on
+its model do, as long as the model lives).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+
+from chatlearn_mem.errors import ChatlearnMemError
+from chatlearn_mem.storage import storage_key
+
+if TYPE_CHECKING:
+    from chatlearn_mem.manager import MemoryManagerBase
+
+__all__ = ["OwnedStorages", "caller_site", "manager_of"]
+
+# storage key -> the live manager that releases and restores that storage. Weak: the registry
+# never keeps a manager alive (the hooks it registers on its model do, as long as the model lives).
+_owners: dict[int, weakref.ref] = {}
+_owners_lock = threading.Lock()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _owner(key: int) -> Optional["MemoryManagerBase"]:
+    """The live manager of a storage key; call with ``_owners_lock`` held."""
+    ref = _owners.get(key)
+    manager = ref() if ref is not None else None
+    if manager is None and ref is not None:
+        del _owners[key]  # left by a manager collected while the lock was held (see __del__)
+    if manager is None or manager._closed:
+        return None
+    # A storage the manager claimed may have been freed since (a parameter whose .data was
+    # rebound) and its address reused: only a storage the manager moves *now* counts.
+    return manager if key in manager._storage_keys() else None
+
+
+def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        # unbound: megatron's DDP shadows Module.buffers with a list attribute
+        yield from torch.nn.Module.parameters(obj)
+        yield from torch.nn.Module.buffers(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_of(o)
+    else:
+        raise TypeError(f"expected a torch.nn.Module, a tensor or a list of them, got {type(obj).__name__}")
+
+
+def manager_of(model: Any) -> Optional["MemoryManagerBase"]:
+    """The live (not closed) memory manager of ``model``, or None.
+
+    A manager stays alive as long as its model (the hooks it registers hold it), so a sleeping
+    model can always be woken up: ``manager_of(model).onload()``.
+
+    Args:
+        model: What the manager was created with (a megatron DDP chunk or a list of them, an
+            ``nn.Module``), any module inside it, or one of its parameters.
+
+    Raises:
+        TypeError: ``model`` is none of those.
+    """
+    with _owners_lock:
+        for t in _tensors_of(model):
+            manager = _owner(storage_key(t))
+            if manager is not None:
+                return manager
+    return None
+
+
+def caller_site() -> str:
+    """``file:line`` of the first frame outside this package (where a manager was created)."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
+
+
+
+
+class OwnedStorages:
+    """The manager's side of the registry (a mixin of :class:`~chatlearn_mem.manager.MemoryManagerBase`):
+    claim every storage it moves, refuse a model another manager moves, let go on ``close()``."""
+
+    def _storage_keys(self) -> set[int]:
+        return {storage_key(t) for t in self._all_tensors()}
+
+    def _claim(self, what: str) -> None:
+        """Register as the manager of every storage this manager moves; refuse when another live
+        manager already moves one of them. Call once the parts are known, before any hook."""
+        keys = self._storage_keys()
+        with _owners_lock:
+            for k in keys:
+                other = _owner(k)
+                if other is not None and other is not self:
+                    raise ChatlearnMemError(
+                        f"{what} is already managed by {type(other).__name__} (created at {other._created_at}); "
+                        "a second manager would release and restore the same storages behind the first "
+                        "one's back (each onload would shrink what the other restored). Use that manager "
+                        "(chatlearn_mem.manager_of(model) returns it) or call its close() first")
+            ref = weakref.ref(self)
+            for k in keys:
+                _owners[k] = ref
+        self._claimed = list(keys)
+
+    def _all_tensors(self) -> Iterable[torch.Tensor]:
+        for _, t in self._named_weights():
+            yield t
+        for part in self._groups:
+            for t in self._part_tensors(part):
+                if t is not None:
+                    yield t
+
+    def _release_claim(self, blocking: bool = True) -> None:
+        """Drop this manager's entries from the registry.
+
+        Args:
+            blocking: False from ``__del__``: the garbage collector can run a finaliser in a
+                thread that already holds ``_owners_lock`` (inside ``manager_of`` or ``_claim``),
+                and waiting for it there would deadlock. The entries then stay as dead weak
+                references, which ``_owner`` ignores and removes.
+        """
+        if not _owners_lock.acquire(blocking=blocking):
+            return
+        try:
+            for k in self._claimed:
+                ref = _owners.get(k)
+                if ref is not None and ref() in (self, None):
+                    del _owners[k]
+            self._claimed = []
+        finally:
+            _owners_lock.release()
