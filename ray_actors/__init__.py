@@ -14,7 +14,7 @@
 """
 
 from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
-from chatlearn_mem_ray.cluster import Colocation
+from chatlearn_mem_ray.connect import Colocation
 from chatlearn_mem_ray.config import RunConfig, load_config
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, CheckpointSaveError,
                                       ClusterConnectionError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,

@@ -226,7 +226,7 @@ def remove_temporaries(root: os.PathLike) -> list[str]:
 
 
 class RunCheckpointer:
-    """Saves run checkpoints through the trainer actors of a :class:`~chatlearn_mem_ray.cluster.Colocation`.
+    """Saves run checkpoints through the trainer actors of a :class:`~chatlearn_mem_ray.connect.Colocation`.
 
     :meth:`save` starts a save (every trainer rank writes its own state from its host store; the
     driver keeps the run's state); with ``checkpoint.async_save`` it returns once the ranks have

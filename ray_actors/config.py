@@ -32,7 +32,7 @@ class RayConfig(_Strict):
     """Where the actors run."""
 
     address: Optional[str] = None
-    """Which Ray cluster the run uses (see :func:`chatlearn_mem_ray.cluster.resolve_address`):
+    """Which Ray cluster the run uses (see :func:`chatlearn_mem_ray.connect.resolve_address`):
 
     - None (default): the cluster in ``RAY_ADDRESS`` when that is set (as ``ray job submit``
       does), else a new local cluster started for the run and stopped afterwards; a head

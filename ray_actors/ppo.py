@@ -43,7 +43,7 @@ from chatlearn_mem import Part
 from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
                                            latest_run_checkpoint, list_run_checkpoints, newest_intact_run_checkpoint,
                                            remove_temporaries, write_json_atomic)
-from chatlearn_mem_ray.cluster import Colocation, _wants_gpu
+from chatlearn_mem_ray.connect import Colocation, _wants_gpu
 from chatlearn_mem_ray.nodes import software_versions
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, BudgetError, CheckpointDirError,

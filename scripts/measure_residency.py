@@ -114,7 +114,7 @@ def main() -> None:
     import ray
 
     from chatlearn_mem_ray import load_config
-    from chatlearn_mem_ray.cluster import Colocation
+    from chatlearn_mem_ray.connect import Colocation
     from chatlearn_mem_ray.ppo import PPORun, _versions
     from chatlearn_mem_ray.residency import PHASES, ResidencySchedule, phase_needs
 

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from chatlearn_mem_ray import cluster
-from chatlearn_mem_ray.cluster import ClusterTarget, Colocation, init_kwargs, join_environment, probe_address, resolve_address
+from chatlearn_mem_ray import connect
+from chatlearn_mem_ray.connect import ClusterTarget, Colocation, init_kwargs, join_environment, probe_address, resolve_address
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import ClusterConnectionError
 
@@ -155,8 +155,8 @@ def listening():
 
 
 def _start(monkeypatch, fake, overrides, env=None):
-    monkeypatch.setattr(cluster, "_ray", lambda: fake)
-    monkeypatch.setattr(cluster, "_reload_ray_config", lambda: None)
+    monkeypatch.setattr(connect, "_ray", lambda: fake)
+    monkeypatch.setattr(connect, "_reload_ray_config", lambda: None)
     monkeypatch.setattr(Colocation, "_place", lambda self: None)
     for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_gcs_rpc_server_connect_timeout_s"):
         monkeypatch.delenv(k, raising=False)
@@ -195,7 +195,7 @@ def test_a_stale_ray_start_head_is_named(monkeypatch, tmp_path):
     (tmp_path / "ray").mkdir()
     address = f"127.0.0.1:{_closed_port()}"
     (tmp_path / "ray" / "ray_current_cluster").write_text(address)
-    monkeypatch.setattr(cluster, "current_cluster_file", lambda: tmp_path / "ray" / "ray_current_cluster")
+    monkeypatch.setattr(connect, "current_cluster_file", lambda: tmp_path / "ray" / "ray_current_cluster")
     with pytest.raises(ClusterConnectionError) as e:
         _start(monkeypatch, fake, ["ray.address=auto"])
     assert f"cannot reach the Ray cluster at {address} (from the latest `ray start`" in str(e.value)
@@ -224,7 +224,7 @@ def test_a_port_that_is_no_ray_head_fails_with_one_line(monkeypatch, listening):
 
 
 def test_a_local_cluster_is_started_even_with_a_ray_start_head_recorded(monkeypatch, recorded):
-    monkeypatch.setattr(cluster, "current_cluster_file", lambda: recorded)
+    monkeypatch.setattr(connect, "current_cluster_file", lambda: recorded)
     fake = FakeRay()
     _, lines = _start(monkeypatch, fake, [])
     assert fake.calls == [{"address": "local", "num_cpus": 2, "include_dashboard": False, "logging_level": "WARNING",
