@@ -101,7 +101,7 @@ def ppo(overrides: Optional[List[str]] = typer.Argument(
         return
 
     def run() -> None:
-        from chatlearn_mem_ray.ppo import run_ppo
+        from chatlearn_mem_ray.supervisor import run_ppo
 
         run_ppo(cfg, progress=typer.echo)
 

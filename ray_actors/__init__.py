@@ -11,16 +11,20 @@
   ``KeyboardInterrupt``) when Ctrl-C stops one after its log was written, :class:`RunTerminated`
   when SIGTERM does (at the end of an iteration, its checkpoint saved).
 - Command line: ``chatlearn-mem ppo [--config cpu_tiny|gpu|PATH] [key=value ...]``.
+- Modules: :mod:`~chatlearn_mem_ray.ppo` (the PPO recipe, to read and copy),
+  :mod:`~chatlearn_mem_ray.supervisor` (:func:`run_ppo`: the job around it),
+  :mod:`~chatlearn_mem_ray.connect` (start or join Ray), :mod:`~chatlearn_mem_ray.colocation` (the
+  actors on shared resources).
 """
 
 from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
-from chatlearn_mem_ray.connect import Colocation
+from chatlearn_mem_ray.colocation import Colocation
 from chatlearn_mem_ray.config import RunConfig, load_config
 from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, CheckpointSaveError,
                                       ClusterConnectionError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
                                       ResourceError, ResumeError, RunError, RunInterrupted, RunTerminated,
                                       WeightSyncError)
-from chatlearn_mem_ray.ppo import run_ppo
+from chatlearn_mem_ray.supervisor import run_ppo
 
 __all__ = ["ActorFailedError", "AuditFailedError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
            "Colocation", "InferenceActor", "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError",

@@ -1,4 +1,4 @@
-"""The two kinds of actor of a colocated PPO run. Plain classes: ``chatlearn_mem_ray.connect`` turns them
+"""The two kinds of actor of a colocated PPO run. Plain classes: ``chatlearn_mem_ray.colocation`` turns them
 into Ray actors; tests may also use them in-process.
 
 - :class:`TrainerActor`: one rank of a megatron-core trainer (policy or critic) under a

@@ -17,7 +17,7 @@ the driver writes ``run.json`` (fsynced) into the temporary directory and rename
 ``iter_<N>`` (an atomic ``rename(2)``, then the parent is fsynced). A process killed at any point
 before leaves the previous checkpoint the newest.
 
-:class:`RunCheckpointer` does this for :func:`chatlearn_mem_ray.ppo.run_ppo`; the functions
+:class:`RunCheckpointer` does this for :func:`chatlearn_mem_ray.supervisor.run_ppo`; the functions
 below read and check checkpoints.
 """
 
@@ -226,7 +226,7 @@ def remove_temporaries(root: os.PathLike) -> list[str]:
 
 
 class RunCheckpointer:
-    """Saves run checkpoints through the trainer actors of a :class:`~chatlearn_mem_ray.connect.Colocation`.
+    """Saves run checkpoints through the trainer actors of a :class:`~chatlearn_mem_ray.colocation.Colocation`.
 
     :meth:`save` starts a save (every trainer rank writes its own state from its host store; the
     driver keeps the run's state); with ``checkpoint.async_save`` it returns once the ranks have

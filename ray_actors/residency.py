@@ -46,7 +46,7 @@ def _role(name: str) -> str:
 
 def bundle_of(name: str) -> int:
     """The placement-group bundle (device) an actor lives on: ``policy_3`` and ``critic_3`` on 3; the
-    rollout and the reference on 0 (see :class:`chatlearn_mem_ray.connect.Colocation`)."""
+    rollout and the reference on 0 (see :class:`chatlearn_mem_ray.colocation.Colocation`)."""
     base, _, rank = name.rpartition("_")
     return int(rank) if base and rank.isdigit() else 0
 

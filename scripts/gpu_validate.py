@@ -292,7 +292,7 @@ def check_bounds(steps: list[str]) -> tuple[list[str], list[str]]:
 IMPORTS = ("torch", "numpy", "yaml", "typer", "matplotlib", "psutil", "pytest", "pydantic", "megatron.core",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed", "megatron.core.optimizer",
            "chatlearn_mem", "chatlearn_mem.models.gpt", "chatlearn_mem_bench.run", "chatlearn_mem_bench.report",
-           "chatlearn_mem_cli.app", "chatlearn_mem_ray.ppo", "ray")
+           "chatlearn_mem_cli.app", "chatlearn_mem_ray.supervisor", "ray")
 """Every module the GPU run imports (Ray for the PPO step only)."""
 
 

@@ -95,7 +95,7 @@ def main() -> None:
     import ray
 
     from chatlearn_mem_ray import load_config, run_ppo
-    from chatlearn_mem_ray.ppo import _versions
+    from chatlearn_mem_ray.supervisor import _versions
 
     base = [*(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL), f"ppo.iterations={args.iterations}",
             "memory.compare_iterations=0", "checkpoint.keep_last=1", *args.set]

@@ -114,8 +114,9 @@ def main() -> None:
     import ray
 
     from chatlearn_mem_ray import load_config
-    from chatlearn_mem_ray.connect import Colocation
-    from chatlearn_mem_ray.ppo import PPORun, _versions
+    from chatlearn_mem_ray.colocation import Colocation
+    from chatlearn_mem_ray.ppo import PPORun
+    from chatlearn_mem_ray.supervisor import _versions
     from chatlearn_mem_ray.residency import PHASES, ResidencySchedule, phase_needs
 
     base = [*(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL), "memory.compare_iterations=0",

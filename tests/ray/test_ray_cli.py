@@ -75,7 +75,7 @@ def ray_start_head():
 JOIN = """
 import sys
 import ray
-from chatlearn_mem_ray.connect import Colocation
+from chatlearn_mem_ray.colocation import Colocation
 from chatlearn_mem_ray.config import load_config
 
 colo = Colocation(load_config("cpu_tiny", sys.argv[1:]), progress=print)

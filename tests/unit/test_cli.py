@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chatlearn_mem_cli.app import app
-from chatlearn_mem_ray import errors, ppo
+from chatlearn_mem_ray import errors, supervisor
 
 
 @pytest.mark.parametrize("error", [
@@ -21,7 +21,7 @@ def test_a_run_failure_is_one_error_line_and_exit_1(monkeypatch, error):
     def fail(cfg, progress):
         raise error
 
-    monkeypatch.setattr(ppo, "run_ppo", fail)
+    monkeypatch.setattr(supervisor, "run_ppo", fail)
     result = CliRunner().invoke(app, ["ppo", "ppo.iterations=1"])
     assert result.exit_code == 1
     assert result.output.startswith("error: ") and str(error.args[-1]) in result.output
@@ -40,7 +40,7 @@ def test_a_missing_extra_names_what_to_install(monkeypatch):
     def fail(cfg, progress):
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
 
-    monkeypatch.setattr(ppo, "run_ppo", fail)
+    monkeypatch.setattr(supervisor, "run_ppo", fail)
     result = CliRunner().invoke(app, ["ppo"])
     assert result.exit_code == 1 and "chatlearn-mem with the [ray] extra" in result.output
     assert "Traceback" not in result.output

@@ -12,7 +12,8 @@ import types
 import pytest
 
 from chatlearn_mem_ray import connect
-from chatlearn_mem_ray.connect import ClusterTarget, Colocation, init_kwargs, join_environment, probe_address, resolve_address
+from chatlearn_mem_ray.colocation import Colocation
+from chatlearn_mem_ray.connect import ClusterTarget, init_kwargs, join_environment, probe_address, resolve_address
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import ClusterConnectionError
 
@@ -155,7 +156,7 @@ def listening():
 
 
 def _start(monkeypatch, fake, overrides, env=None):
-    monkeypatch.setattr(connect, "_ray", lambda: fake)
+    monkeypatch.setattr(connect, "import_ray", lambda: fake)
     monkeypatch.setattr(connect, "_reload_ray_config", lambda: None)
     monkeypatch.setattr(Colocation, "_place", lambda self: None)
     for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_gcs_rpc_server_connect_timeout_s"):

@@ -7,7 +7,7 @@ import pytest
 from chatlearn_mem import Part
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import BudgetError
-from chatlearn_mem_ray.ppo import check_budget
+from chatlearn_mem_ray.supervisor import check_budget
 from chatlearn_mem_ray.residency import (PHASES, ResidencySchedule, bundle_of, estimate_sizes, phase_needs,
                                          phase_writes)
 from planner_oracle import optimum_bytes

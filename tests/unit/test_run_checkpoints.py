@@ -10,7 +10,7 @@ from chatlearn_mem_ray import checkpoints as ck
 from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import CheckpointDirError, ResumeError
-from chatlearn_mem_ray.ppo import _prepare_checkpoints, find_resume_point, prepare_output_dir
+from chatlearn_mem_ray.supervisor import _prepare_checkpoints, find_resume_point, prepare_output_dir
 
 
 def _cfg(tmp_path, *overrides):

@@ -14,12 +14,14 @@ import pytest
 from typer.testing import CliRunner
 
 from chatlearn_mem import ConfigError
-from chatlearn_mem_ray import ppo
+from chatlearn_mem_ray import supervisor
+from chatlearn_mem_ray.checkpoints import write_json_atomic
 from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import (ActorFailedError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
                                       RunInterrupted)
-from chatlearn_mem_ray.ppo import PPORun, check_finite, prepare_output_dir, run_ppo, write_json_atomic
+from chatlearn_mem_ray.ppo import PPORun, check_finite
+from chatlearn_mem_ray.supervisor import prepare_output_dir, run_ppo
 
 
 class FakeColocation:
@@ -63,9 +65,9 @@ def fake_run(monkeypatch):
         self.iterations.append(m)
         return m
 
-    monkeypatch.setattr(ppo, "Colocation", FakeColocation)
+    monkeypatch.setattr(supervisor, "Colocation", FakeColocation)
     monkeypatch.setattr(PPORun, "iteration", iteration)
-    monkeypatch.setattr(ppo, "plot_timeline", lambda timeline, path, title: path.write_bytes(b"\x89PNG fake"))
+    monkeypatch.setattr(supervisor, "plot_timeline", lambda timeline, path, title: path.write_bytes(b"\x89PNG fake"))
     return script
 
 
@@ -183,7 +185,7 @@ def test_an_output_dir_that_cannot_be_written_fails_before_ray(tmp_path, monkeyp
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(ppo, "write_json_atomic", read_only)  # root ignores chmod: fail the write itself
+    monkeypatch.setattr(supervisor, "write_json_atomic", read_only)  # root ignores chmod: fail the write itself
     with pytest.raises(OutputDirError, match="cannot write .*log.json: Permission denied; choose a writable output_dir"):
         prepare_output_dir(_cfg(tmp_path))
 
@@ -290,8 +292,8 @@ def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_
                 raise ResourceError("not enough resources for this run:\n  2 rank(s) need 2 CPUs but ... has 1")
             return self
 
-    monkeypatch.setattr(ppo, "Colocation", ShrunkCluster)
-    monkeypatch.setattr(ppo, "_cluster_resources", lambda: {"CPU": 1.0})
+    monkeypatch.setattr(supervisor, "Colocation", ShrunkCluster)
+    monkeypatch.setattr(supervisor, "_cluster_resources", lambda: {"CPU": 1.0})
     def lose_a_node(run, it):
         if len(FakeColocation.made) == 1:  # the first attempt only
             raise ActorFailedError("policy_1", "generate", "the actor process died", died=True)

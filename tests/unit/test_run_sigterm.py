@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from chatlearn_mem_ray.config import load_config
-from chatlearn_mem_ray.ppo import _sigterm_checkpoint, _SigtermWatch, _Terminate
+from chatlearn_mem_ray.supervisor import _sigterm_checkpoint, _SigtermWatch, _Terminate
 
 
 def test_first_sigterm_is_noted_a_second_stops_and_the_handler_is_restored():

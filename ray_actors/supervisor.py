@@ -1,0 +1,502 @@
+"""Running the PPO recipe of :mod:`chatlearn_mem_ray.ppo` as a job: :func:`run_ppo`.
+
+What a run needs around the recipe, and what a reader copying the recipe need not read:
+
+- Before Ray starts: the output directory (:func:`prepare_output_dir`: writable, another run's
+  results kept), where to resume from (:func:`find_resume_point`), the device budget
+  (:func:`check_budget`) and the checkpoint directory.
+- The outer loop: the run's iterations, then the manager-off comparison iterations; a progress
+  line per iteration; ``log.json`` rewritten after each; checkpoints every ``checkpoint.every``.
+- Stops: Ctrl-C and SIGTERM (at the end of an iteration, a checkpoint saved) write the log first;
+  a dead actor or a hung phase restarts every actor from the newest checkpoint
+  (``checkpoint.max_restarts``), on fewer data-parallel ranks with ``checkpoint.elastic`` when
+  the cluster lost a node for good.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
+                                           latest_run_checkpoint, list_run_checkpoints, newest_intact_run_checkpoint,
+                                           remove_temporaries, write_json_atomic)
+from chatlearn_mem_ray.colocation import Colocation
+from chatlearn_mem_ray.config import RunConfig
+from chatlearn_mem_ray.connect import wants_gpu
+from chatlearn_mem_ray.errors import (ActorFailedError, BudgetError, CheckpointDirError, OutputDirError,
+                                      PhaseTimeoutError, ResourceError, ResumeError, RunInterrupted, RunTerminated)
+from chatlearn_mem_ray.nodes import software_versions
+from chatlearn_mem_ray.ppo import PPORun
+from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes
+from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
+
+__all__ = ["check_budget", "find_resume_point", "prepare_output_dir", "run_ppo"]
+
+
+def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
+            on_iteration: Optional[Callable[[PPORun, int], None]] = None,
+            on_phase: Optional[Callable[[PPORun, int, str], None]] = None,
+            on_checkpoint: Optional[Callable[[Path], None]] = None) -> dict:
+    """Run PPO as ``cfg`` says; write ``log.json`` and ``memory_timeline.png`` to ``cfg.output_dir``.
+
+    ``output_dir`` (and the checkpoint directory) are checked before Ray starts. ``log.json`` is
+    rewritten atomically after every iteration (``status``: ``running``), so a run that fails or
+    is interrupted keeps every iteration it completed; at the end ``status`` is ``completed``,
+    ``failed`` (with ``error``), ``interrupted`` (Ctrl-C) or ``terminated`` (SIGTERM).
+
+    Checkpoints (the ``checkpoint`` section): every ``checkpoint.every`` iterations the trainers
+    save their state from their host stores (see :mod:`chatlearn_mem_ray.checkpoints`);
+    ``checkpoint.resume`` continues from the newest complete one (iteration counter, every
+    trainer's state and RNG, the log and memory timeline so far). When an actor process dies or
+    a phase times out, every actor is torn down, started again and the run continues from the
+    newest checkpoint, up to ``checkpoint.max_restarts`` times; ``log.json`` lists each restart
+    under ``restarts``.
+
+    Args:
+        progress: Receives one line per iteration, per checkpoint and per restart, and a summary.
+        on_iteration: Called after each iteration with the run and the iteration index (tests use
+            it to inspect or disturb the actors).
+        on_phase: Called as each phase starts with the run, the iteration and the phase's name.
+        on_checkpoint: Called with the temporary directory of each save before the trainers write.
+
+    Returns:
+        The log (also written as JSON): config, versions, iterations, memory timeline, summary,
+        checkpoints, restarts and the final weights' SHA-256 per trainer rank.
+
+    Raises:
+        RunError: A subclass saying why the run stopped (the log is written first).
+        RunInterrupted: Ctrl-C (a ``KeyboardInterrupt``), after the log was written and Ray shut down.
+        RunTerminated: SIGTERM (a ``RunInterrupted``): the run stopped at the end of the iteration
+            it was in, saved a checkpoint of it (``checkpoint.on_sigterm``), wrote the log
+            (``status``: ``terminated``) and shut Ray down. Only when called from the main thread.
+    """
+    resume = find_resume_point(cfg, progress)
+    check_budget(cfg)
+    log_path = prepare_output_dir(cfg, resuming=resume is not None)
+    _prepare_checkpoints(cfg, resume, progress)
+    out_dir = log_path.parent
+    t0 = time.perf_counter()
+    versions = _versions()
+    run: Optional[PPORun] = None
+    ck = cfg.checkpoint
+    total = cfg.ppo.iterations
+    extra_its = cfg.memory.compare_iterations if cfg.memory.enabled else 0
+    record: dict = {"resumed_from": None, "restarts": [], "checkpoints": [], "final_weights": {}, "nodes": {}}
+    if resume is not None:
+        record["resumed_from"] = {"checkpoint": str(resume[0]), "iterations_done": resume[1]["iterations_done"]}
+        record["restarts"] = list(resume[1].get("restarts", []))  # those of the run it continues
+        record["checkpoints"] = list(resume[1].get("checkpoints", []))
+
+    def write(status: str, error: Optional[str] = None) -> dict:
+        log = _log(cfg, run, versions, status, time.perf_counter() - t0, error, record)
+        write_json_atomic(log_path, log)
+        return log
+
+    term = _SigtermWatch(progress)
+    restarts_here = 0
+
+    def attempt() -> None:
+        nonlocal run
+        t_start = time.perf_counter()
+        with Colocation(cfg, progress, wait_s=cfg.ray.node_wait_s if restarts_here else 0.0) as colo:
+            term.install()  # after ray.init, whose core worker installed its own handler
+            record["nodes"] = dict(colo.nodes)
+            if ck.every or resume is not None:
+                colo.check_shared_dir(cfg.checkpoint_dir)
+            run = PPORun(cfg, colo, progress, on_phase)
+            if resume is not None:
+                run.restore(*resume)
+                progress(f"resumed from {resume[0]}: {run.next_iteration} iteration(s) done")
+            progress(f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
+                     f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
+                     f"memory manager {'on' if cfg.memory.enabled else 'off'}")
+            if ck.every:
+                run.checkpointer = RunCheckpointer(cfg, colo, progress, saved=record["checkpoints"])
+                nbytes = sum(colo.call("setup", {a: a.checkpoint_nbytes.remote(ck.resharding)
+                                                 for a in [*colo.policy, *colo.critic]}).values())
+                check_room(cfg.checkpoint_dir, nbytes, ck.keep_last)
+            start = run.next_iteration
+            if cfg.memory.enabled:
+                run.sleep_all()
+                schedule = run.plan_memory()
+                if schedule is not None:
+                    record["residency_plan"] = schedule.summary()
+                    moved = {b: p["bytes_moved"] for b, p in record["residency_plan"].items()}
+                    aon = {b: p["all_or_nothing_bytes"] for b, p in record["residency_plan"].items()}
+                    progress(f"device budget {', '.join(f'{v / 2**20:.1f} MiB' for v in schedule.budget.values())}: "
+                             f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
+                             f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)")
+            for it in range(start, total + extra_its):
+                if it == total:
+                    if run.checkpointer is not None:
+                        run.checkpointer.complete()
+                        run.checkpointer = None  # the comparison iterations are not saved
+                    progress(f"comparison: {extra_its} more iteration(s) with the memory manager off")
+                    run.wake_all()
+                m = run.iteration(it)
+                if run.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
+                    run.where = (it, "checkpoint")
+                    saved_so_far = {"restarts": list(record["restarts"]), "checkpoints": list(record["checkpoints"])}
+                    waited = run.checkpointer.save(it + 1, dict(run.state(), **saved_so_far),
+                                                   before_calls=on_checkpoint)
+                    m["checkpoint_seconds"] += waited
+                    m["seconds"] += waited
+                write("running")
+                progress(_progress_line(m, total + extra_its))
+                if on_iteration is not None:
+                    on_iteration(run, it)
+                if term.at is not None and it + 1 < total + extra_its:  # the safe point after SIGTERM
+                    term.note = _sigterm_checkpoint(cfg, run, record, it + 1, term)
+                    raise _Terminate()
+            if run.checkpointer is not None:
+                run.checkpointer.complete()
+            record["final_weights"] = run.final_weights()
+
+    term.install()
+    try:
+        while True:
+            try:
+                attempt()
+                break
+            except BaseException as e:
+                if isinstance(e, ResourceError) and restarts_here and ck.elastic:
+                    smaller = _elastic_config(cfg, e, progress)
+                    record["restarts"][-1]["world_size"] = smaller.parallel.world_size
+                    cfg = smaller
+                    continue
+                if not _restartable(e):
+                    raise
+                if restarts_here >= ck.max_restarts:
+                    if ck.max_restarts:
+                        progress(f"no restarts left (checkpoint.max_restarts={ck.max_restarts}); the run stops")
+                    raise
+                restarts_here += 1
+                resume = _restart(cfg, e, run, record, restarts_here, progress)
+    except _Terminate:
+        done = len(run.iterations) if run is not None else 0
+        _write_quietly(write, progress, "terminated", "stopped by SIGTERM")
+        newest = latest_run_checkpoint(cfg.checkpoint_dir) if ck.every else None
+        raise RunTerminated(done, log_path, newest.name if newest is not None else None,
+                            term.note or "stopped before the iteration ended") from None
+    except KeyboardInterrupt:
+        done = len(run.iterations) if run is not None else 0
+        _write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")
+        raise RunInterrupted(done, log_path) from None
+    except BaseException as e:
+        done = len(run.iterations) if run is not None else 0
+        if _write_quietly(write, progress, "failed", f"{type(e).__name__}: {e}") and done:
+            progress(f"the run stopped; log of its {done} completed iteration(s): {log_path}")
+        raise
+    finally:
+        term.restore()
+    log = write("completed")
+    nodes = sorted(set(record["nodes"].values()))
+    plot_timeline(run.timeline, out_dir / "memory_timeline.png",
+                  f"colocated PPO, {cfg.parallel.world_size} rank(s), {len(run.iterations)} iterations, "
+                  f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}")
+    for key, s in log["summary"].items():
+        if isinstance(s, dict):
+            progress(f"{key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**20:.2f} MiB "
+                     f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**20:.2f} MiB "
+                     f"({s['largest_phase']}) = {s['ratio']:.3f}")
+    progress(f"wrote {log_path} and {out_dir / 'memory_timeline.png'}")
+    return log
+
+
+# -- before Ray starts ---------------------------------------------------------------------
+def prepare_output_dir(cfg: RunConfig, resuming: bool = False) -> Path:
+    """Check ``cfg.output_dir`` before anything starts; return the path of its ``log.json``.
+
+    Creates the directory and writes a first ``log.json`` (status ``starting``, no iterations):
+    the write itself proves the directory writable. With ``output_dir_exists=error`` (the
+    default) a ``log.json`` that holds iterations of another run, or that a live run on this
+    machine is writing, stops the run instead; a log with no iterations (a run that failed
+    to start) is replaced. With ``overwrite`` the old log and picture are replaced. With
+    ``resuming`` the old log is the one the run continues (only a live writer stops it).
+
+    Raises:
+        OutputDirError: The directory cannot be created or written, or holds another run's results.
+    """
+    out = Path(cfg.output_dir)
+    log_path = out / "log.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputDirError(f"cannot create output_dir {out}: {e.strerror or e}; choose another output_dir") from None
+    if log_path.exists() and (cfg.output_dir_exists == "error" or resuming):
+        try:
+            old = json.loads(log_path.read_text())
+            done, status = len(old["iterations"]), old.get("status", "completed")
+            pid, node = old.get("pid"), old.get("versions", {}).get("node")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if resuming:
+                old, done, status, pid, node = {}, 0, "unreadable", None, None
+            else:
+                raise OutputDirError(f"output_dir {out} holds a log.json that is not a PPO run's log "
+                                     f"({type(e).__name__}); choose another output_dir or set "
+                                     "output_dir_exists=overwrite") from None
+        if status in ("starting", "running") and pid and node == platform.node() and _pid_alive(pid):
+            raise OutputDirError(f"another run (pid {pid}) is writing to output_dir {out}; choose another output_dir")
+        if done and not resuming:
+            resumable = ", resume it (--resume)" if latest_run_checkpoint(cfg.checkpoint_dir) else ""
+            raise OutputDirError(f"output_dir {out} already holds the log of another run ({done} iteration(s), "
+                                 f"{status}); choose another output_dir{resumable}, or set "
+                                 "output_dir_exists=overwrite to replace it")
+    try:
+        write_json_atomic(log_path, {"status": "starting", "pid": os.getpid(), "versions": {"node": platform.node()},
+                                     "config": json.loads(cfg.model_dump_json()), "iterations": []})
+    except OSError as e:
+        raise OutputDirError(f"cannot write {log_path}: {e.strerror or e}; choose a writable output_dir") from None
+    (out / "memory_timeline.png").unlink(missing_ok=True)  # another run's picture must not pass for this one's
+    return log_path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -> Optional[tuple[Path, dict]]:
+    """Where ``cfg.checkpoint.resume`` says the run continues from: ``(checkpoint, its run.json)``,
+    or None for a fresh start. Checked before anything starts.
+
+    Raises:
+        ResumeError: ``resume=true`` and no complete checkpoint; or the config's model differs from
+            the checkpoint's (each difference named).
+    """
+    mode, root = cfg.checkpoint.resume, cfg.checkpoint_dir
+    if mode is False:
+        return None
+    intact = newest_intact_run_checkpoint(root, progress)
+    if intact is None:
+        if mode == "auto":
+            progress(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from the beginning")
+            return None
+        raise ResumeError(f"nothing to resume: no complete checkpoint in {root}. Run without --resume (or with "
+                          "checkpoint.resume=auto) to start from the beginning, or point checkpoint.directory "
+                          "at the run's checkpoints")
+    newest, state = intact
+    blocking, changed = config_differences(state["config"], cfg)
+    if blocking:
+        raise ResumeError(f"cannot resume from {newest}: the config's model differs from the checkpoint's: "
+                          + "; ".join(blocking) + ". Resume with the checkpoint's model settings, or start a new "
+                          "run in another output_dir / checkpoint.directory")
+    if changed:
+        resharded = any(line.startswith("parallel.") for line in changed)
+        progress("resuming with settings that differ from the checkpoint's: " + "; ".join(changed)
+                 + ("; megatron reshards the trainers to the new split, whose RNG states start afresh (the "
+                    "result is not bit-identical to the run continued on its own split)" if resharded else ""))
+    return newest, state
+
+
+def check_budget(cfg: RunConfig) -> None:
+    """Before Ray starts: a ``memory.device_budget_mb`` below what one phase needs, estimated from
+    the config (:func:`chatlearn_mem_ray.residency.estimate_sizes`), stops the run here. The plan
+    made once the models are measured checks again, exactly.
+
+    Raises:
+        BudgetError: Naming the phase, its bytes and the budget.
+    """
+    budget = cfg.memory.device_budget_mb
+    if budget is None or budget == "auto" or not cfg.memory.enabled:
+        return
+    try:
+        ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20))
+    except ValueError as e:
+        raise BudgetError(f"{e} (estimated from the config, before starting)") from None
+
+
+def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:
+    """Before Ray starts: the checkpoint directory is writable, and holds no other run's checkpoints."""
+    root = cfg.checkpoint_dir
+    if cfg.checkpoint.every == 0 and resume is None:
+        return
+    check_checkpoint_dir(root)
+    for name in remove_temporaries(root):
+        progress(f"removed {root / name}: a checkpoint save that never completed")
+    if resume is None:
+        earlier = list_run_checkpoints(root)
+        if earlier and cfg.output_dir_exists == "error":
+            raise CheckpointDirError(f"checkpoint.directory {root} holds checkpoints of an earlier run (newest: "
+                                     f"{earlier[-1][1].name}); resume it (--resume or checkpoint.resume=auto), "
+                                     "choose another checkpoint.directory, or set output_dir_exists=overwrite to "
+                                     "delete them")
+        for _, path in earlier:
+            shutil.rmtree(path)
+        if earlier:
+            progress(f"deleted {len(earlier)} checkpoint(s) of an earlier run from {root} (output_dir_exists=overwrite)")
+
+
+# -- the log and the console ---------------------------------------------------------------
+def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, seconds: float,
+         error: Optional[str] = None, extra: Optional[dict] = None) -> dict:
+    timeline = run.timeline if run is not None else MemoryTimeline()
+    return {"status": status, "error": error, "pid": os.getpid(),
+            "config": json.loads(cfg.model_dump_json()), "versions": versions,
+            "iterations": run.iterations if run is not None else [], "memory_timeline": timeline.to_json(),
+            "sync_checks": run.sync_checks if run is not None else [],
+            "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
+            "over_budget": run.over_budget if run is not None else [],
+            "summary": {"memory_manager_on": timeline.summary(True), "memory_manager_off": timeline.summary(False),
+                        "seconds": seconds}, **(extra or {})}
+
+
+def _write_quietly(write: Callable, progress: Callable[[str], None], status: str, error: str) -> bool:
+    """Write the final log of a stopped run; a failure to write must not hide why it stopped."""
+    try:
+        write(status, error)
+        return True
+    except Exception as e:  # a full disk, an unserialisable metric
+        progress(f"warning: could not write the log ({type(e).__name__}: {e})")
+        return False
+
+
+def _versions() -> dict:
+    of = software_versions()  # read without importing (megatron takes seconds)
+    return {"torch": torch.__version__, "megatron-core": of["megatron-core"], "ray": of["ray"],
+            "python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _progress_line(m: dict, total: int) -> str:
+    phases = " ".join(f"{name} {m['phase_seconds'][name]:.2f}s/{m['phase_colocated_bytes'][name] / 2**20:.1f}MiB"
+                      for name in m["phase_seconds"])
+    mode = "" if m["manager_on"] else " [manager off]"
+    return (f"iter {m['iteration'] + 1:>3}/{total}{mode} reward {m['reward']:.3f} "
+            f"pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} kl {m['kl']:+.4f} | {phases}")
+
+
+# -- SIGTERM -------------------------------------------------------------------------------
+class _Terminate(BaseException):
+    """Raised by the driver at a safe point once SIGTERM arrived (a BaseException: no ``except
+    Exception`` on the way turns it into a failure)."""
+
+
+class _SigtermWatch:
+    """The driver's own SIGTERM handler for the length of a run, in place of Ray's (whose core
+    worker installs one that prints a crash dump). The first SIGTERM only notes the time: the run
+    stops at the end of the iteration. A second one stops it at once, as Ctrl-C does."""
+
+    _UNSET = object()
+
+    def __init__(self, progress: Callable[[str], None]):
+        self.at: Optional[float] = None
+        self.note = ""
+        self._progress, self._previous = progress, self._UNSET
+
+    def install(self) -> None:
+        """Take SIGTERM (again after ``ray.init``); only the main thread can."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.signal(signal.SIGTERM, self._handle)
+        if self._previous is self._UNSET:
+            self._previous = previous
+
+    def restore(self) -> None:
+        if self._previous is not self._UNSET:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._previous = self._UNSET
+
+    def _handle(self, signum, frame) -> None:
+        if self.at is not None:
+            raise _Terminate()
+        self.at = time.monotonic()
+        self._progress("SIGTERM received: the run stops once this iteration ends (a second SIGTERM stops it now)")
+
+
+def _sigterm_checkpoint(cfg: RunConfig, run: "PPORun", record: dict, done: int, term: _SigtermWatch) -> str:
+    """At the safe point after SIGTERM: make the newest checkpoint hold the ``done`` iterations
+    when ``checkpoint.on_sigterm`` and the time left allow it; returns what was done, for the line."""
+    ck = cfg.checkpoint
+    if not ck.every or run.checkpointer is None:
+        return "checkpoints are off (checkpoint.every=0)" if not ck.every else "the comparison iterations are not saved"
+    run.checkpointer.complete()
+    if record["checkpoints"] and record["checkpoints"][-1]["iterations_done"] == done:
+        return f"it holds all {done} iterations"
+    if not ck.on_sigterm:
+        return "checkpoint.on_sigterm=false: no checkpoint saved on SIGTERM"
+    last = record["checkpoints"][-1]["seconds"] if record["checkpoints"] else None
+    left = ck.sigterm_grace_s - (time.monotonic() - term.at)
+    if last is not None and last > left:
+        return (f"no time to save the last iterations: the previous save took {last:.1f}s and "
+                f"{max(0.0, left):.1f}s of checkpoint.sigterm_grace_s={ck.sigterm_grace_s:g} are left")
+    run.where = (done - 1, "checkpoint")
+    state = dict(run.state(), restarts=list(record["restarts"]), checkpoints=list(record["checkpoints"]))
+    run.checkpointer.save(done, state)
+    run.checkpointer.complete()
+    return f"saved on SIGTERM, it holds all {done} iterations"
+
+
+# -- restarts ------------------------------------------------------------------------------
+def _restartable(e: BaseException) -> bool:
+    """A lost actor process or a hung phase is worth a restart; an exception from code is not."""
+    return isinstance(e, PhaseTimeoutError) or (isinstance(e, ActorFailedError) and e.died)
+
+
+def _restart(cfg: RunConfig, error: BaseException, run: Optional[PPORun], record: dict, number: int,
+             progress: Callable[[str], None]) -> Optional[tuple[Path, dict]]:
+    """After an actor's death (or a hung phase): say what happened, record it, and return the
+    checkpoint the run continues from (None: from the start)."""
+    iteration, phase = run.where if run is not None else (None, "setup")
+    done = len(run.iterations) if run is not None else 0
+    intact = (newest_intact_run_checkpoint(cfg.checkpoint_dir, progress)
+              if cfg.checkpoint.every or record["resumed_from"] else None)
+    newest, state = intact if intact is not None else (None, None)
+    back_to = state["iterations_done"] if state is not None else 0
+    where = f" (in iteration {iteration + 1})" if iteration is not None else ""
+    entry = {"number": number, "actor": getattr(error, "actor", None), "phase": phase,
+             "iteration": iteration, "error": f"{type(error).__name__}: {error}", "iterations_done": done,
+             "resumed_from": str(newest) if newest is not None else None, "iterations_redone": done - back_to,
+             "at": time.time()}
+    record["restarts"].append(entry)
+    source = f"the checkpoint after iteration {back_to} ({newest})" if newest is not None else "the beginning"
+    progress(f"restart {number} of {cfg.checkpoint.max_restarts}: {error}{where}; tearing every actor "
+             f"down, starting them again and continuing from {source}: {done - back_to} completed "
+             "iteration(s) lost and redone")
+    return (newest, state) if newest is not None else None
+
+
+def _cluster_resources() -> dict:
+    """CPUs and GPUs of the live nodes of the cluster this driver is connected to."""
+    import ray
+
+    return ray.cluster_resources()
+
+
+def _elastic_config(cfg: RunConfig, error: BaseException, progress: Callable[[str], None]) -> RunConfig:
+    """``cfg`` with the largest data-parallel size the live nodes hold (``checkpoint.elastic``), said
+    in one line; re-raises ``error`` when no smaller layout fits or validates."""
+    total = _cluster_resources()
+    p, per = cfg.parallel, cfg.ray.cpus_per_rank
+    fit = int(total.get("CPU", 0) // per)
+    if wants_gpu(cfg, total.get("GPU", 0)):
+        fit = min(fit, int(total.get("GPU", 0)))
+    ranks = fit // p.tensor_model_parallel_size * p.tensor_model_parallel_size
+    if ranks < p.tensor_model_parallel_size or ranks >= p.world_size:
+        raise error
+    data = json.loads(cfg.model_dump_json())
+    data["parallel"]["world_size"] = ranks
+    try:
+        smaller = RunConfig.model_validate(data)
+    except ValueError as e:
+        raise ResourceError(f"{error}; checkpoint.elastic cannot go on with {ranks} rank(s): {e}") from None
+    progress(f"checkpoint.elastic: the cluster holds {ranks} of {p.world_size} rank(s) after waiting "
+             f"ray.node_wait_s={cfg.ray.node_wait_s:g} s; going on with data-parallel size "
+             f"{ranks // p.tensor_model_parallel_size} (was {p.data_parallel_size}), the checkpoint resharded to it. "
+             "From here the results differ from those of the original layout")
+    return smaller
