@@ -28,11 +28,18 @@ from chatlearn_mem_ray.errors import (ActorFailedError, CheckpointDirError, Phas
 from chatlearn_mem_ray.nodes import (group_targets, node_label, remove_check_files, shared_dir_check,
                                      software_versions, unseen_nodes, version_skew)
 
-__all__ = ["Colocation"]
+__all__ = ["Colocation", "actor_roster"]
 
 logger = logging.getLogger("chatlearn_mem_ray")
 
 ACTOR_SHARE = 0.25  # of a bundle: up to four colocated models per bundle
+
+
+def actor_roster(cfg: RunConfig) -> str:
+    """The actors a run starts, in words: ``"6 actors (policy x2, critic x2, rollout, reference)"``."""
+    ranks = cfg.parallel.world_size
+    roles = [f"{role} x{ranks}" if ranks > 1 else role for role in ("policy", "critic")] + ["rollout", "reference"]
+    return f"{2 * ranks + 2} actors ({', '.join(roles)})"
 
 
 class Colocation:
@@ -40,12 +47,13 @@ class Colocation:
 
     Use as a context manager: entering starts (or joins, see
     :func:`~chatlearn_mem_ray.connect.start_or_join`) Ray, checks resources, creates the placement
-    groups and the actors and sets them up; leaving kills the
+    groups and the actors and sets them up, saying what starts before each wait; leaving kills the
     actors and, when this object started or joined Ray, shuts this driver's Ray down.
 
     Args:
         cfg: The run config.
-        progress: Receives the line saying which cluster was joined (default: the logger).
+        progress: Receives a line before each step of the start and the line saying which cluster
+            was joined (default: the logger).
         wait_s: Wait up to this long for the cluster to have room for every rank (a restart after a
             lost node: a replacement may be joining) before :class:`ResourceError`.
 
@@ -111,9 +119,12 @@ class Colocation:
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _place(self) -> None:
-        """Create the placement groups and the actors, then set the actors up."""
+        """Create the placement groups and the actors, then set the actors up, saying what it waits
+        for before each wait (the actors' processes start, then they build their models)."""
+        self.progress(f"starting {actor_roster(self.cfg)} ...")
         self._make_placement_groups()
         self._start_actors()
+        self.progress("building the models ...")
         self._setup_actors()
 
     def _make_placement_groups(self) -> None:

@@ -311,7 +311,7 @@ def start_or_join(cfg: RunConfig, progress: Callable[[str], None]) -> tuple[str,
 
     Args:
         cfg: The run config.
-        progress: Receives the line saying which cluster was joined.
+        progress: Receives a line before a local cluster starts and after a cluster was joined.
 
     Returns:
         Where the run is, for messages (``"the local Ray cluster"``, ...), and whether this call
@@ -330,6 +330,8 @@ def start_or_join(cfg: RunConfig, progress: Callable[[str], None]) -> tuple[str,
 
         cpus, gpus = cfg.ray.num_cpus or os.cpu_count() or 1, torch.cuda.device_count()
         check_resources(cfg, cpus, gpus, "this machine")  # before starting anything
+        gpu_note = f", {gpus} GPU{'s' if gpus > 1 else ''}" if gpus else ""
+        progress(f"starting a local Ray cluster ({cpus} CPUs{gpu_note}) ...")
         ray.init(**init_kwargs(cfg, target))
         return "the local Ray cluster", True
     _join(ray, cfg, target)

@@ -157,6 +157,7 @@ def listening():
 
 def _start(monkeypatch, fake, overrides, env=None):
     monkeypatch.setattr(connect, "import_ray", lambda: fake)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)  # the lines name a local cluster's GPUs
     monkeypatch.setattr(connect, "_reload_ray_config", lambda: None)
     monkeypatch.setattr(Colocation, "_place", lambda self: None)
     for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_gcs_rpc_server_connect_timeout_s"):
@@ -230,7 +231,23 @@ def test_a_local_cluster_is_started_even_with_a_ray_start_head_recorded(monkeypa
     _, lines = _start(monkeypatch, fake, [])
     assert fake.calls == [{"address": "local", "num_cpus": 2, "include_dashboard": False, "logging_level": "WARNING",
                            "log_to_driver": True}]
-    assert lines == []
+    assert lines == ["starting a local Ray cluster (2 CPUs) ..."]
+
+
+def test_a_start_says_what_it_starts_before_each_wait(monkeypatch):
+    """Ray, the actors' processes and their models take half a minute to start: a line before each."""
+    fake = FakeRay()
+    for step in ("_make_placement_groups", "_start_actors", "_setup_actors"):  # each step says its name
+        monkeypatch.setattr(Colocation, step, lambda self, step=step: self.progress(step))
+    monkeypatch.setattr(connect, "import_ray", lambda: fake)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    lines = []
+    Colocation(load_config("cpu_tiny", ["parallel.world_size=2", "ppo.prompts_per_iteration=16"]),
+               progress=lines.append)._start()
+    assert lines == ["starting a local Ray cluster (2 CPUs) ...",
+                     "starting 6 actors (policy x2, critic x2, rollout, reference) ...",
+                     "_make_placement_groups", "_start_actors", "building the models ...", "_setup_actors"]
 
 
 def test_unreachable_address_through_the_command_line_is_one_line_and_quick(tmp_path):
