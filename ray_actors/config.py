@@ -114,7 +114,8 @@ class PPOConfig(_Strict):
     """PPO hyper-parameters and batch shape."""
 
     iterations: int = Field(20, ge=1)
-    """Rollout + train iterations."""
+    """Rollout + train iterations, numbered 1 to ``iterations`` on the console (``iter 3/20``), in
+    ``log.json`` and in the memory picture; the checkpoint ``iter_<K>`` holds iterations 1 to K."""
     prompts_per_iteration: int = Field(32, ge=1)
     """Prompts sampled per iteration (one response each); divided among data-parallel ranks."""
     prompt_length: int = Field(4, ge=1)
@@ -159,7 +160,8 @@ class MemoryPolicy(_Strict):
     """Offload every model when its phase ends. False keeps every model resident (the baseline)."""
     compare_iterations: int = Field(1, ge=0)
     """After the run, this many more iterations with the manager switched off, measured the same
-    way, so the log holds both figures. Ignored when ``enabled`` is false."""
+    way, so the log holds both figures. They are numbered on their own, from 1 (``iter manager off
+    1/1`` on the console; ``manager_on`` false in ``log.json``). Ignored when ``enabled`` is false."""
     audit: bool = True
     """Run the manager's audit after every onload and stop the run if it finds a problem."""
     verify_sync: bool = True
@@ -283,7 +285,10 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     output_dir: Path = Path("runs/ppo")
     """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
-    ``log.json`` is rewritten (atomically) after every iteration."""
+    ``log.json`` is rewritten (atomically) after every iteration. Each iteration's entry holds
+    ``reward`` (mean task reward of the rollouts), ``policy_loss`` (``pg`` on the console: the
+    policy-gradient loss), ``value_loss`` (``vf``: the value-function loss), ``kl`` (KL(policy ||
+    reference) per token) and the phases' seconds and device bytes."""
     output_dir_exists: Literal["error", "overwrite"] = "error"
     """When ``output_dir`` already holds another run's ``log.json`` with at least one iteration:
     ``error`` stops before anything starts; ``overwrite`` replaces that run's log and picture (and

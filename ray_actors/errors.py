@@ -82,13 +82,20 @@ class WeightSyncError(RunError):
 
 
 class NonFiniteLossError(RunError):
-    """A loss or gradient norm came back NaN or infinite; the message names the iteration and phase."""
+    """A loss or gradient norm came back NaN or infinite; the message names the iteration and phase.
 
-    def __init__(self, iteration: int, phase: str, values: dict):
+    Attributes:
+        iteration: The iteration's number, from 1 as on the console and in ``log.json``.
+        phase: The phase.
+        comparison: Whether it was a manager-off comparison iteration (numbered from 1 again).
+    """
+
+    def __init__(self, iteration: int, phase: str, values: dict, comparison: bool = False):
         bad = ", ".join(f"{k}={v}" for k, v in values.items())
-        super().__init__(f"iteration {iteration + 1}, phase {phase!r}: non-finite {bad}; the run stopped "
+        which = f"manager-off iteration {iteration}" if comparison else f"iteration {iteration}"
+        super().__init__(f"{which}, phase {phase!r}: non-finite {bad}; the run stopped "
                          "(lower the learning rate, or check the config and the reward)")
-        self.iteration, self.phase = iteration, phase
+        self.iteration, self.phase, self.comparison = iteration, phase, comparison
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -102,32 +102,47 @@ def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) 
     return None
 
 
-def check_finite(iteration: int, phase: str, metrics: dict) -> None:
+def check_finite(iteration: int, phase: str, metrics: dict, comparison: bool = False) -> None:
     """Stop the run when a phase's loss (or any other metric) is NaN or infinite.
+
+    Args:
+        iteration: The iteration's number (from 1, see :meth:`PPORun.number`).
+        comparison: Whether it is a manager-off comparison iteration.
 
     Raises:
         NonFiniteLossError: Naming the iteration, the phase and the values.
     """
     bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
     if bad:
-        raise NonFiniteLossError(iteration, phase, bad)
+        raise NonFiniteLossError(iteration, phase, bad, comparison)
+
+
+def iteration_label(number: int, comparison: bool) -> str:
+    """How messages name an iteration: ``"iteration 3"``; ``"manager-off iteration 1"`` for the
+    comparison iterations run after the others with the manager off (``memory.compare_iterations``)."""
+    return f"manager-off iteration {number}" if comparison else f"iteration {number}"
 
 
 # -- the loop ------------------------------------------------------------------------------
 class PPORun:
     """A PPO run on a :class:`Colocation`; :meth:`iteration` runs the five phases once.
 
+    Two counts of an iteration: its *index* (from 0, in the order run: what seeds the prompts and
+    the sampling, what :meth:`iteration` and the ``on_phase`` callback take) and its *number* (from
+    1: what the console, ``log.json`` and the memory picture show, see :meth:`number`).
+
     Args:
         cfg: The run config.
         colo: The actors, set up.
-        progress: Called with one line per iteration.
+        progress: Called with the warnings of a residency plan.
+        on_phase: Called as each phase starts with the run, the iteration's index and the phase.
     """
 
     def __init__(self, cfg: RunConfig, colo: Colocation, progress: Callable[[str], None] = print,
                  on_phase: Optional[Callable[["PPORun", int, str], None]] = None):
         self.cfg, self.colo, self.progress, self.on_phase = cfg, colo, progress, on_phase
         self.checkpointer = None  # a RunCheckpointer when the run saves checkpoints
-        self.where: tuple[Optional[int], str] = (None, "setup")  # (iteration, phase) now running
+        self.where: tuple[Optional[int], str] = (None, "setup")  # (iteration index, phase) now running
         self.timeline = MemoryTimeline()
         self.iterations: list[dict] = []
         self.sync_checks: list[dict] = []
@@ -137,6 +152,7 @@ class PPORun:
         self.over_budget: list[dict] = []  # phases measured above their device's budget
         self.prefetch = cfg.memory.prefetch  # with a residency plan: non-blocking transitions, prefetch
         self._unsettled: set = set()  # actors with non-blocking transitions not yet waited for
+        self._comparison_from: Optional[int] = None  # index of the first manager-off comparison iteration
         p = cfg.parallel
         self.tp = p.tensor_model_parallel_size
         self.dp = p.data_parallel_size
@@ -171,7 +187,17 @@ class PPORun:
 
     @property
     def next_iteration(self) -> int:
+        """The index of the iteration to run next (the iterations done so far)."""
         return len(self.iterations)
+
+    def number(self, index: int) -> tuple[int, bool]:
+        """``(number, comparison)`` of the iteration at ``index``: its number counts from 1, and
+        from 1 again for the comparison iterations after :meth:`wake_all` (the manager off). A
+        checkpoint named ``iter_<K>`` holds iterations 1 to K."""
+        first = self._comparison_from
+        if first is not None and index >= first:
+            return index - first + 1, True
+        return index + 1, False
 
     def final_weights(self) -> dict[str, str]:
         """SHA-256 of every trainer rank's weights (read from the host store when asleep)."""
@@ -216,10 +242,12 @@ class PPORun:
         return self.schedule
 
     def wake_all(self) -> None:
-        """Onload every model and keep it resident: the run continues with the manager off."""
+        """Onload every model and keep it resident: the run continues with the manager off, its
+        iterations numbered as comparison iterations (:meth:`number`)."""
         c = self.colo
         c.call("wake", {a: a.onload.remote() for a in c.all_actors})
         self.manager_on = False
+        self._comparison_from = self.next_iteration
 
     def _audit(self, name: str, actors) -> None:
         c = self.colo
@@ -230,14 +258,14 @@ class PPORun:
                                        f"found {len(problems)} problem(s): {problems[:5]}")
             self.audits["checks_clean"] += 1
 
-    def _phase(self, iteration: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
+    def _phase(self, index: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
         """Onload what ``needs`` names, do ``work``, record everyone's residency, offload."""
         c = self.colo
-        self.where = (iteration, name)
+        self.where = (index, name)
         if self.on_phase is not None:
-            self.on_phase(self, iteration, name)
+            self.on_phase(self, index, name)
         if self.schedule is not None and self.manager_on:
-            return self._planned_phase(iteration, name, needs, work)
+            return self._planned_phase(index, name, needs, work)
         t0 = time.perf_counter()
         moved = []
         if self.manager_on:
@@ -253,7 +281,7 @@ class PPORun:
             moved += [s for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()}).values()
                       for s in stats]
         seconds = time.perf_counter() - t0
-        self.timeline.add(iteration, name, self.manager_on, seconds,
+        self.timeline.add(self.number(index)[0], name, self.manager_on, seconds,
                           {c.names[a]: parts for a, parts in needs.items()},
                           {c.names[a]: r for a, r in residency.items()},
                           moved=moved, transition_seconds=t_in + time.perf_counter() - t1)
@@ -272,7 +300,7 @@ class PPORun:
             self._unsettled.update(refs)
         return [s for stats in c.call(name, refs).values() for s in stats]
 
-    def _planned_phase(self, iteration: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
+    def _planned_phase(self, index: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
         """A phase under the residency plan (``memory.device_budget_mb``): at the boundary the
         plan's out-moves (first, and waited for, only when the device needs their room), then its
         in-moves; the next phase's in-moves start now when they fit beside this phase's models
@@ -308,20 +336,21 @@ class PPORun:
         if self.cfg.memory.audit:
             self._audit(name, needs)
         residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
-        self.timeline.add(iteration, name, True, time.perf_counter() - t0,
+        number = self.number(index)[0]  # the manager is on: never a comparison iteration
+        self.timeline.add(number, name, True, time.perf_counter() - t0,
                           {c.names[a]: parts for a, parts in needs.items()},
                           {c.names[a]: r for a, r in residency.items()},
                           moved=moved, transition_seconds=t_before + t_settle,
                           budget_bytes=s.budget, kept=s.kept(phase))
         over = {b: n for b, n in self.timeline.records[-1].bundle_bytes.items() if n > s.budget[int(b)]}
         if over:  # never silently: a measured phase above its device's budget is said and logged
-            self.over_budget.append({"iteration": iteration, "phase": name, "device_bytes": over})
-            self.progress(f"warning: {name} of iteration {iteration} held " + ", ".join(
+            self.over_budget.append({"iteration": number, "phase": name, "device_bytes": over})
+            self.progress(f"warning: {name} of iteration {number} held " + ", ".join(
                 f"{n / 2**20:.2f} MiB on device {b}" for b, n in over.items()) + " (the budget is "
                 f"{max(s.budget.values()) / 2**20:.2f} MiB); a model grew past what was measured")
         sizes = {c.names[a]: {Part(p): b for p, b in r["resident_by_part"].items()} for a, r in residency.items()}
         if s.update_sizes(sizes):
-            self.progress(f"re-planned the device memory after {name} of iteration {iteration}: a model's "
+            self.progress(f"re-planned the device memory after {name} of iteration {number}: a model's "
                           "parts changed size")
         return result
 
@@ -341,7 +370,7 @@ class PPORun:
         return torch.cat([results[ranks[0]] for ranks in self._by_dp_rank(group)], dim=0)
 
     # -- phases ---------------------------------------------------------------------------
-    def _sync_and_generate(self, iteration: int, prompts: torch.Tensor):
+    def _sync_and_generate(self, index: int, prompts: torch.Tensor):
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
         verify = self.cfg.memory.verify_sync
@@ -354,11 +383,12 @@ class PPORun:
         if verify:
             policy_digests = [digests[a] for a in senders]  # tensor-parallel rank order, as the shards
             mismatch = weight_sync_mismatch(policy_digests, rollout_digests)
-            self.sync_checks.append({"iteration": iteration, "equal": mismatch is None,
+            number, comparison = self.number(index)
+            self.sync_checks.append({"iteration": number, "manager_on": self.manager_on, "equal": mismatch is None,
                                      "policy": policy_digests, "rollout": rollout_digests})
             if mismatch:
-                raise WeightSyncError(f"iteration {iteration}: {mismatch}")
-        seed = ppo.seed * 1_000_003 + iteration
+                raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
+        seed = ppo.seed * 1_000_003 + index
         return c.call("generate", {c.rollout: c.rollout.generate.remote(
             prompts, ppo.response_length, ppo.temperature, seed)})[c.rollout]
 
@@ -368,29 +398,42 @@ class PPORun:
                                     for a in c.critic})
         return self._first_tp_outputs(c.critic, results)
 
-    def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, iteration: int) -> dict:
+    def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, index: int) -> dict:
         c, ppo = self.colo, self.cfg.ppo
         results = c.call(phase, {a: a.train.remote(self._shard(batch, c.ranks[c.names[a]]["dp_rank"]), loss_fn,
-                                                   ppo.ppo_epochs, ppo.minibatch_size, ppo.seed + iteration,
+                                                   ppo.ppo_epochs, ppo.minibatch_size, ppo.seed + index,
                                                    ppo.temperature)
                                  for a in group})
         firsts = [ranks[0] for ranks in self._by_dp_rank(group)]
         return {k: sum(results[a][k] for a in firsts) / len(firsts) for k in results[firsts[0]]}
 
-    def iteration(self, iteration: int) -> dict:
-        """Run one PPO iteration; return (and keep) its metrics."""
+    def iteration(self, index: int) -> dict:
+        """Run the iteration at ``index`` (from 0: the iterations run before it); return (and keep)
+        its metrics, which ``log.json`` lists under ``iterations``:
+
+        - ``iteration``, ``manager_on``: its number (from 1; the comparison iterations from 1 again,
+          with ``manager_on`` false, see :meth:`number`) and whether the manager switched models.
+        - ``reward``: mean task reward of the rollouts (the task's score, before the KL penalty).
+        - ``kl``: KL(policy || reference) per response token, estimated on the rollouts
+          (``logp_old - logp_ref``, averaged); ``kl_coef`` times it is the reward's penalty.
+        - ``policy_loss`` (``pg`` on the console): the clipped policy-gradient loss;
+          ``value_loss`` (``vf``): the clipped value-function loss; both averaged over the
+          training steps. ``clip_fraction``, ``approx_kl``, ``policy_grad_norm``: of the policy's steps.
+        - seconds, bytes and transitions of the iteration and of each phase.
+        """
         c, cfg, ppo = self.colo, self.cfg, self.cfg.ppo
+        number, comparison = self.number(index)
         P = ppo.prompt_length
         t_start = time.perf_counter()
-        g = torch.Generator().manual_seed(ppo.seed * 7919 + iteration)
+        g = torch.Generator().manual_seed(ppo.seed * 7919 + index)
         prompts = torch.randint(0, cfg.policy.vocab_size, (ppo.prompts_per_iteration, P), generator=g)
 
-        tokens, old_logprobs = self._phase(iteration, "generate", {c.rollout: (Part.WEIGHTS,)},
-                                           lambda: self._sync_and_generate(iteration, prompts))
-        ref_logprobs = self._phase(iteration, "reference", {c.reference: (Part.WEIGHTS,)},
+        tokens, old_logprobs = self._phase(index, "generate", {c.rollout: (Part.WEIGHTS,)},
+                                           lambda: self._sync_and_generate(index, prompts))
+        ref_logprobs = self._phase(index, "reference", {c.reference: (Part.WEIGHTS,)},
                                    lambda: c.call("reference", {c.reference: c.reference.logprobs.remote(
                                        tokens, ppo.temperature)})[c.reference])
-        values = self._phase(iteration, "values", {a: (Part.WEIGHTS,) for a in c.critic},
+        values = self._phase(index, "values", {a: (Part.WEIGHTS,) for a in c.critic},
                              lambda: self._critic_values(tokens))
 
         old = old_logprobs[:, P - 1:]  # (B, R)
@@ -404,21 +447,21 @@ class PPORun:
 
         checkpoint_wait = 0.0
         if self.checkpointer is not None:  # the trainers are about to change: commit the open save
-            self.where = (iteration, "checkpoint")
+            self.where = (index, "checkpoint")
             checkpoint_wait = self.checkpointer.complete()
-        critic = self._phase(iteration, "train_critic", {a: tuple(Part) for a in c.critic},
+        critic = self._phase(index, "train_critic", {a: tuple(Part) for a in c.critic},
                              lambda: self._train("train_critic", c.critic, {
                                  "tokens": tokens, "old_values": old_values, "returns": returns},
-                                 self._value_loss, iteration))
-        check_finite(iteration, "train_critic", critic)
-        policy = self._phase(iteration, "train_policy", {a: tuple(Part) for a in c.policy},
+                                 self._value_loss, index))
+        check_finite(number, "train_critic", critic, comparison)
+        policy = self._phase(index, "train_policy", {a: tuple(Part) for a in c.policy},
                              lambda: self._train("train_policy", c.policy, {
                                  "tokens": tokens, "old_logprobs": old, "advantages": advantages},
-                                 self._policy_loss, iteration))
-        check_finite(iteration, "train_policy", policy)
+                                 self._policy_loss, index))
+        check_finite(number, "train_policy", policy, comparison)
 
-        phases = [r for r in self.timeline.records if r.iteration == iteration and r.manager_on == self.manager_on]
-        out = {"iteration": iteration, "manager_on": self.manager_on, "reward": score.mean().item(),
+        phases = [r for r in self.timeline.records if r.iteration == number and r.manager_on == self.manager_on]
+        out = {"iteration": number, "manager_on": self.manager_on, "reward": score.mean().item(),
                "kl": kl.mean().item(), "policy_loss": policy["loss"], "value_loss": critic["loss"],
                "clip_fraction": policy["clip_fraction"], "approx_kl": policy["approx_kl"],
                "policy_grad_norm": policy["grad_norm"], "seconds": time.perf_counter() - t_start,

@@ -36,7 +36,7 @@ from chatlearn_mem_ray.connect import wants_gpu
 from chatlearn_mem_ray.errors import (ActorFailedError, BudgetError, CheckpointDirError, OutputDirError,
                                       PhaseTimeoutError, ResourceError, ResumeError, RunInterrupted, RunTerminated)
 from chatlearn_mem_ray.nodes import software_versions
-from chatlearn_mem_ray.ppo import PPORun
+from chatlearn_mem_ray.ppo import PPORun, iteration_label
 from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
@@ -64,14 +64,20 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
 
     Args:
         progress: Receives one line per iteration, per checkpoint and per restart, and a summary.
-        on_iteration: Called after each iteration with the run and the iteration index (tests use
-            it to inspect or disturb the actors).
-        on_phase: Called as each phase starts with the run, the iteration and the phase's name.
+        on_iteration: Called after each iteration with the run and the iteration's index (from 0:
+            iteration 1 is index 0; tests use it to inspect or disturb the actors).
+        on_phase: Called as each phase starts with the run, the iteration's index and the phase's name.
         on_checkpoint: Called with the temporary directory of each save before the trainers write.
 
     Returns:
         The log (also written as JSON): config, versions, iterations, memory timeline, summary,
-        checkpoints, restarts and the final weights' SHA-256 per trainer rank.
+        checkpoints, restarts and the final weights' SHA-256 per trainer rank. Iterations are
+        numbered from 1 (``iteration``) in the log, the memory timeline and on the console alike,
+        and the manager-off comparison iterations from 1 again (``manager_on`` false); the
+        checkpoint ``iter_<K>`` holds iterations 1 to K. Each iteration's metrics are those of
+        :meth:`~chatlearn_mem_ray.ppo.PPORun.iteration`: ``reward`` (mean task reward of the
+        rollouts), ``kl`` (KL(policy || reference) per token), ``policy_loss`` (``pg`` on the
+        console), ``value_loss`` (``vf``), ...
 
     Raises:
         RunError: A subclass saying why the run stopped (the log is written first).
@@ -104,9 +110,10 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
 
     term = _SigtermWatch(progress)
     restarts_here = 0
+    legend_said = False
 
     def attempt() -> None:
-        nonlocal run
+        nonlocal run, legend_said
         t_start = time.perf_counter()
         with Colocation(cfg, progress, wait_s=cfg.ray.node_wait_s if restarts_here else 0.0) as colo:
             term.install()  # after ray.init, whose core worker installed its own handler
@@ -136,6 +143,9 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                     progress(f"device budget {', '.join(f'{v / 2**20:.1f} MiB' for v in schedule.budget.values())}: "
                              f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
                              f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)")
+            if start < total + extra_its and not legend_said:
+                progress(PROGRESS_LEGEND)
+                legend_said = True
             for it in range(start, total + extra_its):
                 if it == total:
                     if run.checkpointer is not None:
@@ -152,7 +162,7 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                     m["checkpoint_seconds"] += waited
                     m["seconds"] += waited
                 write("running")
-                progress(_progress_line(m, total + extra_its))
+                progress(_progress_line(m, extra_its if it >= total else total, comparison=it >= total))
                 if on_iteration is not None:
                     on_iteration(run, it)
                 if term.at is not None and it + 1 < total + extra_its:  # the safe point after SIGTERM
@@ -201,8 +211,10 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         term.restore()
     log = write("completed")
     nodes = sorted(set(record["nodes"].values()))
+    main = min(len(run.iterations), total)
+    compared = f" (+{len(run.iterations) - main} with the manager off)" if len(run.iterations) > main else ""
     plot_timeline(run.timeline, out_dir / "memory_timeline.png",
-                  f"colocated PPO, {cfg.parallel.world_size} rank(s), {len(run.iterations)} iterations, "
+                  f"colocated PPO, {cfg.parallel.world_size} rank(s), {main} iterations{compared}, "
                   f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}")
     for key, s in log["summary"].items():
         if isinstance(s, dict):
@@ -373,12 +385,22 @@ def _versions() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def _progress_line(m: dict, total: int) -> str:
+PROGRESS_LEGEND = ("reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
+                   "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
+                   "seconds/MiB held on the devices")
+"""What the progress line's short names mean, said once before the first iteration."""
+
+
+def _progress_line(m: dict, of: int, comparison: bool = False) -> str:
+    """``iter   3/20 reward ...``, or ``iter manager off 1/1 reward ...`` for a comparison iteration."""
     phases = " ".join(f"{name} {m['phase_seconds'][name]:.2f}s/{m['phase_colocated_bytes'][name] / 2**20:.1f}MiB"
                       for name in m["phase_seconds"])
-    mode = "" if m["manager_on"] else " [manager off]"
-    return (f"iter {m['iteration'] + 1:>3}/{total}{mode} reward {m['reward']:.3f} "
-            f"pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} kl {m['kl']:+.4f} | {phases}")
+    if comparison:
+        head = f"iter manager off {m['iteration']}/{of}"
+    else:
+        head = f"iter {m['iteration']:>3}/{of}{'' if m['manager_on'] else ' [manager off]'}"
+    return (f"{head} reward {m['reward']:.3f} pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} "
+            f"kl {m['kl']:+.4f} | {phases}")
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
@@ -452,13 +474,14 @@ def _restart(cfg: RunConfig, error: BaseException, run: Optional[PPORun], record
              progress: Callable[[str], None]) -> Optional[tuple[Path, dict]]:
     """After an actor's death (or a hung phase): say what happened, record it, and return the
     checkpoint the run continues from (None: from the start)."""
-    iteration, phase = run.where if run is not None else (None, "setup")
+    index, phase = run.where if run is not None else (None, "setup")
+    iteration, comparison = run.number(index) if index is not None else (None, False)
     done = len(run.iterations) if run is not None else 0
     intact = (newest_intact_run_checkpoint(cfg.checkpoint_dir, progress)
               if cfg.checkpoint.every or record["resumed_from"] else None)
     newest, state = intact if intact is not None else (None, None)
     back_to = state["iterations_done"] if state is not None else 0
-    where = f" (in iteration {iteration + 1})" if iteration is not None else ""
+    where = f" (in {iteration_label(iteration, comparison)})" if iteration is not None else ""
     entry = {"number": number, "actor": getattr(error, "actor", None), "phase": phase,
              "iteration": iteration, "error": f"{type(error).__name__}: {error}", "iterations_done": done,
              "resumed_from": str(newest) if newest is not None else None, "iterations_redone": done - back_to,

@@ -182,15 +182,21 @@ def _no_data(ax, title: str, why: str) -> None:
 
 
 def _iteration_stats(timeline: MemoryTimeline) -> list[dict]:
-    """Per iteration (and manager setting): its worst phase's colocated bytes and largest need."""
+    """Per iteration (and manager setting), in the order run: its worst phase's colocated bytes and
+    largest need, its position ``x`` on the peak panel (1, 2, ...) and its ``label``. A manager-off
+    iteration after manager-on ones is a comparison iteration, numbered from 1 again as on the
+    console (``"manager-off iteration 1"``)."""
     groups: dict[tuple[int, bool], list[PhaseRecord]] = {}
     for r in timeline.records:
         groups.setdefault((r.iteration, r.manager_on), []).append(r)
-    out = []
-    for (it, on), recs in sorted(groups.items()):
+    out, seen_on = [], False
+    for x, ((it, on), recs) in enumerate(groups.items(), 1):
+        seen_on |= on
+        comparison = seen_on and not on
         peak = max(recs, key=lambda r: r.colocated_bytes)
         largest = max(recs, key=lambda r: r.need_bytes)
-        out.append({"iteration": it, "manager_on": on, "records": recs,
+        out.append({"iteration": it, "manager_on": on, "records": recs, "x": x, "comparison": comparison,
+                    "label": f"manager-off iteration {it}" if comparison else f"iteration {it}",
                     "peak_colocated_bytes": peak.colocated_bytes, "peak_phase": peak.phase,
                     "largest_phase_bytes": largest.need_bytes, "largest_phase": largest.phase,
                     "ratio": _ratio(peak.colocated_bytes, largest.need_bytes)})
@@ -257,7 +263,7 @@ def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
     ax.set_ylim(0, top * 1.22)
     ax.set_ylabel("device MiB", fontsize=9)
     mode = "on" if stat["manager_on"] else "off"
-    ax.set_title(f"(1) iteration {stat['iteration']} (the last with the memory manager {mode}): "
+    ax.set_title(f"(1) {stat['label']} (the last with the memory manager {mode}): "
                  f"device bytes per phase, by actor and part"
                  + ("" if any(r.device_by_part for r in recs) else " (parts not in this log: totals)"),
                  fontsize=10, loc="left")
@@ -265,8 +271,9 @@ def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
 
 
 def _plot_peaks(ax, stats: list[dict]) -> None:
-    """Panel 2: per iteration, the worst phase's colocated bytes and the largest phase's need."""
-    xs = [s["iteration"] for s in stats]
+    """Panel 2: per iteration, the worst phase's colocated bytes and the largest phase's need; the
+    comparison iterations follow the others, their ticks labelled ``off 1``, ``off 2``, ..."""
+    xs = [s["x"] for s in stats]
     ax.plot(xs, [s["peak_colocated_bytes"] / MiB for s in stats], color="0.55", lw=1, zorder=1)
     ax.plot(xs, [s["largest_phase_bytes"] / MiB for s in stats], color="black", ls="--", lw=1.2,
             label="largest phase's need", zorder=2)
@@ -274,9 +281,9 @@ def _plot_peaks(ax, stats: list[dict]) -> None:
                                      (False, "s", "tab:red", "peak colocated, manager off")):
         sel = [s for s in stats if s["manager_on"] == on]
         if sel:
-            ax.scatter([s["iteration"] for s in sel], [s["peak_colocated_bytes"] / MiB for s in sel],
+            ax.scatter([s["x"] for s in sel], [s["peak_colocated_bytes"] / MiB for s in sel],
                        marker=marker, color=color, s=30, zorder=3, label=label)
-    off = [s["iteration"] for s in stats if not s["manager_on"]]
+    off = [s["x"] for s in stats if not s["manager_on"]]
     for i, it in enumerate(off):
         ax.axvspan(it - 0.5, it + 0.5, color="tab:red", alpha=0.1, lw=0, label="manager off" if i == 0 else None)
     top = max(s["peak_colocated_bytes"] for s in stats) / MiB
@@ -284,14 +291,17 @@ def _plot_peaks(ax, stats: list[dict]) -> None:
         sel = [s for s in stats if s["manager_on"] == on]
         if sel:
             s = sel[-1]
-            ax.annotate(f"ratio {s['ratio']:.2f}\n({s['peak_phase']})", (s["iteration"], s["peak_colocated_bytes"] / MiB),
+            ax.annotate(f"ratio {s['ratio']:.2f}\n({s['peak_phase']})", (s["x"], s["peak_colocated_bytes"] / MiB),
                         xytext=(0, 8), textcoords="offset points", ha="right" if on and off else "center",
                         va="bottom", fontsize=8)
     ax.set_ylim(0, top * 1.35 if top else 1)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     ax.set_xlabel("iteration", fontsize=9)
     ax.set_ylabel("device MiB", fontsize=9)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    main, compared = [s for s in stats if not s["comparison"]], [s for s in stats if s["comparison"]]
+    ticks = main[::-(-len(main) // 10) or 1] + compared[::-(-len(compared) // 5) or 1]  # about 10 + 5 at most
+    ax.set_xticks([s["x"] for s in ticks], [f"off {s['iteration']}" if s["comparison"] else str(s["iteration"])
+                                            for s in ticks])
     ax.set_title("(2) peak per iteration: all actors at the worst phase vs the largest phase",
                  fontsize=10, loc="left")
     ax.legend(fontsize=8, loc="lower left", ncol=2)
@@ -323,7 +333,7 @@ def _plot_on_off(ax, on: Optional[dict], off: Optional[dict], actors: list[str],
     ax.set_ylim(0, top * 1.3)
     ax.set_ylabel("colocated device MiB", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
-    parts = [f"manager {lab} (iteration {s['iteration']}): {s['ratio']:.2f}" for s, _, lab in shown]
+    parts = [f"manager {lab} ({s['label']}): {s['ratio']:.2f}" for s, _, lab in shown]
     ax.set_title("(3) manager on vs off, peak colocated / largest phase:\n" + ", ".join(parts),
                  fontsize=10, loc="left")
     if on is None or off is None:

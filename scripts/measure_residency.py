@@ -87,7 +87,7 @@ def _segment(run, iterations: int, warmup: int, start: int) -> tuple[dict, int]:
     for it in range(start, start + iterations):
         its.append(run.iteration(it))
     kept = its[warmup:]
-    phases = [r for r in run.timeline.records if r.iteration >= start + warmup]
+    phases = [r for r in run.timeline.records if r.iteration > start + warmup]  # numbered from 1
     budget = max(run.schedule.budget.values()) if run.schedule is not None else None
     return {"iteration_s": statistics.median(m["seconds"] for m in kept),
             "iteration_s_samples": [round(m["seconds"], 4) for m in kept],

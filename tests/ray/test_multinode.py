@@ -107,7 +107,7 @@ def test_a_lost_node_without_replacement_goes_on_smaller_when_elastic(two_nodes,
     # room or for the placement groups, bounded by ray.node_wait_s in both cases
     assert any(line.startswith("checkpoint.elastic: the cluster holds 1 of 2 rank(s)") for line in lines), lines
     assert sorted(log["nodes"]) == ["critic_0", "policy_0", "reference", "rollout"]  # DP=1 from the restart on
-    assert [m["iteration"] for m in log["iterations"]] == [0, 1, 2, 3]
+    assert [m["iteration"] for m in log["iterations"]] == [1, 2, 3, 4]
     for m in log["iterations"]:
         assert all(math.isfinite(m[k]) for k in ("reward", "policy_loss", "value_loss", "kl"))
     rewards = [m["reward"] for m in log["iterations"]]

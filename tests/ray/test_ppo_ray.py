@@ -27,7 +27,7 @@ def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_pat
     lines = []
     log = run_ppo(cfg, progress=lines.append)
 
-    assert [m["iteration"] for m in log["iterations"]] == [0, 1, 2, 3]
+    assert [m["iteration"] for m in log["iterations"]] == [1, 2, 3, 1]  # then manager-off iteration 1
     assert [m["manager_on"] for m in log["iterations"]] == [True, True, True, False]
     assert sum(line.startswith("iter ") for line in lines) == 4
     on, off = log["summary"]["memory_manager_on"], log["summary"]["memory_manager_off"]
@@ -46,7 +46,8 @@ def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_pat
     # Audits ran after every onload (5 phases x 3 iterations, one actor each) and were clean.
     assert log["audits"] == {"runs": 15, "checks_clean": 15}
     # The rollout model equalled the policy after every sync (SHA-256 of every tensor).
-    assert [c["iteration"] for c in log["sync_checks"]] == [0, 1, 2, 3]
+    assert [(c["iteration"], c["manager_on"]) for c in log["sync_checks"]] == [(1, True), (2, True), (3, True),
+                                                                            (1, False)]
     assert all(c["equal"] and c["policy"] == c["rollout"] for c in log["sync_checks"])
     assert len({c["policy"][0] for c in log["sync_checks"]}) == 4  # the policy really changed
 
@@ -71,7 +72,7 @@ def test_a_dead_actor_stops_the_run_naming_actor_and_phase(local_ray, tmp_path):
     assert "critic_0" in str(e.value) and "died" in str(e.value)
     log = json.loads((tmp_path / "log.json").read_text())  # what the run did before is kept
     assert log["status"] == "failed" and "critic_0" in log["error"]
-    assert [m["iteration"] for m in log["iterations"]] == [0]
+    assert [m["iteration"] for m in log["iterations"]] == [1]
 
 
 def test_a_nan_loss_stops_the_run_naming_iteration_and_phase(local_ray, tmp_path):
@@ -83,11 +84,11 @@ def test_a_nan_loss_stops_the_run_naming_iteration_and_phase(local_ray, tmp_path
 
     with pytest.raises(NonFiniteLossError) as e:
         run_ppo(cfg, progress=lambda line: None, on_iteration=poison_value_loss)
-    assert (e.value.iteration, e.value.phase) == (1, "train_critic")
+    assert (e.value.iteration, e.value.phase) == (2, "train_critic")
     assert str(e.value).startswith("iteration 2, phase 'train_critic': non-finite ")
     assert "loss=nan" in str(e.value)
     log = json.loads((tmp_path / "log.json").read_text())
-    assert log["status"] == "failed" and [m["iteration"] for m in log["iterations"]] == [0]
+    assert log["status"] == "failed" and [m["iteration"] for m in log["iterations"]] == [1]
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ def outcome(log: dict) -> dict:
 
 
 def test_the_reference_run_is_deterministic_and_trains(uninterrupted):
-    assert [m["iteration"] for m in uninterrupted["iterations"]] == list(range(ITERATIONS))
+    assert [m["iteration"] for m in uninterrupted["iterations"]] == list(range(1, ITERATIONS + 1))
     assert sorted(uninterrupted["final_weights"]) == ["critic_0", "policy_0"]
     assert uninterrupted["checkpoints"] == [] and uninterrupted["restarts"] == []
     assert len({c["policy"][0] for c in uninterrupted["sync_checks"]}) == ITERATIONS  # the policy changed
@@ -65,7 +65,7 @@ def test_an_actor_killed_mid_iteration_is_restarted_and_the_run_ends_bit_identic
 
     assert killed and log["status"] == "completed"
     [restart] = log["restarts"]
-    assert (restart["actor"], restart["phase"], restart["iteration"]) == ("policy_0", "reference", 2)
+    assert (restart["actor"], restart["phase"], restart["iteration"]) == ("policy_0", "reference", 3)
     assert restart["resumed_from"].endswith("iter_00000001") and restart["iterations_redone"] == 1
     assert any(line.startswith("restart 1 of 1: actor 'policy_0' failed during phase 'reference'") and
                "continuing from the checkpoint after iteration 1" in line for line in lines), lines

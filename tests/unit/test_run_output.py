@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from chatlearn_mem import ConfigError
+from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray import supervisor
 from chatlearn_mem_ray.checkpoints import write_json_atomic
-from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import (ActorFailedError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
                                       RunInterrupted)
@@ -60,8 +60,9 @@ def fake_run(monkeypatch):
             action(self, it)
         elif action is not None:
             raise action
-        m = {"iteration": it, "manager_on": self.manager_on, "reward": 0.25 + it / 100, "kl": 0.0,
-             "policy_loss": -0.1, "value_loss": 0.5, "phase_seconds": {}, "phase_colocated_bytes": {}}
+        m = {"iteration": self.number(it)[0], "manager_on": self.manager_on, "reward": 0.25 + it / 100, "kl": 0.0,
+             "policy_loss": -0.1, "value_loss": 0.5, "phase_seconds": {}, "phase_colocated_bytes": {},
+             "seconds": 0.0, "checkpoint_seconds": 0.0}
         self.iterations.append(m)
         return m
 
@@ -89,14 +90,50 @@ def test_log_json_is_rewritten_after_every_iteration(fake_run, tmp_path):
     assert [s["status"] for s in seen] == ["starting", "running", "running"]
     on_disk = _log(tmp_path)
     assert on_disk["status"] == "completed" and on_disk == json.loads(json.dumps(log))
-    assert [m["iteration"] for m in on_disk["iterations"]] == [0, 1, 2]
+    assert [m["iteration"] for m in on_disk["iterations"]] == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.json", "memory_timeline.png"]  # no temp file left
     assert FakeColocation.made[0].closed
 
 
+def test_console_and_log_number_iterations_alike_and_the_comparison_apart(fake_run, tmp_path):
+    """One numbering: iterations 1..N of ppo.iterations=N on the console (i/N) and in log.json,
+    the manager-off comparison iterations from 1 again (manager off 1/C); iter_<K> holds 1..K."""
+    lines = []
+    log = run_ppo(_cfg(tmp_path, "ppo.iterations=2", "memory.compare_iterations=1", "checkpoint.every=1"),
+                  progress=lines.append)
+    heads = [line.split(" reward ")[0] for line in lines if line.startswith("iter ")]
+    assert heads == ["iter   1/2", "iter   2/2", "iter manager off 1/1"]
+    assert [(m["iteration"], m["manager_on"]) for m in log["iterations"]] == [(1, True), (2, True), (1, False)]
+    assert [c["iterations_done"] for c in log["checkpoints"]] == [1, 2]  # after "iter 1/2", after "iter 2/2"
+
+
+def test_a_run_numbers_its_iterations_from_1_and_its_comparison_iterations_again(tmp_path):
+    run = PPORun(_cfg(tmp_path, "ppo.iterations=2"), FakeColocation(None))
+    assert [run.number(i) for i in range(3)] == [(1, False), (2, False), (3, False)]
+    run.iterations = [{}, {}]
+    run.wake_all()  # the manager off: what follows is the comparison
+    assert [run.number(i) for i in range(4)] == [(1, False), (2, False), (1, True), (2, True)]
+    with pytest.raises(NonFiniteLossError, match="^manager-off iteration 1, phase 'train_policy': non-finite"):
+        check_finite(1, "train_policy", {"loss": math.nan}, comparison=True)
+
+
+def test_the_progress_line_is_explained_once_before_the_first_iteration(fake_run, tmp_path):
+    """pg, vf, kl and reward are said in words once, before the first progress line; a restart
+    does not say it again."""
+    fake_run[1] = _dies_once(ActorFailedError("critic_0", "values", "the actor process died", died=True))
+    lines = []
+    run_ppo(_cfg(tmp_path, "checkpoint.max_restarts=1"), progress=lines.append)
+    legend = [i for i, line in enumerate(lines) if line.startswith("reward: ")]
+    assert legend and legend[0] < min(i for i, line in enumerate(lines) if line.startswith("iter "))
+    assert len(legend) == 1 and len(FakeColocation.made) == 2
+    assert lines[legend[0]] == ("reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
+                                "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
+                                "seconds/MiB held on the devices")
+
+
 @pytest.mark.parametrize("error, status", [
     (ActorFailedError("critic_0", "generate", "the actor process died (RayActorError)"), "failed"),
-    (NonFiniteLossError(2, "train_policy", {"loss": math.nan}), "failed"),
+    (NonFiniteLossError(3, "train_policy", {"loss": math.nan}), "failed"),
 ])
 def test_a_failed_run_keeps_the_iterations_it_completed(fake_run, tmp_path, error, status):
     fake_run[2] = error
@@ -105,7 +142,7 @@ def test_a_failed_run_keeps_the_iterations_it_completed(fake_run, tmp_path, erro
         run_ppo(_cfg(tmp_path), progress=lines.append)
     log = _log(tmp_path)
     assert log["status"] == status and log["error"] == f"{type(error).__name__}: {error}"
-    assert [m["iteration"] for m in log["iterations"]] == [0, 1]
+    assert [m["iteration"] for m in log["iterations"]] == [1, 2]
     assert lines[-1] == f"the run stopped; log of its 2 completed iteration(s): {tmp_path / 'log.json'}"
     assert FakeColocation.made[0].closed
 
@@ -201,10 +238,10 @@ def test_log_write_is_atomic(tmp_path):
 
 # -- NaN -----------------------------------------------------------------------------------
 def test_a_non_finite_loss_names_iteration_and_phase():
-    check_finite(0, "train_policy", {"loss": 0.5, "grad_norm": 1.0})
+    check_finite(1, "train_policy", {"loss": 0.5, "grad_norm": 1.0})
     with pytest.raises(NonFiniteLossError) as e:
-        check_finite(4, "train_critic", {"loss": math.nan, "grad_norm": math.inf, "value_mean": 0.1})
-    assert (e.value.iteration, e.value.phase) == (4, "train_critic")
+        check_finite(5, "train_critic", {"loss": math.nan, "grad_norm": math.inf, "value_mean": 0.1})
+    assert (e.value.iteration, e.value.phase) == (5, "train_critic")
     assert str(e.value).startswith("iteration 5, phase 'train_critic': non-finite loss=nan, grad_norm=inf")
 
 
@@ -249,7 +286,7 @@ def test_a_dead_actor_or_hung_phase_restarts_every_actor_within_max_restarts(fak
     fake_run[1] = _dies_once(error)
     lines = []
     log = run_ppo(_cfg(tmp_path, "checkpoint.max_restarts=1"), progress=lines.append)
-    assert [m["iteration"] for m in log["iterations"]] == [0, 1, 2]
+    assert [m["iteration"] for m in log["iterations"]] == [1, 2, 3]
     assert len(FakeColocation.made) == 2 and all(c.closed for c in FakeColocation.made)  # torn down, started again
     [restart] = log["restarts"]
     assert restart["number"] == 1 and restart["resumed_from"] is None and restart["iterations_redone"] == 1

@@ -33,13 +33,15 @@ def residency(parts_on_device: dict[str, tuple[str, ...]]) -> dict[str, dict]:
 
 
 def make_timeline(on_iterations: int, off_iterations: int) -> MemoryTimeline:
-    """Iterations with the manager on (only the phase's actor resident), then with it off (all)."""
+    """Iterations with the manager on (only the phase's actor resident), then with it off (all),
+    numbered as a run numbers them: from 1, the manager-off ones from 1 again."""
     t = MemoryTimeline()
     everything = {a: tuple(s) for a, s in SIZES.items()}
     for it in range(on_iterations + off_iterations):
         on = it < on_iterations
+        number = it + 1 if on else it - on_iterations + 1
         for phase, active in PHASES:
-            t.add(it, phase, on, 0.1 + 0.01 * it, {a: list(p) for a, p in active.items()},
+            t.add(number, phase, on, 0.1 + 0.01 * it, {a: list(p) for a, p in active.items()},
                   residency(active if on else everything))
     return t
 
@@ -53,7 +55,7 @@ def test_add_keeps_parts_and_the_existing_fields():
     t = make_timeline(2, 1)
     assert len(t.records) == 15
     last_on = [r for r in t.records if r.manager_on][-1]
-    assert last_on.phase == "train_policy" and last_on.iteration == 1
+    assert last_on.phase == "train_policy" and last_on.iteration == 2
     policy_train = sum(SIZES["policy_0"][p] for p in TRAIN)
     assert last_on.device_bytes == {"policy_0": policy_train, "critic_0": 0, "rollout": 0, "reference": 0}
     assert last_on.device_by_part["policy_0"] == {p: SIZES["policy_0"][p] if p in TRAIN else 0 for p in TRAIN_PARTS}
@@ -95,8 +97,8 @@ def test_from_json_loads_logs_without_parts():
 def test_iteration_stats_feed_the_peak_panel():
     """Panel 2's points: per iteration, all actors at the worst phase and the largest need."""
     stats = _iteration_stats(make_timeline(3, 2))
-    assert [(s["iteration"], s["manager_on"]) for s in stats] == [(0, True), (1, True), (2, True), (3, False),
-                                                                  (4, False)]
+    assert [(s["iteration"], s["manager_on"]) for s in stats] == [(1, True), (2, True), (3, True), (1, False),
+                                                                  (2, False)]
     policy_train = sum(SIZES["policy_0"][p] for p in TRAIN)
     everything = sum(sum(s.values()) for s in SIZES.values())
     for s in stats:
@@ -107,6 +109,16 @@ def test_iteration_stats_feed_the_peak_panel():
         else:  # every phase holds everything; the first such phase is reported
             assert s["peak_colocated_bytes"] == everything and s["peak_phase"] == "generate"
             assert s["ratio"] == pytest.approx(everything / policy_train) and s["ratio"] > 2
+
+
+def test_the_picture_numbers_iterations_as_the_console_does():
+    """Iterations 1..N in the order run, then the comparison iterations (numbered from 1 again)
+    after them, labelled as on the console; a run without the manager numbers its own from 1."""
+    stats = _iteration_stats(make_timeline(2, 1))
+    assert [(s["x"], s["label"]) for s in stats] == [(1, "iteration 1"), (2, "iteration 2"),
+                                                     (3, "manager-off iteration 1")]
+    assert [s["comparison"] for s in stats] == [False, False, True]
+    assert [s["label"] for s in _iteration_stats(make_timeline(0, 2))] == ["iteration 1", "iteration 2"]
 
 
 def test_holders_label():
