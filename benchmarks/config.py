@@ -38,8 +38,11 @@ class BenchConfig(BaseModel):
 
     preset: str = "cpu"
     """Name recorded in the results (the preset the config started from, or ``custom``)."""
-    trainer: GPTTrainerConfig = Field(default_factory=lambda: GPTTrainerConfig(
-        num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=32768, seq_length=128))
+    trainer: GPTTrainerConfig = Field(
+        default_factory=lambda: GPTTrainerConfig(
+            num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=32768, seq_length=128
+        )
+    )
     """The megatron-core GPT trainer to build (default: about 135 M parameters, bf16, DistOpt)."""
     batch_size: int = Field(2, ge=1)
     """Batch of the one train step that creates the optimizer states before timing."""
@@ -56,7 +59,8 @@ class BenchConfig(BaseModel):
     cycles: int = Field(20, ge=2)
     """Full offload/onload cycles of the manager for the time-flat / no-growth check."""
     methods: list[Literal["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]] = Field(
-        default_factory=lambda: ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"])
+        default_factory=lambda: ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]
+    )
     """Alternatives to time against the manager (``megatron_builtin`` runs on the parts megatron-core's
     own offload covers, where the installed release has it)."""
     threads: Optional[int] = Field(None, ge=1)
@@ -100,8 +104,10 @@ class BenchConfig(BaseModel):
         if isinstance(self.overlap_forward, tuple):
             sequences, tokens = self.overlap_forward
             if sequences < 1 or not 2 <= tokens <= self.trainer.seq_length:
-                raise ValueError(f"overlap_forward is (sequences >= 1, tokens within 2..trainer.seq_length = "
-                                 f"{self.trainer.seq_length}), got {list(self.overlap_forward)}")
+                raise ValueError(
+                    f"overlap_forward is (sequences >= 1, tokens within 2..trainer.seq_length = "
+                    f"{self.trainer.seq_length}), got {list(self.overlap_forward)}"
+                )
         return self
 
 

@@ -12,8 +12,17 @@ from typing import Callable
 import psutil
 import torch
 
-__all__ = ["host_bandwidths", "git_revision", "stats", "timed", "compare", "memory_snapshot", "versions", "hardware",
-           "hardware_slug"]
+__all__ = [
+    "host_bandwidths",
+    "git_revision",
+    "stats",
+    "timed",
+    "compare",
+    "memory_snapshot",
+    "versions",
+    "hardware",
+    "hardware_slug",
+]
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -27,8 +36,14 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def stats(xs: list[float]) -> dict:
     """Median, quartiles (IQR = the spread used for noise calls), min, max, n."""
-    return {"median": _percentile(xs, 0.5), "q25": _percentile(xs, 0.25), "q75": _percentile(xs, 0.75),
-            "min": min(xs), "max": max(xs), "n": len(xs)}
+    return {
+        "median": _percentile(xs, 0.5),
+        "q25": _percentile(xs, 0.25),
+        "q75": _percentile(xs, 0.75),
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+    }
 
 
 def timed(fn: Callable[[], int], device: torch.device) -> tuple[float, int]:
@@ -95,10 +110,17 @@ def git_revision(path: str | os.PathLike | None = None) -> str | None:
 
     here = os.fspath(path) if path is not None else os.path.dirname(os.path.abspath(__file__))
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return rev + ("+dirty" if dirty else "")
@@ -158,8 +180,11 @@ def hardware_slug(hw: dict) -> str:
     if hw["device"].startswith("cuda"):
         return "gpu-" + re.sub(r"[^a-z0-9.]+", "-", hw["gpu_name"].lower()).strip("-")
     model = hw["cpu_model"].lower()
-    words = [w for w in re.split(r"[^a-z0-9.]+", model) if w and w not in
-             ("intel", "r", "tm", "processor", "cpu", "amd", "core", "with", "graphics")]
+    words = [
+        w
+        for w in re.split(r"[^a-z0-9.]+", model)
+        if w and w not in ("intel", "r", "tm", "processor", "cpu", "amd", "core", "with", "graphics")
+    ]
     name = "-".join(words[:3]) or "cpu"
     gib = round(hw["memory_total_bytes"] / 2**30)
     return f"cpu-{hw['cpu_count']}core-{name}-{gib}gib"

@@ -71,9 +71,21 @@ from chatlearn_mem.storage import advise_huge_pages
 from chatlearn_mem_bench.config import FULL
 from chatlearn_mem_bench.plan import method_parts
 
-__all__ = ["Method", "ManagerMethod", "CeilingMethod", "PerTensorNewHost", "FreshHostAlloc",
-           "ReplaceRebuild", "MegatronBuiltin", "ReleaseBound", "LABELS", "sync", "part_storages",
-           "logical_tensors", "return_freed_host_memory"]
+__all__ = [
+    "Method",
+    "ManagerMethod",
+    "CeilingMethod",
+    "PerTensorNewHost",
+    "FreshHostAlloc",
+    "ReplaceRebuild",
+    "MegatronBuiltin",
+    "ReleaseBound",
+    "LABELS",
+    "sync",
+    "part_storages",
+    "logical_tensors",
+    "return_freed_host_memory",
+]
 
 LABELS = {
     "manager": "chatlearn-mem manager (reused host store, in-place release)",
@@ -130,8 +142,7 @@ def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
     the manager's own list (main weights, optimizer state tensors)."""
     keys = {s._cdata for s in part_storages(mm, part)}
     if part == Part.WEIGHTS:
-        cands = [t for c in layout.ddp_chunks(trainer.model)
-                 for t in list(c.parameters()) + layout.module_buffers(c)]
+        cands = [t for c in layout.ddp_chunks(trainer.model) for t in list(c.parameters()) + layout.module_buffers(c)]
     else:
         cands = list(mm._part_tensors(Part(part)))
     seen, out = set(), []
@@ -260,11 +271,11 @@ class CeilingMethod(Method):
 
     @property
     def host(self) -> torch.Tensor:
-        return self._store.buckets[0][:self.nbytes]
+        return self._store.buckets[0][: self.nbytes]
 
     @property
     def dev(self) -> torch.Tensor:
-        return self._dev[:self.nbytes]
+        return self._dev[: self.nbytes]
 
     def release(self) -> None:
         """Free both buffers (the pinned one unregistered), back to the driver on CUDA."""
@@ -470,14 +481,14 @@ class ReplaceRebuild(Method):
         for s, _ in released:  # the old device storage is dropped (its last users are rebuilt on onload)
             s.resize_(0)
         self._released()
-        self._state = dict(geo_logical=geo_logical, geo_others=geo_others, hosts=hosts,
-                           released=released, new={})
+        self._state = dict(geo_logical=geo_logical, geo_others=geo_others, hosts=hosts, released=released, new={})
         return sum(h.numel() * h.element_size() for h in hosts)
 
     def onload(self, part: str) -> int:
         st = self._state
-        new = {s._cdata: torch.empty(n, dtype=torch.uint8, device=self.device).untyped_storage()
-               for s, n in st["released"]}
+        new = {
+            s._cdata: torch.empty(n, dtype=torch.uint8, device=self.device).untyped_storage() for s, n in st["released"]
+        }
         copied = 0
         for (t, s, dtype, off, size, stride), h in zip(st["geo_logical"], st["hosts"]):
             v = _view(new[s._cdata], dtype, off, size, stride)
@@ -503,8 +514,9 @@ class ReplaceRebuild(Method):
     def device_bytes(self, part: str) -> int:
         if self._state is None:
             return super().device_bytes(part)
-        return (sum(s.nbytes() for s, _ in self._state["released"])
-                + sum(s.nbytes() for s in self._state["new"].values()))
+        return sum(s.nbytes() for s, _ in self._state["released"]) + sum(
+            s.nbytes() for s in self._state["new"].values()
+        )
 
     def host_bytes(self) -> tuple[int, int]:
         if self._state is None:
@@ -572,8 +584,11 @@ class MegatronBuiltin(Method):
         return sum(super(MegatronBuiltin, self).device_bytes(p) for p in Part)
 
     def host_bytes(self) -> tuple[int, int]:
-        kept = sum(b.param_data_cpu.numel() * b.param_data_cpu.element_size()
-                   for b in self.buffers if getattr(b, "param_data_cpu", None) is not None)
+        kept = sum(
+            b.param_data_cpu.numel() * b.param_data_cpu.element_size()
+            for b in self.buffers
+            if getattr(b, "param_data_cpu", None) is not None
+        )
         return kept, kept if self._cuda() else 0
 
 

@@ -46,15 +46,23 @@ TARGETS = {
 def _row(name: str, serial: list[float], overlapped: list[float], **extra) -> dict:
     s, o = stats(serial), stats(overlapped)
     pairs = sorted(b / a for a, b in zip(serial, overlapped) if a)
-    return {"name": name, "serial_s": s["median"], "overlapped_s": o["median"],
-            "ratio": o["median"] / s["median"] if s["median"] else None,
-            "serial_spread_s": [s["q25"], s["q75"]], "overlapped_spread_s": [o["q25"], o["q75"]],
-            "ratio_spread": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]] if pairs else None,
-            "serial_samples_s": serial, "overlapped_samples_s": overlapped, **extra}
+    return {
+        "name": name,
+        "serial_s": s["median"],
+        "overlapped_s": o["median"],
+        "ratio": o["median"] / s["median"] if s["median"] else None,
+        "serial_spread_s": [s["q25"], s["q75"]],
+        "overlapped_spread_s": [o["q25"], o["q75"]],
+        "ratio_spread": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]] if pairs else None,
+        "serial_samples_s": serial,
+        "overlapped_samples_s": overlapped,
+        **extra,
+    }
 
 
-def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device,
-                    threads: Optional[int] = None) -> list[dict]:
+def measure_overlap(
+    cfg, trainer, mm: TrainerMemoryManager, device: torch.device, threads: Optional[int] = None
+) -> list[dict]:
     """The three rows for ``trainer`` (whose manager is ``mm``); every part resident before and after.
 
     Args:
@@ -68,15 +76,22 @@ def measure_overlap(cfg, trainer, mm: TrainerMemoryManager, device: torch.device
         cfg = cfg.model_copy(update={"repeats": cfg.overlap_repeats})
     try:
         batch = forward_batch(cfg, trainer, mm, device)
-        rows = [_onload_then_forward(cfg, trainer, mm, device, batch),
-                _swap(cfg, trainer, mm, device),
-                _full_cycle(cfg, mm, device)]
+        rows = [
+            _onload_then_forward(cfg, trainer, mm, device, batch),
+            _swap(cfg, trainer, mm, device),
+            _full_cycle(cfg, mm, device),
+        ]
     finally:
         torch.set_num_threads(before)
     for r in rows:
         r["threads"] = torch.get_num_threads() if not threads or device.type != "cpu" else threads
-        log.info("overlap %s: %.3f s serial, %.3f s overlapped (ratio %.2f)", r["name"], r["serial_s"],
-                 r["overlapped_s"], r["ratio"])
+        log.info(
+            "overlap %s: %.3f s serial, %.3f s overlapped (ratio %.2f)",
+            r["name"],
+            r["serial_s"],
+            r["overlapped_s"],
+            r["ratio"],
+        )
     return rows
 
 
@@ -84,8 +99,9 @@ CALIBRATION_TOKENS = 16
 """Tokens of the short forward that ``overlap_forward: match_copy`` times to size the row's forward."""
 
 
-def forward_batch(cfg, trainer=None, mm: Optional[TrainerMemoryManager] = None,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
+def forward_batch(
+    cfg, trainer=None, mm: Optional[TrainerMemoryManager] = None, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """The ``onload_then_forward`` row's token ids (B, T) for ``cfg.overlap_forward``: the bench
     batch, a given shape, or (``match_copy``, needs ``trainer``, ``mm`` and ``device``) one sequence
     whose forward lasts about as long as a blocking weights onload, assuming time linear in tokens."""
@@ -111,8 +127,13 @@ def forward_batch(cfg, trainer=None, mm: Optional[TrainerMemoryManager] = None,
     fwd = sorted(timed(forward, device)[0] for _ in range(3))[1]
     copy = sorted(onload() for _ in range(3))[1]
     tokens = min(cfg.trainer.seq_length, max(2, round(1 + (CALIBRATION_TOKENS - 1) * copy / fwd)))
-    log.info("overlap onload_then_forward: a forward of 1 x %d tokens (weights onload %.1f ms, "
-             "%d-token forward %.1f ms)", tokens, copy * 1e3, CALIBRATION_TOKENS, fwd * 1e3)
+    log.info(
+        "overlap onload_then_forward: a forward of 1 x %d tokens (weights onload %.1f ms, %d-token forward %.1f ms)",
+        tokens,
+        copy * 1e3,
+        CALIBRATION_TOKENS,
+        fwd * 1e3,
+    )
     return full[:1, :tokens]
 
 
@@ -140,8 +161,14 @@ def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
             if r >= cfg.warmup:
                 samples[name].append(t)
     fwd = stats(samples["forward"])["median"]
-    row = _row("onload_then_forward", samples["serial"], samples["overlapped"], forward_alone_s=fwd,
-               forward_samples_s=samples["forward"], forward_shape=list(batch.shape))
+    row = _row(
+        "onload_then_forward",
+        samples["serial"],
+        samples["overlapped"],
+        forward_alone_s=fwd,
+        forward_samples_s=samples["forward"],
+        forward_shape=list(batch.shape),
+    )
     row["best_possible_ratio"] = fwd / row["serial_s"] if row["serial_s"] else None
     row["overlapped_vs_forward"] = row["overlapped_s"] / fwd if fwd else None
     return row
@@ -149,10 +176,9 @@ def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
 
 def critic_config(trainer_cfg):
     """The swap row's incoming trainer: the benchmark's with half the layers (a value head on top)."""
-    return trainer_cfg.model_copy(update={"num_layers": max(1, trainer_cfg.num_layers // 2),
-                                          "seed": trainer_cfg.seed + 1})
-
-
+    return trainer_cfg.model_copy(
+        update={"num_layers": max(1, trainer_cfg.num_layers // 2), "seed": trainer_cfg.seed + 1}
+    )
 
 
 def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = COPY_BOUND_BYTES) -> float:
@@ -216,8 +242,15 @@ def _swap(cfg, trainer, mm, device) -> dict:
         b.onload()
         b.close()
     bound = copy_bound_ratio(out_bytes, in_bytes, cfg.repeats) if device.type == "cpu" else None
-    return _row("swap", samples["serial"], samples["overlapped"], out_bytes=out_bytes, in_bytes=in_bytes,
-                critic_layers=critic_cfg.num_layers, copy_bound_ratio=bound)
+    return _row(
+        "swap",
+        samples["serial"],
+        samples["overlapped"],
+        out_bytes=out_bytes,
+        in_bytes=in_bytes,
+        critic_layers=critic_cfg.num_layers,
+        copy_bound_ratio=bound,
+    )
 
 
 def _full_cycle(cfg, mm, device) -> dict:
@@ -257,9 +290,11 @@ def plan_args(cfg) -> dict:
         return {}
     from chatlearn_mem.models import gpt
 
-    return {"overlap_bytes": gpt.estimate_part_bytes(critic_config(cfg.trainer), value_head=True),
-            "forward_tokens": _forward_tokens(cfg),
-            "overlap_repeats": cfg.overlap_repeats or cfg.repeats}
+    return {
+        "overlap_bytes": gpt.estimate_part_bytes(critic_config(cfg.trainer), value_head=True),
+        "forward_tokens": _forward_tokens(cfg),
+        "overlap_repeats": cfg.overlap_repeats or cfg.repeats,
+    }
 
 
 def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
@@ -269,17 +304,30 @@ def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
         spread = r.get("ratio_spread") or [r["ratio"], r["ratio"]]
         limit = TARGETS[r["name"]][1 if gpu else 0]
         if limit is not None:
-            detail = (f"{r['ratio']:.2f} (IQR {spread[0]:.2f}-{spread[1]:.2f}; {r['overlapped_s']:.3f} s "
-                      f"vs {r['serial_s']:.3f} s serial, {r['threads']} compute thread(s))")
+            detail = (
+                f"{r['ratio']:.2f} (IQR {spread[0]:.2f}-{spread[1]:.2f}; {r['overlapped_s']:.3f} s "
+                f"vs {r['serial_s']:.3f} s serial, {r['threads']} compute thread(s))"
+            )
             bound = r.get("copy_bound_ratio")
             if bound is not None and bound > limit:
-                detail += (f"; out of reach on this machine: two host copies at once take {bound:.2f} of their "
-                           f"serial time (one memory bus for both directions)")
-            out.append({"name": f"overlap {r['name']}: overlapped <= {limit} of serial", "passed": r["ratio"] <= limit,
-                        "detail": detail})
+                detail += (
+                    f"; out of reach on this machine: two host copies at once take {bound:.2f} of their "
+                    f"serial time (one memory bus for both directions)"
+                )
+            out.append(
+                {
+                    "name": f"overlap {r['name']}: overlapped <= {limit} of serial",
+                    "passed": r["ratio"] <= limit,
+                    "detail": detail,
+                }
+            )
         if r["name"] == "onload_then_forward" and gpu:
-            out.append({"name": "overlap onload_then_forward: <= 1.1x the forward alone",
-                        "passed": r["overlapped_vs_forward"] <= 1.1,
-                        "detail": f"{r['overlapped_vs_forward']:.2f}x ({r['overlapped_s']:.4f} s vs "
-                                  f"{r['forward_alone_s']:.4f} s)"})
+            out.append(
+                {
+                    "name": "overlap onload_then_forward: <= 1.1x the forward alone",
+                    "passed": r["overlapped_vs_forward"] <= 1.1,
+                    "detail": f"{r['overlapped_vs_forward']:.2f}x ({r['overlapped_s']:.4f} s vs "
+                    f"{r['forward_alone_s']:.4f} s)",
+                }
+            )
     return out

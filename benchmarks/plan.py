@@ -39,9 +39,22 @@ from chatlearn_mem.host_memory import HostMemory, gib
 from chatlearn_mem.host_store import HostStore
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS
 
-__all__ = ["HostMemoryPlan", "HostMemoryPlanError", "METHOD_PAGES", "PAGEABLE_GBPS", "PINNED_GBPS", "TimeEstimate",
-           "estimate_part_sizes", "estimate_seconds", "format_bytes", "measured_part_sizes", "method_parts", "part_bytes", "plan_host_memory",
-           "refuse_unless_fits"]
+__all__ = [
+    "HostMemoryPlan",
+    "HostMemoryPlanError",
+    "METHOD_PAGES",
+    "PAGEABLE_GBPS",
+    "PINNED_GBPS",
+    "TimeEstimate",
+    "estimate_part_sizes",
+    "estimate_seconds",
+    "format_bytes",
+    "measured_part_sizes",
+    "method_parts",
+    "part_bytes",
+    "plan_host_memory",
+    "refuse_unless_fits",
+]
 
 PINNED_GBPS = 55.0
 """Pinned host <-> device copy bandwidth of an H100 host, GB/s (DESIGN.md, "Lessons")."""
@@ -161,25 +174,42 @@ class HostMemoryPlan:
 
     def summary(self) -> str:
         """One line: the peaks, then every allocation."""
-        parts = "; ".join(f"{i.what} {format_bytes(i.nbytes)}{' pinned' if i.pinned else ''}"
-                          f"{f' (while {i.held_by} runs)' if i.held_by else ''}" for i in self.items if i.nbytes)
-        return (f"host memory plan: peak {format_bytes(self.peak_bytes)} = {format_bytes(self.pinned_bytes)} pinned + "
-                f"{format_bytes(self.pageable_bytes)} pageable ({parts})")
+        parts = "; ".join(
+            f"{i.what} {format_bytes(i.nbytes)}{' pinned' if i.pinned else ''}"
+            f"{f' (while {i.held_by} runs)' if i.held_by else ''}"
+            for i in self.items
+            if i.nbytes
+        )
+        return (
+            f"host memory plan: peak {format_bytes(self.peak_bytes)} = {format_bytes(self.pinned_bytes)} pinned + "
+            f"{format_bytes(self.pageable_bytes)} pageable ({parts})"
+        )
 
     def to_dict(self) -> dict:
-        return {"pinned_bytes": self.pinned_bytes, "pageable_bytes": self.pageable_bytes,
-                "peak_bytes": self.peak_bytes,
-                "items": [{"what": i.what, "bytes": i.nbytes, "pinned": i.pinned, "held_by": i.held_by}
-                          for i in self.items]}
+        return {
+            "pinned_bytes": self.pinned_bytes,
+            "pageable_bytes": self.pageable_bytes,
+            "peak_bytes": self.peak_bytes,
+            "items": [
+                {"what": i.what, "bytes": i.nbytes, "pinned": i.pinned, "held_by": i.held_by} for i in self.items
+            ],
+        }
 
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], cuda: bool, pin: bool,
-                     bucket_size: int, builtin_available: bool = True,
-                     overlap_bytes: Optional[Mapping[str, int]] = None) -> HostMemoryPlan:
+def plan_host_memory(
+    sizes: Mapping[str, Sequence[int]],
+    *,
+    methods: Sequence[str],
+    cuda: bool,
+    pin: bool,
+    bucket_size: int,
+    builtin_available: bool = True,
+    overlap_bytes: Optional[Mapping[str, int]] = None,
+) -> HostMemoryPlan:
     """The host memory a run with these parts and methods holds (sizes in, bytes out).
 
     Args:
@@ -197,14 +227,21 @@ def plan_host_memory(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
     """
     b = part_bytes(sizes)
     copy_max = max(b[str(p)] for p in COPY_PARTS)
-    items = [PlanItem("manager host store", sum(HostStore.planned_nbytes(list(sizes.get(str(p), ())), bucket_size)
-                                                for p in COPY_PARTS), pin),
-             PlanItem("ceiling host buffer (shared with release_bound)", b[FULL], pin)]
+    items = [
+        PlanItem(
+            "manager host store",
+            sum(HostStore.planned_nbytes(list(sizes.get(str(p), ())), bucket_size) for p in COPY_PARTS),
+            pin,
+        ),
+        PlanItem("ceiling host buffer (shared with release_bound)", b[FULL], pin),
+    ]
     if not cuda:  # the "device" buffers are host memory
         # release_bound's buffer is the part's size and held through the part's rounds (released
         # only inside its own timed calls): count the largest part's for the whole run
-        items += [PlanItem("ceiling device buffer", max(b[FULL], b[Part.GRADS.value]), False),
-                  PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False)]
+        items += [
+            PlanItem("ceiling device buffer", max(b[FULL], b[Part.GRADS.value]), False),
+            PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False),
+        ]
     for name in methods:
         if name == "per_tensor_new_host":
             items.append(PlanItem("per_tensor_new_host host copies", copy_max, False, name))
@@ -244,8 +281,9 @@ def copy_bound_sizes(out_bytes: int, in_bytes: int, nbytes: int = COPY_BOUND_BYT
     return max(1, int(out_bytes * scale)), max(1, int(in_bytes * scale))
 
 
-def refuse_unless_fits(plan: HostMemoryPlan, usable: HostMemory, margin_bytes: int,
-                       instead: Callable[[int], str]) -> None:
+def refuse_unless_fits(
+    plan: HostMemoryPlan, usable: HostMemory, margin_bytes: int, instead: Callable[[int], str]
+) -> None:
     """Raise :class:`HostMemoryPlanError` when ``plan`` does not fit in ``usable`` minus ``margin_bytes``.
 
     Args:
@@ -259,7 +297,8 @@ def refuse_unless_fits(plan: HostMemoryPlan, usable: HostMemory, margin_bytes: i
         raise HostMemoryPlanError(
             f"the benchmark would hold up to {format_bytes(plan.pinned_bytes)} pinned + {format_bytes(plan.pageable_bytes)} pageable "
             f"= {format_bytes(plan.peak_bytes)} of host memory, but the process can use {format_bytes(room)} ({usable.describe()}; "
-            f"minus a {format_bytes(margin_bytes)} margin); nothing was measured. {instead(room)}")
+            f"minus a {format_bytes(margin_bytes)} margin); nothing was measured. {instead(room)}"
+        )
 
 
 # -- time ---------------------------------------------------------------------------------------
@@ -281,19 +320,38 @@ class TimeEstimate:
         per = ", ".join(f"{p} {s:.0f} s" for p, s in self.parts_s.items())
         bw = ", ".join(f"{k} {v:.0f} GB/s" for k, v in self.bandwidths_gbps.items())
         overlap = f" + overlap rows {self.overlap_s:.0f} s" if self.overlap_s else ""
-        return (f"time estimate: {self.total_s:.0f} s = setup {self.setup_s:.0f} s + parts ({per}) + cycles "
-                f"{self.cycles_s:.0f} s{overlap} ({bw})")
+        return (
+            f"time estimate: {self.total_s:.0f} s = setup {self.setup_s:.0f} s + parts ({per}) + cycles "
+            f"{self.cycles_s:.0f} s{overlap} ({bw})"
+        )
 
     def to_dict(self) -> dict:
-        return {"total_s": self.total_s, "setup_s": self.setup_s, "parts_s": dict(self.parts_s),
-                "cycles_s": self.cycles_s, "overlap_s": self.overlap_s, "bandwidths_gbps": dict(self.bandwidths_gbps)}
+        return {
+            "total_s": self.total_s,
+            "setup_s": self.setup_s,
+            "parts_s": dict(self.parts_s),
+            "cycles_s": self.cycles_s,
+            "overlap_s": self.overlap_s,
+            "bandwidths_gbps": dict(self.bandwidths_gbps),
+        }
 
 
-def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[str], repeats: int, warmup: int,
-                     cycles: int, cuda: bool, pin: bool, builtin_available: bool = True,
-                     copy_gbps: Optional[float] = None, fresh_gbps: Optional[float] = None,
-                     overlap_bytes: Optional[Mapping[str, int]] = None, forward_tokens: Optional[int] = 0,
-                     overlap_repeats: Optional[int] = None) -> TimeEstimate:
+def estimate_seconds(
+    sizes: Mapping[str, Sequence[int]],
+    *,
+    methods: Sequence[str],
+    repeats: int,
+    warmup: int,
+    cycles: int,
+    cuda: bool,
+    pin: bool,
+    builtin_available: bool = True,
+    copy_gbps: Optional[float] = None,
+    fresh_gbps: Optional[float] = None,
+    overlap_bytes: Optional[Mapping[str, int]] = None,
+    forward_tokens: Optional[int] = 0,
+    overlap_repeats: Optional[int] = None,
+) -> TimeEstimate:
     """Seconds a run with these parts and settings should take (sizes in, seconds out).
 
     Args:
@@ -342,19 +400,21 @@ def estimate_seconds(sizes: Mapping[str, Sequence[int]], *, methods: Sequence[st
     n_params = b[Part.OPTIMIZER_STATES.value] / 8  # two fp32 moments per parameter
     # Building and one train step: megatron's import and NCCL start, then CPU initialisation
     # (use_cpu_initialization) of every parameter; plus the two integrity checksums.
-    setup_s = (30.0 + 20.0 * n_params / 1e9 if cuda else 5.0 + 60.0 * n_params / 1e9)
+    setup_s = 30.0 + 20.0 * n_params / 1e9 if cuda else 5.0 + 60.0 * n_params / 1e9
     setup_s += 2 * b[FULL] / 1e9 / bw["fill"]
     overlap_s = 0.0
     if overlap_bytes:
         rounds = warmup + (overlap_repeats or repeats)
         full = sum(call("manager", FULL, d) for d in (0, 1))
         weights = sum(call("manager", Part.WEIGHTS.value, d) for d in (0, 1))
-        forward = (2 * n_params * forward_tokens / FORWARD_FLOPS[cuda] if forward_tokens is not None
-                   else weights / 2)
+        forward = 2 * n_params * forward_tokens / FORWARD_FLOPS[cuda] if forward_tokens is not None else weights / 2
         critic = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value) / 1e9 / bw["pinned"]
         critic_params = overlap_bytes.get(Part.OPTIMIZER_STATES.value, 0) / 8
-        overlap_s = (rounds * (3 * forward + 2 * weights)  # onload_then_forward
-                     + rounds * 4 * (full + 2 * critic)  # swap: serial and overlapped, there and back
-                     + rounds * 2 * full  # full_cycle: serial and overlapped
-                     + 2.0 + (20.0 if cuda else 60.0) * critic_params / 1e9)  # building the second trainer, as setup
+        overlap_s = (
+            rounds * (3 * forward + 2 * weights)  # onload_then_forward
+            + rounds * 4 * (full + 2 * critic)  # swap: serial and overlapped, there and back
+            + rounds * 2 * full  # full_cycle: serial and overlapped
+            + 2.0
+            + (20.0 if cuda else 60.0) * critic_params / 1e9
+        )  # building the second trainer, as setup
     return TimeEstimate(setup_s, parts_s, cycles_s, bw, overlap_s)

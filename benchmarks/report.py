@@ -14,8 +14,7 @@ from chatlearn_mem.checkpoint import write_json_atomic
 from chatlearn_mem_bench.config import PARTS
 from chatlearn_mem_bench.plan import format_bytes
 
-__all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "plot", "print_targets", "rebuild",
-           "write_outputs"]
+__all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "plot", "print_targets", "rebuild", "write_outputs"]
 
 MiB = 2**20
 
@@ -25,10 +24,16 @@ def missing_summary(res: dict) -> str:
     if res.get("complete", True):
         return ""
     missing = res.get("missing_parts", [])
-    what = [f"parts {', '.join(missing)}" if missing else "", "" if "cycles" in res else "the repeated full cycles",
-            "" if "integrity" in res else "the integrity check"]
-    return ("Incomplete run (stopped, killed or timed out): missing " + "; ".join(w for w in what if w) +
-            ". Every row below was measured; the targets cover those rows only.")
+    what = [
+        f"parts {', '.join(missing)}" if missing else "",
+        "" if "cycles" in res else "the repeated full cycles",
+        "" if "integrity" in res else "the integrity check",
+    ]
+    return (
+        "Incomplete run (stopped, killed or timed out): missing "
+        + "; ".join(w for w in what if w)
+        + ". Every row below was measured; the targets cover those rows only."
+    )
 
 
 def _ms(x: float) -> str:
@@ -41,8 +46,7 @@ def markdown(res: dict) -> str:
     lines = [
         f"# chatlearn-mem memory benchmark, {res['date']}",
         "",
-        f"Produced by `{res['command']}` (started {res['started_utc']}, "
-        f"git {res.get('git_revision') or 'unknown'}).",
+        f"Produced by `{res['command']}` (started {res['started_utc']}, git {res.get('git_revision') or 'unknown'}).",
         "",
         *([f"**{missing_summary(res)}**", ""] if missing_summary(res) else []),
         f"- device: {hw['device']}, {dev}; host memory {hw['memory_total_bytes'] / 2**30:.1f} GiB; "
@@ -68,29 +72,42 @@ def markdown(res: dict) -> str:
         vc = f"{r['vs_ceiling']:.2f}" if r.get("vs_ceiling") is not None else ""
         vb = f"{r['vs_release_bound']:.2f}" if r.get("vs_release_bound") is not None else ""
         tm = f"{r['time_vs_manager']:.2f}x" if r.get("time_vs_manager") is not None else ""
-        lines.append(f"| {r['part']} | {r['direction']} | {r['method']} | {_ms(s['median'])} | "
-                     f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {vb} | {tm} | "
-                     f"{r.get('manager_is', '')} |")
-    lines += ["", "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".", "",
-              "## Memory per stage (first timed repeat)", "",
-              "Device bytes: CUDA allocated/reserved on GPU; on CPU the manager's `residency()` for the "
-              "manager, the part's storages (+ new buffers) for the others. Host: bytes the method holds "
-              "(pinned in brackets).", ""]
+        lines.append(
+            f"| {r['part']} | {r['direction']} | {r['method']} | {_ms(s['median'])} | "
+            f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {vb} | {tm} | "
+            f"{r.get('manager_is', '')} |"
+        )
+    lines += [
+        "",
+        "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".",
+        "",
+        "## Memory per stage (first timed repeat)",
+        "",
+        "Device bytes: CUDA allocated/reserved on GPU; on CPU the manager's `residency()` for the "
+        "manager, the part's storages (+ new buffers) for the others. Host: bytes the method holds "
+        "(pinned in brackets).",
+        "",
+    ]
     cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
     head = "| part | method | device MiB before / offloaded / onloaded | host MiB offloaded (pinned) | RSS MiB before / offloaded / onloaded |"
     if cuda:
         head += " CUDA alloc MiB b/o/o | CUDA reserved MiB b/o/o |"
-        lines.insert(-1, "CUDA figures include the benchmark's own ceiling and bound buffers for the part "
-                         "(`benchmark_device_buffers_bytes` in the JSON).")
+        lines.insert(
+            -1,
+            "CUDA figures include the benchmark's own ceiling and bound buffers for the part "
+            "(`benchmark_device_buffers_bytes` in the JSON).",
+        )
     lines += [head, "|---|---|---|---|---|" + ("---|---|" if cuda else "")]
     by = {}
     for x in res["memory"]:
         by.setdefault((x["part"], x["method"]), {})[x["stage"]] = x
     for (part, method), st in by.items():
         b, o, n = st["before"], st["after_offload"], st["after_onload"]
-        row = (f"| {part} | {method} | {b['device_bytes'] / MiB:.1f} / {o['device_bytes'] / MiB:.1f} / "
-               f"{n['device_bytes'] / MiB:.1f} | {o['host_bytes'] / MiB:.1f} ({o['pinned_bytes'] / MiB:.1f}) | "
-               f"{b['rss_bytes'] / MiB:.0f} / {o['rss_bytes'] / MiB:.0f} / {n['rss_bytes'] / MiB:.0f} |")
+        row = (
+            f"| {part} | {method} | {b['device_bytes'] / MiB:.1f} / {o['device_bytes'] / MiB:.1f} / "
+            f"{n['device_bytes'] / MiB:.1f} | {o['host_bytes'] / MiB:.1f} ({o['pinned_bytes'] / MiB:.1f}) | "
+            f"{b['rss_bytes'] / MiB:.0f} / {o['rss_bytes'] / MiB:.0f} / {n['rss_bytes'] / MiB:.0f} |"
+        )
         if cuda:
             row += " / ".join(f"{s['cuda_allocated_bytes'] / MiB:.0f}" for s in (b, o, n)) + " | "
             row += " / ".join(f"{s['cuda_reserved_bytes'] / MiB:.0f}" for s in (b, o, n)) + " |"
@@ -105,8 +122,12 @@ def markdown(res: dict) -> str:
         lines.append(f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |")
     integ = res.get("integrity")
     if integ:
-        lines += ["", f"Integrity: tensors bit-identical after every method: "
-                      f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.", ""]
+        lines += [
+            "",
+            f"Integrity: tensors bit-identical after every method: "
+            f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.",
+            "",
+        ]
     return "\n".join(lines) + ("" if integ else "\n")
 
 
@@ -114,18 +135,25 @@ def _cycle_lines(cyc) -> list[str]:
     if not cyc:
         return []
     rows = cyc["rows"]
-    lines = ["", f"## {len(rows)} repeated full cycles (manager)", "",
-              f"Cycle time (offload + onload) median {cyc['cycle_s_first_half']['median']:.3f} s "
-              f"(IQR {cyc['cycle_s_first_half']['q25']:.3f}-{cyc['cycle_s_first_half']['q75']:.3f}) in the first half, "
-              f"{cyc['cycle_s_second_half']['median']:.3f} s "
-              f"(IQR {cyc['cycle_s_second_half']['q25']:.3f}-{cyc['cycle_s_second_half']['q75']:.3f}) in the second.", "",
-              "| cycle | offload ms | onload ms | device MiB offloaded / onloaded | host store MiB | RSS MiB offloaded / onloaded |",
-              "|---:|---:|---:|---|---:|---|"]
+    lines = [
+        "",
+        f"## {len(rows)} repeated full cycles (manager)",
+        "",
+        f"Cycle time (offload + onload) median {cyc['cycle_s_first_half']['median']:.3f} s "
+        f"(IQR {cyc['cycle_s_first_half']['q25']:.3f}-{cyc['cycle_s_first_half']['q75']:.3f}) in the first half, "
+        f"{cyc['cycle_s_second_half']['median']:.3f} s "
+        f"(IQR {cyc['cycle_s_second_half']['q25']:.3f}-{cyc['cycle_s_second_half']['q75']:.3f}) in the second.",
+        "",
+        "| cycle | offload ms | onload ms | device MiB offloaded / onloaded | host store MiB | RSS MiB offloaded / onloaded |",
+        "|---:|---:|---:|---|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['cycle']} | {_ms(r['offload_s'])} | {_ms(r['onload_s'])} | "
-                     f"{r['device_bytes_after_offload'] / MiB:.1f} / {r['device_bytes_after_onload'] / MiB:.1f} | "
-                     f"{r['host_bytes_after_offload'] / MiB:.1f} | "
-                     f"{r['rss_after_offload'] / MiB:.0f} / {r['rss_after_onload'] / MiB:.0f} |")
+        lines.append(
+            f"| {r['cycle']} | {_ms(r['offload_s'])} | {_ms(r['onload_s'])} | "
+            f"{r['device_bytes_after_offload'] / MiB:.1f} / {r['device_bytes_after_onload'] / MiB:.1f} | "
+            f"{r['host_bytes_after_offload'] / MiB:.1f} | "
+            f"{r['rss_after_offload'] / MiB:.0f} / {r['rss_after_onload'] / MiB:.0f} |"
+        )
     return lines
 
 
@@ -133,27 +161,40 @@ def _overlap_lines(rows) -> list[str]:
     if not rows:
         return []
     threads = rows[0].get("threads")
-    lines = ["", "## Overlap: each transition the copy engine overlaps, against its serial counterpart", "",
-             f"Medians (IQR) over the timed repeats, interleaved; {threads} compute thread(s) on a CPU device "
-             "(`overlap_threads`: a core is left to the copy lane). `onload_then_forward`: onload(weights) then a "
-             "no-grad forward vs onload(weights, blocking=False) and the forward at once; `swap`: a.offload() then "
-             "b.onload() vs swap(out=a, into=b); `full_cycle`: one blocking call per part vs offload() + onload().",
-             "", "| row | serial ms (IQR) | overlapped ms (IQR) | overlapped / serial (IQR) | note |",
-             "|---|---:|---:|---:|---|"]
+    lines = [
+        "",
+        "## Overlap: each transition the copy engine overlaps, against its serial counterpart",
+        "",
+        f"Medians (IQR) over the timed repeats, interleaved; {threads} compute thread(s) on a CPU device "
+        "(`overlap_threads`: a core is left to the copy lane). `onload_then_forward`: onload(weights) then a "
+        "no-grad forward vs onload(weights, blocking=False) and the forward at once; `swap`: a.offload() then "
+        "b.onload() vs swap(out=a, into=b); `full_cycle`: one blocking call per part vs offload() + onload().",
+        "",
+        "| row | serial ms (IQR) | overlapped ms (IQR) | overlapped / serial (IQR) | note |",
+        "|---|---:|---:|---:|---|",
+    ]
     for r in rows:
         s, o, q = r["serial_spread_s"], r["overlapped_spread_s"], r.get("ratio_spread") or [r["ratio"]] * 2
         note = ""
         if r["name"] == "onload_then_forward":
-            note = (f"forward alone {_ms(r['forward_alone_s'])} ms: no schedule beats "
-                    f"{r['best_possible_ratio']:.2f}; overlapped = {r['overlapped_vs_forward']:.2f}x the forward")
+            note = (
+                f"forward alone {_ms(r['forward_alone_s'])} ms: no schedule beats "
+                f"{r['best_possible_ratio']:.2f}; overlapped = {r['overlapped_vs_forward']:.2f}x the forward"
+            )
         elif r["name"] == "swap":
-            note = (f"out {r['out_bytes'] / MiB:.0f} MiB, in {r['in_bytes'] / MiB:.0f} MiB "
-                    f"({r['critic_layers']}-layer trainer)")
+            note = (
+                f"out {r['out_bytes'] / MiB:.0f} MiB, in {r['in_bytes'] / MiB:.0f} MiB "
+                f"({r['critic_layers']}-layer trainer)"
+            )
             if r.get("copy_bound_ratio") is not None:
-                note += (f"; two host copies at once take {r['copy_bound_ratio']:.2f} of serial here: "
-                         f"no swap beats that on this machine")
-        lines.append(f"| {r['name']} | {_ms(r['serial_s'])} ({_ms(s[0])}-{_ms(s[1])}) | {_ms(r['overlapped_s'])} "
-                     f"({_ms(o[0])}-{_ms(o[1])}) | {r['ratio']:.2f} ({q[0]:.2f}-{q[1]:.2f}) | {note} |")
+                note += (
+                    f"; two host copies at once take {r['copy_bound_ratio']:.2f} of serial here: "
+                    f"no swap beats that on this machine"
+                )
+        lines.append(
+            f"| {r['name']} | {_ms(r['serial_s'])} ({_ms(s[0])}-{_ms(s[1])}) | {_ms(r['overlapped_s'])} "
+            f"({_ms(o[0])}-{_ms(o[1])}) | {r['ratio']:.2f} ({q[0]:.2f}-{q[1]:.2f}) | {note} |"
+        )
     return lines
 
 
@@ -163,25 +204,38 @@ def _plan_lines(res: dict) -> list[str]:
     plan = res.get("host_memory_plan")
     if plan:
         peak = plan.get("rss_bytes_peak")
-        measured = (f"; process RSS {format_bytes(plan['rss_bytes_at_start'])} when planned, peak (ru_maxrss) "
-                    f"{format_bytes(peak)}" if peak else "")
+        measured = (
+            f"; process RSS {format_bytes(plan['rss_bytes_at_start'])} when planned, peak (ru_maxrss) "
+            f"{format_bytes(peak)}"
+            if peak
+            else ""
+        )
         usable = plan.get("usable_bytes_at_start")
-        out.append(f"- host memory plan (checked before the first timing): peak {format_bytes(plan['pinned_bytes'])} "
-                   f"pinned + {format_bytes(plan['pageable_bytes'])} pageable"
-                   + (f" of {format_bytes(usable)} usable" if usable else "") + measured)
+        out.append(
+            f"- host memory plan (checked before the first timing): peak {format_bytes(plan['pinned_bytes'])} "
+            f"pinned + {format_bytes(plan['pageable_bytes'])} pageable"
+            + (f" of {format_bytes(usable)} usable" if usable else "")
+            + measured
+        )
     est = res.get("time_estimate")
     if est:
         done = res.get("part_seconds", {})
-        per = ", ".join(f"{p} {s:.0f} s" + (f" (took {done[p]:.0f} s)" if p in done else "")
-                        for p, s in est["parts_s"].items())
+        per = ", ".join(
+            f"{p} {s:.0f} s" + (f" (took {done[p]:.0f} s)" if p in done else "") for p, s in est["parts_s"].items()
+        )
         took = f"; took {res['elapsed_seconds']:.0f} s" if "elapsed_seconds" in res else ""
-        out.append(f"- time estimate {est['total_s']:.0f} s{took}: setup {est['setup_s']:.0f} s "
-                   f"(took {res.get('setup_seconds', 0):.0f} s), {per}, cycles {est['cycles_s']:.0f} s")
+        out.append(
+            f"- time estimate {est['total_s']:.0f} s{took}: setup {est['setup_s']:.0f} s "
+            f"(took {res.get('setup_seconds', 0):.0f} s), {per}, cycles {est['cycles_s']:.0f} s"
+        )
     pays = res.get("pays_empty_cache")
     if pays and res["hardware"]["device"].startswith("cuda"):
-        out.append("- `torch.cuda.empty_cache()` after releasing device memory: paid by "
-                   + (", ".join(m for m, p in pays.items() if p) or "none") + "; not by "
-                   + (", ".join(m for m, p in pays.items() if not p) or "none"))
+        out.append(
+            "- `torch.cuda.empty_cache()` after releasing device memory: paid by "
+            + (", ".join(m for m, p in pays.items() if p) or "none")
+            + "; not by "
+            + (", ".join(m for m, p in pays.items() if not p) or "none")
+        )
     return out
 
 
@@ -192,14 +246,15 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = list(res["methods"])
-    groups = [(p, d) for p in PARTS
-              for d in ("offload", "onload")]
+    groups = [(p, d) for p in PARTS for d in ("offload", "onload")]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 9))
     width = 0.8 / len(methods)
     for i, meth in enumerate(methods):
         xs, ys, lo, hi = [], [], [], []
         for g, (p, d) in enumerate(groups):
-            r = next((r for r in res["timings"] if r["part"] == p and r["direction"] == d and r["method"] == meth), None)
+            r = next(
+                (r for r in res["timings"] if r["part"] == p and r["direction"] == d and r["method"] == meth), None
+            )
             if r is None:
                 continue
             s = r["seconds"]
@@ -211,8 +266,10 @@ def plot(res: dict, path: Path) -> None:
     ax1.set_xticks(range(len(groups)), [f"{p}\n{d}" for p, d in groups], fontsize=8)
     ax1.set_ylabel("wall time, ms (median, IQR bars)")
     ax1.set_yscale("log")
-    ax1.set_title(f"Time per part per method ({res['hardware'].get('gpu_name') or res['hardware']['cpu_model']})"
-                  + ("" if res.get("complete", True) else f"; missing: {', '.join(res.get('missing_parts', []))}"))
+    ax1.set_title(
+        f"Time per part per method ({res['hardware'].get('gpu_name') or res['hardware']['cpu_model']})"
+        + ("" if res.get("complete", True) else f"; missing: {', '.join(res.get('missing_parts', []))}")
+    )
     ax1.legend(fontsize=8)
 
     cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
@@ -221,8 +278,11 @@ def plot(res: dict, path: Path) -> None:
     key = "cuda_reserved_bytes" if cuda else "device_bytes"
     width = 0.8 / len(stages)
     for i, stage in enumerate(stages):
-        ys = [next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager"
-                   and x["stage"] == stage)[key] / MiB for p in parts]
+        ys = [
+            next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager" and x["stage"] == stage)[key]
+            / MiB
+            for p in parts
+        ]
         ax2.bar([j + (i - 1) * width for j in range(len(parts))], ys, width, label=f"device, {stage}")
     mem = {(x["part"], x["method"], x["stage"]): x for x in res["memory"]}
     rss = [mem[(p, "manager", "after_offload")]["rss_bytes"] / MiB for p in parts]
@@ -289,8 +349,10 @@ def rebuild(json_path: Path, plot: bool = True) -> tuple[dict, list[Path]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{json_path} is not JSON ({e}); pass the .json a benchmark run wrote") from None
     if not isinstance(res, dict) or not {"timings", "memory", "hardware", "config"} <= set(res):
-        raise ValueError(f"{json_path} is not a chatlearn-mem benchmark's results (no timings, memory, hardware "
-                         "and config); pass the .json that `chatlearn-mem bench` wrote")
+        raise ValueError(
+            f"{json_path} is not a chatlearn-mem benchmark's results (no timings, memory, hardware "
+            "and config); pass the .json that `chatlearn-mem bench` wrote"
+        )
     if not res.get("complete", True):
         res["targets"] = check_targets(res)
     stem, out_dir = json_path.stem, json_path.parent

@@ -14,14 +14,39 @@ import torch
 
 from chatlearn_mem import Part
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS, PRESETS, BenchConfig
-from chatlearn_mem_bench.measure import (compare, git_revision, hardware, hardware_slug, host_bandwidths,
-                                         memory_snapshot, stats, timed, versions)
-from chatlearn_mem_bench.methods import (ALTERNATIVES, LABELS, CeilingMethod, ManagerMethod, ReleaseBound,
-                                         logical_tensors, part_storages, return_freed_host_memory)
+from chatlearn_mem_bench.measure import (
+    compare,
+    git_revision,
+    hardware,
+    hardware_slug,
+    host_bandwidths,
+    memory_snapshot,
+    stats,
+    timed,
+    versions,
+)
+from chatlearn_mem_bench.methods import (
+    ALTERNATIVES,
+    LABELS,
+    CeilingMethod,
+    ManagerMethod,
+    ReleaseBound,
+    logical_tensors,
+    part_storages,
+    return_freed_host_memory,
+)
 from chatlearn_mem_bench.overlap import measure_overlap, overlap_targets
 from chatlearn_mem_bench.overlap import plan_args as overlap_plan_args
-from chatlearn_mem_bench.plan import (HostMemoryPlan, estimate_part_sizes, estimate_seconds, format_bytes,
-                                      measured_part_sizes, part_bytes, plan_host_memory, refuse_unless_fits)
+from chatlearn_mem_bench.plan import (
+    HostMemoryPlan,
+    estimate_part_sizes,
+    estimate_seconds,
+    format_bytes,
+    measured_part_sizes,
+    part_bytes,
+    plan_host_memory,
+    refuse_unless_fits,
+)
 
 __all__ = ["PARTS", "check_writable", "run_and_report", "run_benchmark"]
 
@@ -55,8 +80,13 @@ def _snap(method, part: str, device: torch.device, reference: list) -> dict:
     host, pinned = method.host_bytes()
     # The ceiling and bound buffers are in CUDA allocated/reserved and RSS too: say how much.
     own = sum(r.device_bytes(part) for r in reference)
-    return {"device_bytes": method.device_bytes(part), "host_bytes": host, "pinned_bytes": pinned,
-            "benchmark_device_buffers_bytes": own, **memory_snapshot(device)}
+    return {
+        "device_bytes": method.device_bytes(part),
+        "host_bytes": host,
+        "pinned_bytes": pinned,
+        "benchmark_device_buffers_bytes": own,
+        **memory_snapshot(device),
+    }
 
 
 def _instead(plan: HostMemoryPlan, room: int, **plan_args) -> str:
@@ -69,21 +99,31 @@ def _instead(plan: HostMemoryPlan, room: int, **plan_args) -> str:
     for name in preset_names(PRESETS):
         other = load_config(name)
         try:
-            peak = plan_host_memory(estimate_part_sizes(other.trainer), methods=other.methods,
-                                    overlap_bytes=overlap_plan_args(other).get("overlap_bytes"), **plan_args).peak_bytes
+            peak = plan_host_memory(
+                estimate_part_sizes(other.trainer),
+                methods=other.methods,
+                overlap_bytes=overlap_plan_args(other).get("overlap_bytes"),
+                **plan_args,
+            ).peak_bytes
         except ValueError:
             continue
         if peak <= room and peak < plan.peak_bytes:
             fits.append((peak, name))
     if not fits:
-        return ("No shipped preset fits either: free host memory, or run a smaller trainer "
-                "(e.g. trainer.num_layers=2) with fewer alternatives (methods=[]).")
+        return (
+            "No shipped preset fits either: free host memory, or run a smaller trainer "
+            "(e.g. trainer.num_layers=2) with fewer alternatives (methods=[])."
+        )
     peak, name = max(fits)
     return f"Use a smaller preset: --config {name} (plans {format_bytes(peak)}), or fewer alternatives (methods=[])."
 
 
-def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[dict], None]] = None,
-                  echo: Callable[[str], None] = log.info) -> dict:
+def run_benchmark(
+    cfg: BenchConfig,
+    command: str = "",
+    sink: Optional[Callable[[dict], None]] = None,
+    echo: Callable[[str], None] = log.info,
+) -> dict:
     """Run everything ``cfg`` asks for and return the results dict (what the JSON holds).
 
     Before the first timing it prints (``echo``) the host memory plan and the time estimate and
@@ -98,8 +138,7 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
     Raises:
         HostMemoryPlanError: The plan does not fit; nothing was timed and ``sink`` never called.
     """
-    from chatlearn_mem import MemoryConfig, TrainerMemoryManager
-    from chatlearn_mem import host_memory
+    from chatlearn_mem import MemoryConfig, TrainerMemoryManager, host_memory
     from chatlearn_mem.models import gpt
 
     if cfg.threads:
@@ -113,30 +152,52 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
         trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
     cuda = torch.cuda.is_available()
     pin = bool(cuda and (cfg.pin_memory is None or cfg.pin_memory))
-    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(
-        bucket_size_mb=cfg.bucket_size_mb, pin_memory=pin if cuda else None, cpu_huge_pages=cfg.cpu_huge_pages,
-        skip_unchanged_weights=False))  # always copy: the benchmark times copies
+    mm = TrainerMemoryManager(
+        trainer.model,
+        trainer.optimizer,
+        MemoryConfig(
+            bucket_size_mb=cfg.bucket_size_mb,
+            pin_memory=pin if cuda else None,
+            cpu_huge_pages=cfg.cpu_huge_pages,
+            skip_unchanged_weights=False,
+        ),
+    )  # always copy: the benchmark times copies
     device = mm.device
     hw = hardware(device)
     sizes = measured_part_sizes({p: part_storages(mm, p) for p in Part})
     nbytes = part_bytes(sizes)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    log.info("trainer: %.1f M parameters on %s; bytes per part: %s", n_params / 1e6, device,
-             {k: f"{v / 2**20:.1f} MiB" for k, v in nbytes.items()})
+    log.info(
+        "trainer: %.1f M parameters on %s; bytes per part: %s",
+        n_params / 1e6,
+        device,
+        {k: f"{v / 2**20:.1f} MiB" for k, v in nbytes.items()},
+    )
 
     manager = ManagerMethod(mm, trainer, pin)
     ceiling = CeilingMethod(mm, trainer, pin)
     bound = ReleaseBound(mm, trainer, pin, ceiling)
     alternatives = [ALTERNATIVES[name](mm, trainer, pin) for name in cfg.methods]
     builtin = all(getattr(a, "available", True) for a in alternatives)
-    plan_args = dict(cuda=device.type == "cuda", pin=pin, bucket_size=mm.config.bucket_size_bytes,
-                     builtin_available=builtin)
+    plan_args = dict(
+        cuda=device.type == "cuda", pin=pin, bucket_size=mm.config.bucket_size_bytes, builtin_available=builtin
+    )
     overlap = overlap_plan_args(cfg)
     plan = plan_host_memory(sizes, methods=cfg.methods, overlap_bytes=overlap.get("overlap_bytes"), **plan_args)
     host_gbps = host_bandwidths()
-    estimate = estimate_seconds(sizes, methods=cfg.methods, repeats=cfg.repeats, warmup=cfg.warmup,
-                                cycles=cfg.cycles, cuda=plan_args["cuda"], pin=pin, builtin_available=builtin,
-                                copy_gbps=host_gbps["copy"], fresh_gbps=host_gbps["fresh"], **overlap)
+    estimate = estimate_seconds(
+        sizes,
+        methods=cfg.methods,
+        repeats=cfg.repeats,
+        warmup=cfg.warmup,
+        cycles=cfg.cycles,
+        cuda=plan_args["cuda"],
+        pin=pin,
+        builtin_available=builtin,
+        copy_gbps=host_gbps["copy"],
+        fresh_gbps=host_gbps["fresh"],
+        **overlap,
+    )
     echo(plan.summary())
     echo(estimate.summary())
     usable = host_memory.usable_host_memory()
@@ -154,8 +215,12 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
         "versions": versions(),
         "hardware": hw,
         "model": {"parameters": n_params, "bytes_per_part": nbytes, "pinned_host": pin},
-        "host_memory_plan": {**plan.to_dict(), "usable_bytes_at_start": usable.nbytes,
-                             "usable_sources": usable.describe(), "rss_bytes_at_start": memory_snapshot(device)["rss_bytes"]},
+        "host_memory_plan": {
+            **plan.to_dict(),
+            "usable_bytes_at_start": usable.nbytes,
+            "usable_sources": usable.describe(),
+            "rss_bytes_at_start": memory_snapshot(device)["rss_bytes"],
+        },
         "time_estimate": estimate.to_dict(),
         "setup_seconds": time.perf_counter() - t_start,
         "part_seconds": {},
@@ -174,8 +239,9 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
     try:
         for part in PARTS:
             t_part = time.perf_counter()
-            res["timings"] += _time_part(part, cfg, nbytes, device, manager, ceiling, bound, alternatives,
-                                         res["memory"])
+            res["timings"] += _time_part(
+                part, cfg, nbytes, device, manager, ceiling, bound, alternatives, res["memory"]
+            )
             res["part_seconds"][part] = time.perf_counter() - t_part
             res["missing_parts"].remove(part)
             res["targets"] = check_targets(res)
@@ -194,8 +260,11 @@ def run_benchmark(cfg: BenchConfig, command: str = "", sink: Optional[Callable[[
         publish(res)
     checksum_after = _checksum(mm, trainer)
     audit = mm.audit()
-    res["integrity"] = {"tensors_bit_identical_after_all_methods": checksum_before == checksum_after,
-                        "audit_ok": audit.ok, "audit_problems": list(audit.problems)}
+    res["integrity"] = {
+        "tensors_bit_identical_after_all_methods": checksum_before == checksum_after,
+        "audit_ok": audit.ok,
+        "audit_problems": list(audit.problems),
+    }
     res["host_memory_plan"]["rss_bytes_peak"] = _peak_rss()
     res["elapsed_seconds"] = time.perf_counter() - t_start
     res["complete"] = True
@@ -213,8 +282,17 @@ def _peak_rss() -> Optional[int]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def _time_part(part: str, cfg: BenchConfig, nbytes: dict, device: torch.device, manager, ceiling, bound,
-               alternatives: list, memory: list) -> list[dict]:
+def _time_part(
+    part: str,
+    cfg: BenchConfig,
+    nbytes: dict,
+    device: torch.device,
+    manager,
+    ceiling,
+    bound,
+    alternatives: list,
+    memory: list,
+) -> list[dict]:
     """``warmup + repeats`` interleaved rounds of every method on ``part``; its timing rows."""
     methods = [manager, ceiling, bound] + [a for a in alternatives if part in a.parts()]
     ceiling.use(nbytes[part])
@@ -232,8 +310,9 @@ def _time_part(part: str, cfg: BenchConfig, nbytes: dict, device: torch.device, 
 
             def snap(stage: str) -> None:
                 if record:
-                    memory.append({"part": part, "method": m.name, "stage": stage,
-                                   **_snap(m, part, device, [ceiling, bound])})
+                    memory.append(
+                        {"part": part, "method": m.name, "stage": stage, **_snap(m, part, device, [ceiling, bound])}
+                    )
 
             snap("before")
             t_off, c_off = timed(lambda: m.offload(part), device)
@@ -255,18 +334,27 @@ def _time_part(part: str, cfg: BenchConfig, nbytes: dict, device: torch.device, 
         for m in methods:
             s = stats(samples[(m.name, direction)])
             b = copied[(m.name, direction)]
-            row = {"part": part, "method": m.name, "label": LABELS[m.name], "direction": direction,
-                   "seconds": s, "samples_s": samples[(m.name, direction)], "bytes_copied": b,
-                   "bytes_part": nbytes[part],
-                   "gb_per_s": b / s["median"] / 1e9 if b and s["median"] else None,
-                   "gb_per_s_iqr": [b / s["q75"] / 1e9, b / s["q25"] / 1e9] if b and s["q25"] else None}
+            row = {
+                "part": part,
+                "method": m.name,
+                "label": LABELS[m.name],
+                "direction": direction,
+                "seconds": s,
+                "samples_s": samples[(m.name, direction)],
+                "bytes_copied": b,
+                "bytes_part": nbytes[part],
+                "gb_per_s": b / s["median"] / 1e9 if b and s["median"] else None,
+                "gb_per_s_iqr": [b / s["q75"] / 1e9, b / s["q25"] / 1e9] if b and s["q25"] else None,
+            }
             if m.name == "manager":
                 ceiling_copies = part != Part.GRADS or direction == "onload"
                 row["vs_ceiling"] = cs["median"] / s["median"] if ceiling_copies and s["median"] else None
                 row["vs_release_bound"] = bs["median"] / s["median"] if ceiling_copies and s["median"] else None
-                row["vs_ceiling_note"] = ("ceiling/manager time = manager/ceiling throughput"
-                                          if part != Part.GRADS else
-                                          "grads: no bytes copied; onload ceiling is a zero-fill")
+                row["vs_ceiling_note"] = (
+                    "ceiling/manager time = manager/ceiling throughput"
+                    if part != Part.GRADS
+                    else "grads: no bytes copied; onload ceiling is a zero-fill"
+                )
             elif m.name not in ("ceiling", "release_bound"):
                 row["time_vs_manager"] = s["median"] / ms["median"] if ms["median"] else None
                 row["manager_is"] = compare(ms, s)
@@ -284,16 +372,29 @@ def _cycles(mm, trainer, cfg: BenchConfig, device: torch.device) -> dict:
         t_on, _ = timed(lambda: mm.onload(), device)
         r_on = mm.residency()
         s_on = memory_snapshot(device)
-        rows.append({"cycle": i, "offload_s": t_off, "onload_s": t_on,
-                     "device_bytes_after_offload": r_off.device_bytes, "host_bytes_after_offload": r_off.host_bytes,
-                     "device_bytes_after_onload": r_on.device_bytes, "host_bytes_after_onload": r_on.host_bytes,
-                     "rss_after_offload": s_off["rss_bytes"], "rss_after_onload": s_on["rss_bytes"],
-                     **{f"{k}_after_offload": v for k, v in s_off.items() if k.startswith("cuda")},
-                     **{f"{k}_after_onload": v for k, v in s_on.items() if k.startswith("cuda")}})
+        rows.append(
+            {
+                "cycle": i,
+                "offload_s": t_off,
+                "onload_s": t_on,
+                "device_bytes_after_offload": r_off.device_bytes,
+                "host_bytes_after_offload": r_off.host_bytes,
+                "device_bytes_after_onload": r_on.device_bytes,
+                "host_bytes_after_onload": r_on.host_bytes,
+                "rss_after_offload": s_off["rss_bytes"],
+                "rss_after_onload": s_on["rss_bytes"],
+                **{f"{k}_after_offload": v for k, v in s_off.items() if k.startswith("cuda")},
+                **{f"{k}_after_onload": v for k, v in s_on.items() if k.startswith("cuda")},
+            }
+        )
     half = len(rows) // 2
     totals = [r["offload_s"] + r["onload_s"] for r in rows]
-    return {"rows": rows, "cycle_s_all": stats(totals), "cycle_s_first_half": stats(totals[:half]),
-            "cycle_s_second_half": stats(totals[half:])}
+    return {
+        "rows": rows,
+        "cycle_s_all": stats(totals),
+        "cycle_s_first_half": stats(totals[:half]),
+        "cycle_s_second_half": stats(totals[half:]),
+    }
 
 
 def check_targets(res: dict) -> list[dict]:
@@ -312,56 +413,93 @@ def check_targets(res: dict) -> list[dict]:
                 continue  # not measured (an incomplete run)
             row, ceil = by[(part, "manager", d)], by[(part, "ceiling", d)]
             ratio = row["vs_ceiling"]
-            out.append({"name": f"{part} {d}: manager >= {threshold} of ceiling", "passed": ratio >= threshold,
-                        "detail": f"{ratio:.2f} of ceiling ({row['gb_per_s']:.2f} GB/s vs {ceil['gb_per_s']:.2f} GB/s; "
-                                  f"{row['vs_release_bound']:.2f} of the release bound)"})
+            out.append(
+                {
+                    "name": f"{part} {d}: manager >= {threshold} of ceiling",
+                    "passed": ratio >= threshold,
+                    "detail": f"{ratio:.2f} of ceiling ({row['gb_per_s']:.2f} GB/s vs {ceil['gb_per_s']:.2f} GB/s; "
+                    f"{row['vs_release_bound']:.2f} of the release bound)",
+                }
+            )
     for r in rows:
         if "manager_is" not in r:
             continue
         ok = r["manager_is"] == "faster" if gpu else r["manager_is"] != "slower"
         want = "faster than" if gpu else "no slower (beyond spread) than"
-        out.append({"name": f"{r['part']} {r['direction']}: manager {want} {r['method']}", "passed": ok,
-                    "detail": f"{r['method']} takes {r['time_vs_manager']:.2f}x the manager's time "
-                              f"({r['manager_is']}{' - within spread' if r['manager_is'] == 'noise' else ''})"})
+        out.append(
+            {
+                "name": f"{r['part']} {r['direction']}: manager {want} {r['method']}",
+                "passed": ok,
+                "detail": f"{r['method']} takes {r['time_vs_manager']:.2f}x the manager's time "
+                f"({r['manager_is']}{' - within spread' if r['manager_is'] == 'noise' else ''})",
+            }
+        )
     if "cycles" in res:
         out += _cycle_targets(res, gpu)
     if res.get("overlap"):
         out += overlap_targets(res["overlap"], gpu)
     integ = res.get("integrity")
     if integ:
-        out.append({"name": "integrity: tensors bit-identical after every method, audit ok",
-                    "passed": integ["tensors_bit_identical_after_all_methods"] and integ["audit_ok"],
-                    "detail": "; ".join(integ["audit_problems"]) or "checksums equal, audit ok"})
+        out.append(
+            {
+                "name": "integrity: tensors bit-identical after every method, audit ok",
+                "passed": integ["tensors_bit_identical_after_all_methods"] and integ["audit_ok"],
+                "detail": "; ".join(integ["audit_problems"]) or "checksums equal, audit ok",
+            }
+        )
     return out
 
 
 def _cycle_targets(res: dict, gpu: bool) -> list[dict]:
     out = []
     cyc = res["cycles"]["rows"][1:]  # the first cycle may still settle allocator state
-    for key in ("device_bytes_after_offload", "device_bytes_after_onload", "host_bytes_after_offload",
-                "host_bytes_after_onload"):
+    for key in (
+        "device_bytes_after_offload",
+        "device_bytes_after_onload",
+        "host_bytes_after_offload",
+        "host_bytes_after_onload",
+    ):
         vals = [r[key] for r in cyc]
-        out.append({"name": f"no growth: {key.replace('_', ' ')}", "passed": max(vals) <= vals[0],
-                    "detail": f"first {vals[0]}, max {max(vals)}, last {vals[-1]} bytes over cycles 2..{len(cyc) + 1}"})
+        out.append(
+            {
+                "name": f"no growth: {key.replace('_', ' ')}",
+                "passed": max(vals) <= vals[0],
+                "detail": f"first {vals[0]}, max {max(vals)}, last {vals[-1]} bytes over cycles 2..{len(cyc) + 1}",
+            }
+        )
     tol = res["config"]["rss_tolerance_mb"] * 2**20
     for key in ("rss_after_offload", "rss_after_onload"):
         vals = [r[key] for r in cyc]
-        out.append({"name": f"no growth: process {key.replace('_', ' ')}", "passed": vals[-1] - vals[0] <= tol,
-                    "detail": f"{(vals[-1] - vals[0]) / 2**20:+.1f} MiB from cycle 2 to {len(cyc) + 1} "
-                              f"(tolerance {tol / 2**20:.0f} MiB)"})
+        out.append(
+            {
+                "name": f"no growth: process {key.replace('_', ' ')}",
+                "passed": vals[-1] - vals[0] <= tol,
+                "detail": f"{(vals[-1] - vals[0]) / 2**20:+.1f} MiB from cycle 2 to {len(cyc) + 1} "
+                f"(tolerance {tol / 2**20:.0f} MiB)",
+            }
+        )
     if gpu:  # from the cycles, where the benchmark holds no ceiling buffers of its own
         last = res["cycles"]["rows"][-1]
         for key in ("cuda_allocated_bytes", "cuda_reserved_bytes"):
             before, after = last[f"{key}_after_onload"], last[f"{key}_after_offload"]
-            out.append({"name": f"{key} after full offload < 1% of onloaded", "passed": after < 0.01 * before,
-                        "detail": f"{after} of {before} bytes (last cycle)"})
+            out.append(
+                {
+                    "name": f"{key} after full offload < 1% of onloaded",
+                    "passed": after < 0.01 * before,
+                    "detail": f"{after} of {before} bytes (last cycle)",
+                }
+            )
     first, second = res["cycles"]["cycle_s_first_half"], res["cycles"]["cycle_s_second_half"]
     allc = res["cycles"]["cycle_s_all"]
     slack = max(allc["q75"] - allc["q25"], 0.05 * allc["median"])
     flat = second["median"] - first["median"] <= slack
-    out.append({"name": "time per cycle flat (second-half median within max(IQR, 5%) of the first)",
-                "passed": flat, "detail": f"median {first['median']:.3f} s then {second['median']:.3f} s "
-                                          f"(allowed +{slack:.3f} s)"})
+    out.append(
+        {
+            "name": "time per cycle flat (second-half median within max(IQR, 5%) of the first)",
+            "passed": flat,
+            "detail": f"median {first['median']:.3f} s then {second['median']:.3f} s (allowed +{slack:.3f} s)",
+        }
+    )
     return out
 
 
@@ -376,12 +514,14 @@ def check_writable(out_dir: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-check-"):
             pass
     except OSError as e:
-        raise OSError(e.errno, f"output_dir {out_dir} is not writable ({e.strerror or e}); choose another "
-                               "output_dir") from None
+        raise OSError(
+            e.errno, f"output_dir {out_dir} is not writable ({e.strerror or e}); choose another output_dir"
+        ) from None
 
 
-def run_and_report(cfg: BenchConfig, command: str = "", quiet: bool = False,
-                   echo: Callable[[str], None] = print) -> list[Path]:
+def run_and_report(
+    cfg: BenchConfig, command: str = "", quiet: bool = False, echo: Callable[[str], None] = print
+) -> list[Path]:
     """Run the benchmark ``cfg`` describes, write its JSON, markdown and PNG, print the targets last.
 
     The JSON and the markdown are written once the plan is made and rewritten after every part,

@@ -38,12 +38,27 @@ names).
 """
 
 from chatlearn_mem.audit import AuditReport
-from chatlearn_mem.checkpoint import (CheckpointDamagedError, CheckpointError, SaveHandle, latest_checkpoint,
-                                      list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint)
+from chatlearn_mem.checkpoint import (
+    CheckpointDamagedError,
+    CheckpointError,
+    SaveHandle,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.device_report import DeviceReport, device_report
-from chatlearn_mem.errors import (ChatlearnMemError, ConfigError, ExternalChangeError, HostMemoryError,
-                                  OffloadedError, TransferError, UnsupportedLayoutError)
+from chatlearn_mem.errors import (
+    ChatlearnMemError,
+    ConfigError,
+    ExternalChangeError,
+    HostMemoryError,
+    OffloadedError,
+    TransferError,
+    UnsupportedLayoutError,
+)
 from chatlearn_mem.inference import InferenceMemoryManager
 from chatlearn_mem.owners import manager_of
 from chatlearn_mem.parts import Part
@@ -55,17 +70,39 @@ from chatlearn_mem.transitions import Transfer, swap
 
 __all__ = [
     # the managers
-    "TrainerMemoryManager", "InferenceMemoryManager", "MemoryConfig", "Part", "manager_of",
+    "TrainerMemoryManager",
+    "InferenceMemoryManager",
+    "MemoryConfig",
+    "Part",
+    "manager_of",
     # what they report
-    "AuditReport", "Residency", "TransferStats", "DeviceReport", "device_report",
+    "AuditReport",
+    "Residency",
+    "TransferStats",
+    "DeviceReport",
+    "device_report",
     # non-blocking transitions
-    "Transfer", "swap",
+    "Transfer",
+    "swap",
     # checkpoints
-    "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "verify_checkpoint", "SaveHandle",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "SaveHandle",
     # the residency planner
-    "plan_residency", "ResidencyPlan",
+    "plan_residency",
+    "ResidencyPlan",
     # errors (all derive from ChatlearnMemError)
-    "ChatlearnMemError", "OffloadedError", "ConfigError", "HostMemoryError", "TransferError",
-    "UnsupportedLayoutError", "ExternalChangeError", "CheckpointError", "CheckpointDamagedError",
+    "ChatlearnMemError",
+    "OffloadedError",
+    "ConfigError",
+    "HostMemoryError",
+    "TransferError",
+    "UnsupportedLayoutError",
+    "ExternalChangeError",
+    "CheckpointError",
+    "CheckpointDamagedError",
 ]
 __version__ = "0.1.0"

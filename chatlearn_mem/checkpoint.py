@@ -68,9 +68,21 @@ from chatlearn_mem.guards import serialized
 from chatlearn_mem.mcore import checkpointing
 from chatlearn_mem.storage import storage_key
 
-__all__ = ["CheckpointDamagedError", "CheckpointError", "SaveHandle", "METADATA_FILE", "commit_directory",
-           "estimate_checkpoint_nbytes", "fsync_dir", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "save_checkpoint", "verify_checkpoint", "write_json_atomic"]
+__all__ = [
+    "CheckpointDamagedError",
+    "CheckpointError",
+    "SaveHandle",
+    "METADATA_FILE",
+    "commit_directory",
+    "estimate_checkpoint_nbytes",
+    "fsync_dir",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "write_json_atomic",
+]
 
 METADATA_FILE = "chatlearn_checkpoint.json"
 """Written last into a checkpoint directory; a directory without it is incomplete and ignored."""
@@ -140,8 +152,11 @@ def _check_files(path: str, manifest: dict[str, dict], names: list[str]) -> Opti
             return CheckpointDamagedError(path, name, f"has {size} bytes, the manifest says {want['bytes']}")
         got = _digest(full)
         if got["crc32"] != want["crc32"]:
-            return CheckpointDamagedError(path, name, f"has CRC-32 {got['crc32']}, the manifest says "
-                                                      f"{want['crc32']} (same size: the bytes changed)")
+            return CheckpointDamagedError(
+                path,
+                name,
+                f"has CRC-32 {got['crc32']}, the manifest says {want['crc32']} (same size: the bytes changed)",
+            )
     return None
 
 
@@ -169,8 +184,12 @@ def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1) -> dict:
     error = _check_files(path, manifest, names)
     if error is not None:
         raise error
-    return {"files": len(names), "bytes": sum(manifest[n]["bytes"] for n in names),
-            "seconds": time.perf_counter() - t0, "verified": True}
+    return {
+        "files": len(names),
+        "bytes": sum(manifest[n]["bytes"] for n in names),
+        "seconds": time.perf_counter() - t0,
+        "verified": True,
+    }
 
 
 # -- writer processes die with the trainer ----------------------------------------------------------
@@ -247,9 +266,11 @@ def _check_writable(root: str) -> None:
             f.write(b"x")
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoints to {root!r}: {e.strerror or e} ({type(e).__name__}). "
-                              "Choose a writable directory (and check its permissions and free space); "
-                              "nothing was saved") from e
+        raise CheckpointError(
+            f"cannot write checkpoints to {root!r}: {e.strerror or e} ({type(e).__name__}). "
+            "Choose a writable directory (and check its permissions and free space); "
+            "nothing was saved"
+        ) from e
 
 
 def fsync_dir(path: str) -> None:
@@ -326,8 +347,9 @@ def _trainer(manager: Any) -> tuple[list, Any, list]:
 
 # -- the trainer's side: host copies served through the model, and the state before and after a load
 @serialized
-def _with_host_copies(manager, build: Callable[[Callable[[torch.Tensor], bool]], Any]
-                      ) -> tuple[Any, contextlib.ExitStack]:
+def _with_host_copies(
+    manager, build: Callable[[Callable[[torch.Tensor], bool]], Any]
+) -> tuple[Any, contextlib.ExitStack]:
     """Run ``build(is_live)`` while every tensor megatron reads for a checkpoint views its host
     copy; return its result and the registration of every host store it may still reference.
 
@@ -369,15 +391,16 @@ def _with_host_copies(manager, build: Callable[[Callable[[torch.Tensor], bool]],
         for t, original in reversed(swapped):
             t.data = original
 
+
 @serialized
 def _prepare_load(manager) -> None:
     """Before a checkpoint is loaded: every part resident, optimizer states created."""
     manager._settle()
     offloaded = [p.value for p, g in manager._groups.items() if g.offloaded]
     if offloaded:
-        raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call "
-                             "onload() first")
+        raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call onload() first")
     checkpointing.init_optimizer_states(manager._leaves)
+
 
 @serialized
 def _after_load(manager) -> None:
@@ -398,10 +421,19 @@ def _sharded_state(manager: Any, is_loading: bool, sharding: str) -> dict:
     checkpointing.dist_checkpointing_numpy2_compat()
     model = checkpointing.model_sharded_state_dict(chunks)
     split = checkpointing.parallel_split()
-    rng = ShardedObject("chatlearn_rng_state", checkpointing.rng_state(), (split["pp"], split["tp"], split["dp"]),
-                        (split["pp_rank"], split["tp_rank"], split["dp_rank"]), replica_id=0)
-    return {**model, "optimizer": checkpointing.optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
-            "rng": rng, "optimizer_steps": checkpointing.optimizer_steps(leaves)}
+    rng = ShardedObject(
+        "chatlearn_rng_state",
+        checkpointing.rng_state(),
+        (split["pp"], split["tp"], split["dp"]),
+        (split["pp_rank"], split["tp_rank"], split["dp_rank"]),
+        replica_id=0,
+    )
+    return {
+        **model,
+        "optimizer": checkpointing.optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
+        "rng": rng,
+        "optimizer_steps": checkpointing.optimizer_steps(leaves),
+    }
 
 
 def _detach_for_save(state: dict, is_live) -> dict:
@@ -506,9 +538,15 @@ class SaveHandle:
         return self.path
 
 
-def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
-                    metadata: Optional[dict] = None, keep_last: Optional[int] = None,
-                    resharding: bool = True) -> SaveHandle:
+def save_checkpoint(
+    manager: Any,
+    root: str,
+    step: int,
+    async_: bool = False,
+    metadata: Optional[dict] = None,
+    keep_last: Optional[int] = None,
+    resharding: bool = True,
+) -> SaveHandle:
     """Save the trainer's whole state to ``<root>/step_<step>`` (8 digits), awake or asleep.
 
     Args:
@@ -560,9 +598,11 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
 
     def build(is_live):
         if None in checkpointing.optimizer_steps(_trainer(manager)[2]):  # read here: the states may be offloaded
-            raise CheckpointError("the optimizer has not taken a step yet, so it has no state to save (megatron's "
-                                  "optimizers cannot write a checkpoint before their first step); save after "
-                                  "optimizer.step()")
+            raise CheckpointError(
+                "the optimizer has not taken a step yet, so it has no state to save (megatron's "
+                "optimizers cannot write a checkpoint before their first step); save after "
+                "optimizer.step()"
+            )
         return _detach_for_save(_sharded_state(manager, is_loading=False, sharding=sharding), is_live)
 
     state, readers = _with_host_copies(manager, build)
@@ -574,13 +614,21 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
         shapes = _tensor_shapes(state)
         from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-        nbytes = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
-                     if isinstance(getattr(v, "data", None), torch.Tensor))
+        nbytes = sum(
+            v.data.numel() * v.data.element_size()
+            for v in nested_values(state)
+            if isinstance(getattr(v, "data", None), torch.Tensor)
+        )
         # One writer process per rank: thread_count files per rank, each a process forked to write.
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
         checkpointing.use_in_process_write_results_queue()
-        request = dist_checkpointing.save(state, tmp, sharded_strategy=strategy, async_sharded_save=True,
-                                          **checkpointing.dist_checkpointing_save_kwargs())
+        request = dist_checkpointing.save(
+            state,
+            tmp,
+            sharded_strategy=strategy,
+            async_sharded_save=True,
+            **checkpointing.dist_checkpointing_save_kwargs(),
+        )
     except BaseException:
         readers.close()
         raise
@@ -619,9 +667,16 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
                 if name not in files:
                     files[name] = _digest(os.path.join(tmp, name))
             handle.manifest_seconds += time.perf_counter() - t
-            meta = {"format": _FORMAT, "step": step, "megatron_core": checkpointing.megatron_core_version(),
-                    "parallel": {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")},
-                    "tensors": shapes, "distrib_optimizer_sharding": sharding, "metadata": metadata, "files": files}
+            meta = {
+                "format": _FORMAT,
+                "step": step,
+                "megatron_core": checkpointing.megatron_core_version(),
+                "parallel": {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")},
+                "tensors": shapes,
+                "distrib_optimizer_sharding": sharding,
+                "metadata": metadata,
+                "files": files,
+            }
             commit_directory(tmp, final, METADATA_FILE, meta)
             if keep_last is not None:
                 for old in list_checkpoints(root)[:-keep_last]:
@@ -643,8 +698,10 @@ def save_checkpoint(manager: Any, root: str, step: int, async_: bool = False,
 def _read_metadata(path: str) -> dict:
     meta_path = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"{path!r} is not a complete checkpoint (no {METADATA_FILE}); pass a directory "
-                              "that latest_checkpoint()/list_checkpoints() returned")
+        raise CheckpointError(
+            f"{path!r} is not a complete checkpoint (no {METADATA_FILE}); pass a directory "
+            "that latest_checkpoint()/list_checkpoints() returned"
+        )
     try:
         with open(meta_path) as f:
             meta = json.load(f)
@@ -664,8 +721,10 @@ def _shape_differences(saved: dict, current: dict) -> list[str]:
         elif key not in saved:
             out.append(f"{key} is in the model but not in the checkpoint")
         elif list(saved[key][0]) != list(current[key][0]) or saved[key][1] != current[key][1]:
-            out.append(f"{key}: checkpoint {tuple(saved[key][0])} {saved[key][1]}, "
-                       f"model {tuple(current[key][0])} {current[key][1]}")
+            out.append(
+                f"{key}: checkpoint {tuple(saved[key][0])} {saved[key][1]}, "
+                f"model {tuple(current[key][0])} {current[key][1]}"
+            )
     return out
 
 
@@ -700,18 +759,23 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_initialized() else 1
-        mine = _check_files(path, meta["files"], sorted(meta["files"])[_rank()::world])
+        mine = _check_files(path, meta["files"], sorted(meta["files"])[_rank() :: world])
         found = [e for e in _gather(None if mine is None else (mine.file, mine.problem)) if e is not None]
         if found:
             raise CheckpointDamagedError(path, *found[0])
     chunks, optimizer, _ = _trainer(manager)
     _prepare_load(manager)
-    same_split = {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")} == meta["parallel"]
+    same_split = {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")} == meta[
+        "parallel"
+    ]
     state = _sharded_state(manager, is_loading=True, sharding=meta["distrib_optimizer_sharding"])
     problems = _shape_differences(meta["tensors"], _tensor_shapes(state))
     if problems:
-        raise CheckpointError(f"checkpoint {path!r} does not fit this model: " + "; ".join(problems)
-                              + ". Build the trainer with the model shape the checkpoint was saved with")
+        raise CheckpointError(
+            f"checkpoint {path!r} does not fit this model: "
+            + "; ".join(problems)
+            + ". Build the trainer with the model shape the checkpoint was saved with"
+        )
     if not same_split:
         del state["rng"]
     loaded = dist_checkpointing.load(state, path)

@@ -94,7 +94,10 @@ class MemoryConfig(BaseModel):
         """Whether the host store is pinned on this machine."""
         cuda = torch.cuda.is_available()
         if self.pin_memory and not cuda:
-            warnings.warn("MemoryConfig.pin_memory=True is ignored: CUDA is not available, so the "
-                          "host store uses ordinary memory.", stacklevel=3)
+            warnings.warn(
+                "MemoryConfig.pin_memory=True is ignored: CUDA is not available, so the "
+                "host store uses ordinary memory.",
+                stacklevel=3,
+            )
             return False
         return cuda if self.pin_memory is None else self.pin_memory

@@ -164,8 +164,9 @@ class Batch:
         runner: Runs, names and places the actions (default: :class:`ActionRunner`).
     """
 
-    def __init__(self, lane: str, label: str, step_bytes: int = 0, *, steps: Optional[list] = None,
-                 runner: Any = ActionRunner):
+    def __init__(
+        self, lane: str, label: str, step_bytes: int = 0, *, steps: Optional[list] = None, runner: Any = ActionRunner
+    ):
         if lane not in LANES:
             raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
         self.lane = lane
@@ -183,8 +184,15 @@ class Batch:
         self._seq: list[int] = []  # CPU: each submitted step's sequence number in its lane
         self._events: list = []  # CUDA: one event per step that ran (None after a failure)
 
-    def add(self, fn: Callable[[], None], label: str = "", nbytes: int = 0, *, on_caller_stream: bool = False,
-            new_step: bool = False) -> tuple[int, int]:
+    def add(
+        self,
+        fn: Callable[[], None],
+        label: str = "",
+        nbytes: int = 0,
+        *,
+        on_caller_stream: bool = False,
+        new_step: bool = False,
+    ) -> tuple[int, int]:
         """Append an :class:`Action`; returns ``(step index, action index)`` of where it landed.
 
         Actions are packed into steps of up to :attr:`step_bytes` copied bytes; ``new_step``
@@ -209,8 +217,9 @@ class Batch:
     def _afters_of(self, index: int) -> list["Fence"]:
         return [f for (s, _), f in self._afters.items() if s == index] if self._afters else []
 
-    def _run_step(self, lane: str, index: int, cuda: Optional["_CudaLane"] = None, caller=None,
-                  part: str = "all") -> None:
+    def _run_step(
+        self, lane: str, index: int, cuda: Optional["_CudaLane"] = None, caller=None, part: str = "all"
+    ) -> None:
         """Run the actions of step ``index``; raises the first error (its action named on it).
 
         ``cuda``: the lane when it is a CUDA stream (current while this runs); ``caller``: the
@@ -292,9 +301,11 @@ class Fence:
         if self.batch.completed <= self.index:
             job = self.batch.job
             cause = job.error if job is not None else None
-            raise TransferError(f"the {self.batch.label} that this needs failed at step "
-                                f"'{job.failed_step if job is not None else '?'}' ({cause!r}); wait() for the "
-                                "transfer or call the manager again to roll the part back") from cause
+            raise TransferError(
+                f"the {self.batch.label} that this needs failed at step "
+                f"'{job.failed_step if job is not None else '?'}' ({cause!r}); wait() for the "
+                "transfer or call the manager again to roll the part back"
+            ) from cause
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block the host until the step is done; returns False on timeout.
@@ -533,8 +544,10 @@ class CopyEngine:
                     lane = self.lanes[b.lane]
                     while cursor[id(b)] < len(b.steps):
                         afters = b._afters_of(cursor[id(b)])
-                        if any(id(a.batch) in cursor and a.batch is not b and cursor[id(a.batch)] <= a.index
-                               for a in afters):
+                        if any(
+                            id(a.batch) in cursor and a.batch is not b and cursor[id(a.batch)] <= a.index
+                            for a in afters
+                        ):
                             break  # a step it waits for is not submitted yet: go on with the others
                         if not b._skip():
                             for a in afters:
@@ -560,4 +573,3 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
-

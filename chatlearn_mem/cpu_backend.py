@@ -105,8 +105,13 @@ class _CudaToCpuMode(TorchFunctionMode):
                 return name
         if func is torch.Tensor.to:  # t.to(0) means cuda:0 (a dtype is never an int)
             args = args[:1] + tuple(_map_device(a) for a in args[1:])
-        elif func in (torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_full,
-                      torch.Tensor.new_ones, torch.Tensor.new_tensor):
+        elif func in (
+            torch.Tensor.new_empty,
+            torch.Tensor.new_zeros,
+            torch.Tensor.new_full,
+            torch.Tensor.new_ones,
+            torch.Tensor.new_tensor,
+        ):
             args = tuple(torch.device("cpu") if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)
 
@@ -267,8 +272,10 @@ def install(quiet: bool = False) -> bool:
         _run_backward_under_the_mode()
         _installed = True
     if not quiet:
-        sys.stderr.write("chatlearn-mem: no CUDA device; the CPU backend is on in this process (torch.cuda is "
-                         "patched so that megatron-core runs on the CPU)\n")
+        sys.stderr.write(
+            "chatlearn-mem: no CUDA device; the CPU backend is on in this process (torch.cuda is "
+            "patched so that megatron-core runs on the CPU)\n"
+        )
     return True
 
 

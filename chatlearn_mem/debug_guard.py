@@ -36,16 +36,62 @@ def _getter(name: str):
 
 # Calls that read no tensor data (metadata, identity, hooks): allowed on a released tensor.
 _METADATA = frozenset(
-    [_getter(n) for n in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn",
-                          "_version", "ndim", "layout", "is_cuda", "is_meta", "is_sparse", "is_quantized",
-                          "is_nested", "names", "_base", "data", "itemsize", "nbytes", "output_nr")
-     if hasattr(torch.Tensor, n)]
+    [
+        _getter(n)
+        for n in (
+            "shape",
+            "dtype",
+            "device",
+            "requires_grad",
+            "is_leaf",
+            "grad",
+            "grad_fn",
+            "_version",
+            "ndim",
+            "layout",
+            "is_cuda",
+            "is_meta",
+            "is_sparse",
+            "is_quantized",
+            "is_nested",
+            "names",
+            "_base",
+            "data",
+            "itemsize",
+            "nbytes",
+            "output_nr",
+        )
+        if hasattr(torch.Tensor, n)
+    ]
     + [torch.Tensor.grad.__set__]
-    + [getattr(torch.Tensor, n) for n in (
-        "size", "dim", "numel", "nelement", "stride", "storage_offset", "untyped_storage", "data_ptr",
-        "element_size", "is_contiguous", "is_floating_point", "is_complex", "get_device", "requires_grad_",
-        "register_hook", "retain_grad", "detach", "__len__", "__hash__", "_is_view", "is_pinned")
-       if hasattr(torch.Tensor, n)])
+    + [
+        getattr(torch.Tensor, n)
+        for n in (
+            "size",
+            "dim",
+            "numel",
+            "nelement",
+            "stride",
+            "storage_offset",
+            "untyped_storage",
+            "data_ptr",
+            "element_size",
+            "is_contiguous",
+            "is_floating_point",
+            "is_complex",
+            "get_device",
+            "requires_grad_",
+            "register_hook",
+            "retain_grad",
+            "detach",
+            "__len__",
+            "__hash__",
+            "_is_view",
+            "is_pinned",
+        )
+        if hasattr(torch.Tensor, n)
+    ]
+)
 
 
 def function_name(func: Callable) -> str:

@@ -40,26 +40,26 @@ OUTSIDE_ALLOCATOR = "outside_allocator"
 
 HOLDERS = {
     MANAGER_RESIDUE: "parts the memory managers manage that are still on the device: offload them "
-                     "(mm.offload()); 0 after a full offload",
+    "(mm.offload()); 0 after a full offload",
     GLOBAL_MEMORY_BUFFER: "megatron's global memory buffer (parallel_state), scratch space kept between "
-                          "steps (sequence-parallel all-gathers); megatron allocates an entry again when "
-                          "it is next used, so dropping its entries frees this",
+    "steps (sequence-parallel all-gathers); megatron allocates an entry again when "
+    "it is next used, so dropping its entries frees this",
     TRANSFORMER_ENGINE: "Transformer Engine: cuBLAS workspaces kept for the process's life, FP8 scales "
-                        "and amax histories of its modules",
+    "and amax histories of its modules",
     MOE_DISPATCHER: "megatron's MoE token dispatchers: routing tensors of the last batch, overwritten "
-                    "by the next forward",
+    "by the next forward",
     MODEL_OTHER: "other tensors reachable from the model or optimizer (caches, the optimizer's "
-                 "scalars, tensors user code attached to a module)",
+    "scalars, tensors user code attached to a module)",
     OTHER_ALLOCATED: "(CUDA) allocated tensors not reachable from the model or optimizer: activations, "
-                     "outputs or other models that user code still references",
+    "outputs or other models that user code still references",
     ALLOCATOR_CACHE: "(CUDA) freed blocks PyTorch's caching allocator still reserves (reserved minus "
-                     "allocated): torch.cuda.empty_cache() returns them (MemoryConfig.empty_cache does "
-                     "after every offload); what stays after it is fragmentation, which "
-                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces",
+    "allocated): torch.cuda.empty_cache() returns them (MemoryConfig.empty_cache does "
+    "after every offload); what stays after it is fragmentation, which "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces",
     OUTSIDE_ALLOCATOR: "(CUDA) device memory outside PyTorch's allocator (device used minus reserved): "
-                       "the CUDA context, NCCL communicators (often GBs per rank; destroy process "
-                       "groups no longer needed), libraries' own allocations. Device-wide: other "
-                       "processes on this GPU count here too",
+    "the CUDA context, NCCL communicators (often GBs per rank; destroy process "
+    "groups no longer needed), libraries' own allocations. Device-wide: other "
+    "processes on this GPU count here too",
 }
 """Every holder the report names, with what it is and what to do about it."""
 
@@ -92,15 +92,23 @@ class DeviceReport:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every field."""
-        return {"device": self.device, "total_bytes": self.total_bytes, "by_holder": dict(self.by_holder),
-                "largest": {k: [list(x) for x in v] for k, v in self.largest.items()}, "cuda": self.cuda}
+        return {
+            "device": self.device,
+            "total_bytes": self.total_bytes,
+            "by_holder": dict(self.by_holder),
+            "largest": {k: [list(x) for x in v] for k, v in self.largest.items()},
+            "cuda": self.cuda,
+        }
 
     def format(self) -> str:
         """A readable table: bytes and share per holder, the largest tensors, what each holder is."""
         lines = [f"device memory still held on {self.device}: {_mib(self.total_bytes)}"]
         if self.cuda:
-            lines.append("  (CUDA: allocated {}, reserved {}, device used {} of {})".format(
-                *(_mib(self.cuda[k]) for k in ("allocated", "reserved", "device_used", "device_total"))))
+            lines.append(
+                "  (CUDA: allocated {}, reserved {}, device used {} of {})".format(
+                    *(_mib(self.cuda[k]) for k in ("allocated", "reserved", "device_used", "device_total"))
+                )
+            )
         for holder, n in self.by_holder.items():
             share = f"{100 * n / self.total_bytes:5.1f}%" if self.total_bytes else "    -"
             lines.append(f"  {holder:<31} {_mib(n):>14} {share}")
@@ -118,8 +126,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} B"
 
 
-def reachable_tensors(*roots: Any, names: Optional[Sequence[str]] = None, skip: tuple = ()
-                      ) -> Iterator[tuple[str, torch.Tensor, tuple]]:
+def reachable_tensors(
+    *roots: Any, names: Optional[Sequence[str]] = None, skip: tuple = ()
+) -> Iterator[tuple[str, torch.Tensor, tuple]]:
     """Every tensor reachable from ``roots`` through attributes, containers and modules.
 
     Yields ``(path, tensor, owners)`` where ``path`` names how it was reached (``root0.module...``,
@@ -130,8 +139,24 @@ def reachable_tensors(*roots: Any, names: Optional[Sequence[str]] = None, skip: 
     """
     from chatlearn_mem.manager import MemoryManagerBase
 
-    stop = (str, bytes, int, float, bool, complex, type(None), types.FunctionType, types.BuiltinFunctionType,
-            types.ModuleType, type, torch.dtype, torch.device, torch.Size, MemoryManagerBase, *skip)
+    stop = (
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        complex,
+        type(None),
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        types.ModuleType,
+        type,
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        MemoryManagerBase,
+        *skip,
+    )
     pg = getattr(torch.distributed, "ProcessGroup", None)
     if pg is not None:
         stop += (pg,)
@@ -190,8 +215,9 @@ def _holder_of_path(owners: tuple) -> str:
     return MODEL_OTHER
 
 
-def device_report(*roots: Any, managers: Iterable[Any] = (), device: Optional[torch.device | str] = None
-                  ) -> DeviceReport:
+def device_report(
+    *roots: Any, managers: Iterable[Any] = (), device: Optional[torch.device | str] = None
+) -> DeviceReport:
     """Report the bytes still held on ``device`` and who holds them.
 
     Call it after a full offload to see what stays (or at any time). Walks every tensor reachable

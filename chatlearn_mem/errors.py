@@ -1,7 +1,14 @@
 """Exceptions raised by chatlearn-mem."""
 
-__all__ = ["ChatlearnMemError", "ConfigError", "ExternalChangeError", "HostMemoryError", "OffloadedError",
-           "TransferError", "UnsupportedLayoutError"]
+__all__ = [
+    "ChatlearnMemError",
+    "ConfigError",
+    "ExternalChangeError",
+    "HostMemoryError",
+    "OffloadedError",
+    "TransferError",
+    "UnsupportedLayoutError",
+]
 
 
 class ChatlearnMemError(RuntimeError):

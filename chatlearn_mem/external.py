@@ -21,12 +21,18 @@ from chatlearn_mem.errors import ExternalChangeError
 
 __all__ = ["ExternalChangeError", "Placement", "changes"]
 
-_BUILT_IN_RELEASE = ("megatron-core's own offload released it (DistributedDataParallel.offload_grad_buffers() "
-                     "or _ParamAndGradBuffer.offload_to_cpu())")
-_BUILT_IN_RELOAD = ("megatron-core's own reload regrew it (restore_grad_buffers() or "
-                    "_ParamAndGradBuffer.reload_from_cpu(), which copies megatron's own, possibly stale, host copy)")
-_BUILT_IN_MOVE = ("megatron-core's MegatronOptimizer.offload_to_cpu() moves main weights and optimizer "
-                  "states this way; restore_from_cpu() moves them back as new tensors")
+_BUILT_IN_RELEASE = (
+    "megatron-core's own offload released it (DistributedDataParallel.offload_grad_buffers() "
+    "or _ParamAndGradBuffer.offload_to_cpu())"
+)
+_BUILT_IN_RELOAD = (
+    "megatron-core's own reload regrew it (restore_grad_buffers() or "
+    "_ParamAndGradBuffer.reload_from_cpu(), which copies megatron's own, possibly stale, host copy)"
+)
+_BUILT_IN_MOVE = (
+    "megatron-core's MegatronOptimizer.offload_to_cpu() moves main weights and optimizer "
+    "states this way; restore_from_cpu() moves them back as new tensors"
+)
 
 
 @dataclass
@@ -52,9 +58,14 @@ def _released(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == 0 and t.numel() > 0
 
 
-def changes(part: str, offloaded: bool, released: list[tuple[torch.UntypedStorage, int]],
-            slots: Iterable[tuple[Hashable, torch.Tensor]], device: torch.device,
-            before: Optional[Placement]) -> list[str]:
+def changes(
+    part: str,
+    offloaded: bool,
+    released: list[tuple[torch.UntypedStorage, int]],
+    slots: Iterable[tuple[Hashable, torch.Tensor]],
+    device: torch.device,
+    before: Optional[Placement],
+) -> list[str]:
     """One sentence per kind of change made to ``part`` since the manager last touched it.
 
     Args:
@@ -70,10 +81,12 @@ def changes(part: str, offloaded: bool, released: list[tuple[torch.UntypedStorag
         regrown = [(s, n) for s, n in released if s.nbytes() != 0]
         if regrown:
             nbytes = sum(s.nbytes() for s, _ in regrown)
-            out.append(f"{part}: {len(regrown)} storage(s) the manager released hold {nbytes} bytes on the "
-                       f"device again although the part is offloaded; {_BUILT_IN_RELOAD}. The manager's host "
-                       "copy is the current one: release them again the same way (offload_grad_buffers() / "
-                       "offload_to_cpu()) and call onload(), and use one offload mechanism per trainer")
+            out.append(
+                f"{part}: {len(regrown)} storage(s) the manager released hold {nbytes} bytes on the "
+                f"device again although the part is offloaded; {_BUILT_IN_RELOAD}. The manager's host "
+                "copy is the current one: release them again the same way (offload_grad_buffers() / "
+                "offload_to_cpu()) and call onload(), and use one offload mechanism per trainer"
+            )
         return out
     short = moved = 0
     for slot, t in slots:
@@ -83,13 +96,17 @@ def changes(part: str, offloaded: bool, released: list[tuple[torch.UntypedStorag
         elif before is not None and before.on_device.get(slot):
             moved += 1
     if short:
-        out.append(f"{part}: {short} tensor(s) have no device memory although the manager did not offload "
-                   f"the part; {_BUILT_IN_RELEASE}. Bring them back with the matching megatron call "
-                   "(restore_grad_buffers() / reload_from_cpu()) before using the manager, and use one "
-                   "offload mechanism per trainer")
+        out.append(
+            f"{part}: {short} tensor(s) have no device memory although the manager did not offload "
+            f"the part; {_BUILT_IN_RELEASE}. Bring them back with the matching megatron call "
+            "(restore_grad_buffers() / reload_from_cpu()) before using the manager, and use one "
+            "offload mechanism per trainer"
+        )
     if moved:
-        out.append(f"{part}: {moved} tensor(s) the manager saw on {device} now live elsewhere (p.data or an "
-                   f"optimizer state rebound to the host); {_BUILT_IN_MOVE}, which breaks the views the "
-                   "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), "
-                   "check audit(), and use one offload mechanism per trainer")
+        out.append(
+            f"{part}: {moved} tensor(s) the manager saw on {device} now live elsewhere (p.data or an "
+            f"optimizer state rebound to the host); {_BUILT_IN_MOVE}, which breaks the views the "
+            "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), "
+            "check audit(), and use one offload mechanism per trainer"
+        )
     return out

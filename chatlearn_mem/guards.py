@@ -41,8 +41,9 @@ def serialized(method: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
         with self._lock:
             if self._closed:
-                raise ChatlearnMemError(f"{type(self).__name__}.{method.__name__}() after close(): "
-                                        "the manager is closed; create a new one")
+                raise ChatlearnMemError(
+                    f"{type(self).__name__}.{method.__name__}() after close(): the manager is closed; create a new one"
+                )
             outer = self._active_call is None
             if outer:
                 self._active_call = (method.__name__, threading.get_ident())
@@ -80,12 +81,12 @@ class ModelGuards:
                 f"{what} while another thread is inside {type(self).__name__}.{active[0]}(); the "
                 "memory it would use is being released or restored. Run training and the manager's "
                 "calls from one thread at a time (e.g. a Ray actor with max_concurrency=1 or one "
-                "concurrency group)")
+                "concurrency group)"
+            )
 
     def _check_weights_resident(self, what: str) -> None:
         if self._groups[Part.WEIGHTS].offloaded:  # also while an offload is in flight
-            raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() "
-                                 "(or onload()) first")
+            raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() (or onload()) first")
         if not self._weight_users_of:  # no per-module fences (megatron's overlapped param gather)
             self._await_parts((Part.WEIGHTS,))
 
@@ -100,8 +101,10 @@ class ModelGuards:
         self._await_parts(parts)  # R4: an onload in flight is waited for, not refused
         missing = [p for p in parts if p in self._groups and self._groups[p].offloaded]
         if missing:
-            raise OffloadedError(f"{what} while {', '.join(missing)} are offloaded: call {onload_call(missing)} "
-                                 f"(or onload()) first{hint}")
+            raise OffloadedError(
+                f"{what} while {', '.join(missing)} are offloaded: call {onload_call(missing)} "
+                f"(or onload()) first{hint}"
+            )
 
     def _in_own_call(self) -> bool:
         """Whether this thread is inside one of the manager's public calls."""
@@ -122,8 +125,11 @@ class ModelGuards:
         if register is not None:  # torch >= 2.5
             self._hook_handles.append(register(self._before_load_state_dict))
         else:
-            self._hook_handles.append(inner._register_load_state_dict_pre_hook(
-                lambda module, *args: self._before_load_state_dict(module, *args), with_module=True))
+            self._hook_handles.append(
+                inner._register_load_state_dict_pre_hook(
+                    lambda module, *args: self._before_load_state_dict(module, *args), with_module=True
+                )
+            )
 
     def _before_forward(self, module, args) -> None:
         self._check_no_concurrent_call("forward pass")
@@ -145,8 +151,12 @@ class ModelGuards:
 
     def _before_state_dict(self, module, prefix, keep_vars) -> None:
         if not self._in_own_call():  # weights_state_dict() reads the names through state_dict()
-            self._require("state_dict()", (Part.WEIGHTS,), hint=", or use the manager's weights_state_dict() "
-                          "for a host copy of the weights without waking the model")
+            self._require(
+                "state_dict()",
+                (Part.WEIGHTS,),
+                hint=", or use the manager's weights_state_dict() "
+                "for a host copy of the weights without waking the model",
+            )
 
     def _before_load_state_dict(self, module, *args) -> None:
         self._require("load_state_dict()", (Part.WEIGHTS,))
@@ -154,8 +164,7 @@ class ModelGuards:
     # -- the debug guard ---------------------------------------------------------------------------
     def _moving_keys(self) -> frozenset[int]:
         """Storages a non-blocking offload in flight is still copying from."""
-        return frozenset(s._cdata for _, gt in self._pending.values() if gt.direction == "offload"
-                         for s in gt.storages)
+        return frozenset(s._cdata for _, gt in self._pending.values() if gt.direction == "offload" for s in gt.storages)
 
     def _released_keys(self) -> frozenset[int]:
         return frozenset(s._cdata for g in self._groups.values() if g.offloaded for s, _ in g.released)
@@ -169,8 +178,9 @@ class ModelGuards:
         if self._in_own_call() or self._closed:
             return None
         key = storage_key(t)
-        part = next((p for p, g in self._groups.items()
-                     if g.offloaded and any(s._cdata == key for s, _ in g.released)), None)
+        part = next(
+            (p for p, g in self._groups.items() if g.offloaded and any(s._cdata == key for s, _ in g.released)), None
+        )
         if part is None:
             return None
         where = (key, t.storage_offset(), tuple(t.shape), t.stride())
@@ -179,14 +189,19 @@ class ModelGuards:
             if x is t:
                 name = n
                 break
-            if name is None and isinstance(x, torch.Tensor) and \
-                    (storage_key(x), x.storage_offset(), tuple(x.shape), x.stride()) == where:
+            if (
+                name is None
+                and isinstance(x, torch.Tensor)
+                and (storage_key(x), x.storage_offset(), tuple(x.shape), x.stride()) == where
+            ):
                 name = f"a view of {n}"
         name = name or f"a tensor of shape {tuple(t.shape)} ({t.dtype}) in a released {part} storage"
-        return (f"{function_name(func)} on {name} while {part} are offloaded: call {onload_call([part])} "
-                "(or onload()) first. Raised by the debug guard (MemoryConfig.debug_guard / "
-                "CHATLEARN_MEM_DEBUG_GUARD=1); without it this operation would read released memory (a crash "
-                "on CPU, garbage on a GPU)")
+        return (
+            f"{function_name(func)} on {name} while {part} are offloaded: call {onload_call([part])} "
+            "(or onload()) first. Raised by the debug guard (MemoryConfig.debug_guard / "
+            "CHATLEARN_MEM_DEBUG_GUARD=1); without it this operation would read released memory (a crash "
+            "on CPU, garbage on a GPU)"
+        )
 
 
 class MethodGuard:
@@ -222,8 +237,9 @@ class MethodGuard:
             del d[self.name]
 
 
-def guard_methods(obj: Any, table: dict[str, tuple[Part, ...]],
-                  check: Callable[[str, tuple[Part, ...]], None]) -> list[MethodGuard]:
+def guard_methods(
+    obj: Any, table: dict[str, tuple[Part, ...]], check: Callable[[str, tuple[Part, ...]], None]
+) -> list[MethodGuard]:
     """Wrap each method of ``table`` that ``obj`` has so that ``check("Type.method()", parts)``
     runs before it; returns the guards (``remove()`` each to undo)."""
     guards = []

@@ -117,8 +117,9 @@ def _cgroup_room() -> list[tuple[str, int]]:
     out = []
     seen = set()
     for version, path in _own_cgroup_paths() or [("v2", "/"), ("v1", "/")]:
-        limit_file, usage_file = (("memory.max", "memory.current") if version == "v2"
-                                  else ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+        limit_file, usage_file = (
+            ("memory.max", "memory.current") if version == "v2" else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        )
         for d in _candidate_dirs(version, path, root):
             if d in seen:
                 continue

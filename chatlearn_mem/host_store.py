@@ -47,9 +47,11 @@ def _register(bucket: torch.Tensor) -> None:
     """Page-lock a bucket with ``cudaHostRegister`` (portable: usable from every device)."""
     err = int(torch.cuda.cudart().cudaHostRegister(bucket.data_ptr(), bucket.numel(), 1))
     if err:
-        raise RuntimeError(f"cudaHostRegister of a {bucket.numel()} byte host bucket failed (cudaError {err}); "
-                           "the locked-memory limit (ulimit -l) may be too low, or set "
-                           "MemoryConfig(pin_memory=False)")
+        raise RuntimeError(
+            f"cudaHostRegister of a {bucket.numel()} byte host bucket failed (cudaError {err}); "
+            "the locked-memory limit (ulimit -l) may be too low, or set "
+            "MemoryConfig(pin_memory=False)"
+        )
 
 
 def _unregister(pointers: list[int]) -> None:
@@ -135,5 +137,7 @@ class HostStore:
 
     def views(self, index: int) -> list[tuple[torch.Tensor, int]]:
         """Host byte views of storage ``index``: ``(view, offset inside the storage)`` pairs."""
-        return [(self.buckets[s.bucket][s.bucket_offset:s.bucket_offset + s.nbytes], s.storage_offset)
-                for s in self.spans[index]]
+        return [
+            (self.buckets[s.bucket][s.bucket_offset : s.bucket_offset + s.nbytes], s.storage_offset)
+            for s in self.spans[index]
+        ]

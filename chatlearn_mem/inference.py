@@ -101,8 +101,12 @@ class InferenceMemoryManager(MemoryManagerBase):
         """Device bytes of the parameters and buffers (each storage once) and host store bytes, once
         the transitions in flight have finished."""
         self._settle()
-        return measure({Part.WEIGHTS.value: self._part_tensors(Part.WEIGHTS)}, self.device, self._host_bytes(),
-                       self._released_bytes())
+        return measure(
+            {Part.WEIGHTS.value: self._part_tensors(Part.WEIGHTS)},
+            self.device,
+            self._host_bytes(),
+            self._released_bytes(),
+        )
 
     @serialized
     def audit(self) -> AuditReport:

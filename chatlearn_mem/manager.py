@@ -56,8 +56,7 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
         self._closed = False
         self._claimed: list[int] = []
         self._created_at = caller_site()
-        self._debug_guard = (ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard()
-                             else None)
+        self._debug_guard = ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard() else None
         self._placements: dict[Part, external.Placement] = {}  # recorded after each call, see external.py
         # transitions submitted to the copy engine and not yet settled: part -> (handle, its group's)
         self._pending: dict[Part, tuple[transitions.Transfer, GroupTransfer]] = {}
@@ -121,8 +120,14 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
         out = []
         for part in parts or self._groups:
             group = self._groups[part]
-            out += external.changes(part.value, group.offloaded, group.released, self._part_slots(part),
-                                    self.device, self._placements.get(part))
+            out += external.changes(
+                part.value,
+                group.offloaded,
+                group.released,
+                self._part_slots(part),
+                self.device,
+                self._placements.get(part),
+            )
         return out
 
     def _refuse_external_changes(self, parts: Iterable[Part], what: str) -> None:
@@ -130,7 +135,8 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
         if found:
             raise external.ExternalChangeError(
                 f"refusing to {what}: memory the manager manages was changed by something else, so "
-                "it would copy released memory or restore stale bytes. " + "; ".join(found))
+                "it would copy released memory or restore stale bytes. " + "; ".join(found)
+            )
 
     def _remember_weight_storages(self) -> None:
         """Record the storage of each weight: the ones the manager releases and restores."""
@@ -147,14 +153,17 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
                 continue
             report.checked += 1
             if name in self._weight_storages and storage_key(t) != self._weight_storages[name]:
-                report.add(f"{name} .data was rebound to a new tensor since the manager last "
-                           "offloaded it; the manager would restore the old storage")
+                report.add(
+                    f"{name} .data was rebound to a new tensor since the manager last "
+                    "offloaded it; the manager would restore the old storage"
+                )
 
     # -- transitions ---------------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise ChatlearnMemError(f"{type(self).__name__}.{what}() after close(): the manager is closed; "
-                                    "create a new one")
+            raise ChatlearnMemError(
+                f"{type(self).__name__}.{what}() after close(): the manager is closed; create a new one"
+            )
 
     def _before_offload_checks(self, todo: list[Part], force: bool) -> None:
         """Refuse an offload of ``todo`` that is unsafe now (subclasses); nothing has changed yet."""
@@ -162,8 +171,9 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
     def _before_release(self, part: Part) -> None:
         """Drop what hangs off ``part`` just before its release is submitted (subclasses)."""
 
-    def _begin_offload(self, parts: PartsArg, force: bool = False, stacklevel: int = 4
-                       ) -> list[tuple[Part, GroupTransfer]]:
+    def _begin_offload(
+        self, parts: PartsArg, force: bool = False, stacklevel: int = 4
+    ) -> list[tuple[Part, GroupTransfer]]:
         """Check, prepare the host stores and start (not submit) the offload of ``parts``.
 
         Everything that can refuse or fail before a copy (unconsumed grads, communication in
@@ -326,7 +336,8 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
                 f"({parts}) but the process can use only {gib(max(0, usable.nbytes - margin))} "
                 f"({usable.describe()}; minus host_memory_margin_mb={self.config.host_memory_margin_mb:g} "
                 f"MiB). Free host memory or raise the memory limit, offload fewer parts, or lower "
-                "MemoryConfig.host_memory_margin_mb (check_host_memory=False skips this check)")
+                "MemoryConfig.host_memory_margin_mb (check_host_memory=False skips this check)"
+            )
 
     @serialized
     def offload_weights(self, *, blocking: bool = True):
@@ -404,7 +415,8 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
                 raise ChatlearnMemError(
                     f"cannot close {type(self).__name__}: {', '.join(offloaded)} are offloaded, and "
                     "closing would strand them (their storages would stay at 0 bytes with nothing to "
-                    "restore them). Call onload() first, then close()")
+                    "restore them). Call onload() first, then close()"
+                )
             for h in reversed(self._hook_handles):
                 h.remove()
             self._hook_handles.clear()
@@ -427,7 +439,10 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
                     f"{type(self).__name__} (created at {self._created_at}) was garbage collected while "
                     f"{', '.join(offloaded)} were offloaded: their host copies are freed with it and the "
                     "model's storages stay released. Call onload() (chatlearn_mem.manager_of(model) finds "
-                    "the manager) before dropping a model you still need", UserWarning, stacklevel=2)
+                    "the manager) before dropping a model you still need",
+                    UserWarning,
+                    stacklevel=2,
+                )
             self._release_claim(blocking=False)
         except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
             pass
@@ -446,14 +461,18 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
             for s, n in group.released:
                 report.checked += 1
                 if s.nbytes() != 0:
-                    report.add(f"{part}: a released storage of {n} bytes holds {s.nbytes()} bytes on "
-                               "the device although the part is offloaded")
+                    report.add(
+                        f"{part}: a released storage of {n} bytes holds {s.nbytes()} bytes on "
+                        "the device although the part is offloaded"
+                    )
             released = {s._cdata for s, _ in group.released}
             for s in self._storages(part):
                 report.checked += 1
                 if s.nbytes() and s._cdata not in released:
-                    report.add(f"{part}: a storage of {s.nbytes()} bytes is on the device although the "
-                               "part is offloaded (created after the offload?)")
+                    report.add(
+                        f"{part}: a storage of {s.nbytes()} bytes is on the device although the "
+                        "part is offloaded (created after the offload?)"
+                    )
             return
         for t in self._part_tensors(part):
             if t is None or t.device != self.device:
@@ -461,6 +480,7 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
             report.checked += 1
             need = (t.storage_offset() + extent(t)) * t.element_size()
             if t.untyped_storage().nbytes() < need:
-                report.add(f"{part}: a tensor of shape {tuple(t.shape)} needs {need} bytes but its "
-                           f"storage holds {t.untyped_storage().nbytes()} (released and not restored)")
-
+                report.add(
+                    f"{part}: a tensor of shape {tuple(t.shape)} needs {need} bytes but its "
+                    f"storage holds {t.untyped_storage().nbytes()} (released and not restored)"
+                )

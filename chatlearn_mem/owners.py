@@ -87,8 +87,6 @@ def caller_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
 
 
-
-
 class OwnedStorages:
     """The manager's side of the registry (a mixin of :class:`~chatlearn_mem.manager.MemoryManagerBase`):
     claim every storage it moves, refuse a model another manager moves, let go on ``close()``."""
@@ -108,7 +106,8 @@ class OwnedStorages:
                         f"{what} is already managed by {type(other).__name__} (created at {other._created_at}); "
                         "a second manager would release and restore the same storages behind the first "
                         "one's back (each onload would shrink what the other restored). Use that manager "
-                        "(chatlearn_mem.manager_of(model) returns it) or call its close() first")
+                        "(chatlearn_mem.manager_of(model) returns it) or call its close() first"
+                    )
             ref = weakref.ref(self)
             for k in keys:
                 _owners[k] = ref

@@ -56,7 +56,8 @@ def parse_parts(parts: PartsArg, available: Iterable[Part]) -> list[Part]:
         except ValueError:
             raise ValueError(f"unknown part {p!r}; parts are {[a.value for a in available]}") from None
         if part not in available:
-            raise ValueError(f"{part.value!r} is not a part of this manager; its parts are "
-                             f"{[a.value for a in available]}")
+            raise ValueError(
+                f"{part.value!r} is not a part of this manager; its parts are {[a.value for a in available]}"
+            )
         chosen.add(part)
     return [p for p in available if p in chosen]

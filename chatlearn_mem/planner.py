@@ -126,19 +126,28 @@ class ResidencyPlan:
     search_nodes: int
 
     def __str__(self) -> str:
-        lines = [f"residency plan: {gib(self.bytes_moved)} moved per iteration "
-                 f"(all-or-nothing {gib(self.all_or_nothing_bytes)}, "
-                 f"{'optimal' if self.optimal else 'best found'}), budget {gib(self.budget_bytes)}"]
+        lines = [
+            f"residency plan: {gib(self.bytes_moved)} moved per iteration "
+            f"(all-or-nothing {gib(self.all_or_nothing_bytes)}, "
+            f"{'optimal' if self.optimal else 'best found'}), budget {gib(self.budget_bytes)}"
+        ]
         for b, nbytes, kept in zip(self.boundaries, self.resident_bytes, self.kept):
-            lines.append(f"  into phase {b.phase}: out {list(b.move_out)} (copied {list(b.copy_out)}, "
-                         f"{gib(b.bytes_out)}), in {list(b.move_in)} ({gib(b.bytes_in)}); "
-                         f"resident {gib(nbytes)}, kept beyond need {sorted(kept)}")
+            lines.append(
+                f"  into phase {b.phase}: out {list(b.move_out)} (copied {list(b.copy_out)}, "
+                f"{gib(b.bytes_out)}), in {list(b.move_in)} ({gib(b.bytes_in)}); "
+                f"resident {gib(nbytes)}, kept beyond need {sorted(kept)}"
+            )
         return "\n".join(lines)
 
 
-def plan_residency(sizes: Mapping[str, int], phases: Sequence[Collection[str]], budget_bytes: int, *,
-                   written: Optional[Sequence[Collection[str]]] = None,
-                   scratch: Collection[str] = ()) -> ResidencyPlan:
+def plan_residency(
+    sizes: Mapping[str, int],
+    phases: Sequence[Collection[str]],
+    budget_bytes: int,
+    *,
+    written: Optional[Sequence[Collection[str]]] = None,
+    scratch: Collection[str] = (),
+) -> ResidencyPlan:
     """Choose each phase's resident set to copy the fewest bytes per iteration under a budget.
 
     Args:
@@ -163,9 +172,13 @@ def plan_residency(sizes: Mapping[str, int], phases: Sequence[Collection[str]], 
     return _plan(sizes, phases, budget_bytes, written=written, scratch=scratch, max_work=_MAX_WORK)
 
 
-def residency_bytes_moved(sizes: Mapping[str, int], resident: Sequence[Collection[str]], *,
-                          written: Optional[Sequence[Collection[str]]] = None,
-                          scratch: Collection[str] = ()) -> int:
+def residency_bytes_moved(
+    sizes: Mapping[str, int],
+    resident: Sequence[Collection[str]],
+    *,
+    written: Optional[Sequence[Collection[str]]] = None,
+    scratch: Collection[str] = (),
+) -> int:
     """Steady-state bytes copied per iteration by a given resident schedule (the cost model above).
 
     Args:
@@ -209,8 +222,10 @@ def _check_items(items, where: str, known: Mapping[str, int]) -> frozenset[str]:
     items = frozenset(items)
     unknown = sorted(map(str, items - known.keys()))
     if unknown:
-        raise ValueError(f"{where} names {unknown[0]!r}, which is not in sizes "
-                         f"(sizes has {len(known)} items: {_first(sorted(known))}); add its size or fix the name")
+        raise ValueError(
+            f"{where} names {unknown[0]!r}, which is not in sizes "
+            f"(sizes has {len(known)} items: {_first(sorted(known))}); add its size or fix the name"
+        )
     return items
 
 
@@ -235,12 +250,16 @@ def _check_schedule(sizes, sets, written, scratch, name: str):
     else:
         written_ = _check_sets(written, "written", sizes_)
         if len(written_) != len(sets_):
-            raise ValueError(f"written has {len(written_)} entries but {name} has {len(sets_)}; "
-                             f"written[i] must list the items modified in phase i (empty for none)")
+            raise ValueError(
+                f"written has {len(written_)} entries but {name} has {len(sets_)}; "
+                f"written[i] must list the items modified in phase i (empty for none)"
+            )
         for i, (w, s) in enumerate(zip(written_, sets_)):
             if not w <= s:
-                raise ValueError(f"written[{i}] names {sorted(w - s)[0]!r}, which {name}[{i}] lacks; "
-                                 f"an item modified in a phase must be resident in it")
+                raise ValueError(
+                    f"written[{i}] names {sorted(w - s)[0]!r}, which {name}[{i}] lacks; "
+                    f"an item modified in a phase must be resident in it"
+                )
     scratch_ = _check_items(scratch, "scratch", sizes_)
     return sizes_, sets_, written_, scratch_
 
@@ -255,10 +274,16 @@ def _boundaries(sizes, resident, written, scratch) -> tuple[BoundaryMoves, ...]:
         prev, cur = resident[i - 1], resident[i]
         move_out, move_in = sorted(prev - cur), sorted(cur - prev)
         copy_out = [x for x in move_out if x not in scratch and _dirty(x, i - 1, resident, written)]
-        out.append(BoundaryMoves(
-            phase=i, move_out=tuple(move_out), move_in=tuple(move_in), copy_out=tuple(copy_out),
-            bytes_out=sum(sizes[x] for x in copy_out),
-            bytes_in=sum(sizes[x] for x in move_in if x not in scratch)))
+        out.append(
+            BoundaryMoves(
+                phase=i,
+                move_out=tuple(move_out),
+                move_in=tuple(move_in),
+                copy_out=tuple(copy_out),
+                bytes_out=sum(sizes[x] for x in copy_out),
+                bytes_in=sum(sizes[x] for x in move_in if x not in scratch),
+            )
+        )
     return tuple(out)
 
 
@@ -314,8 +339,9 @@ def _options(size: int, need: int, wmask: int, n: int, slack: list[int]) -> tupl
     if m <= _MAX_GAPS:
         subsets = range(1, 1 << m)
     else:  # one cyclic window of consecutive gaps
-        subsets = sorted({sum(1 << ((s + k) % m) for k in range(length))
-                          for s in range(m) for length in range(1, m + 1)})
+        subsets = sorted(
+            {sum(1 << ((s + k) % m) for k in range(length)) for s in range(m) for length in range(1, m + 1)}
+        )
     found = []
     for sub in subsets:
         extra = 0
@@ -347,7 +373,8 @@ def _plan(sizes, phases, budget_bytes, *, written, scratch, max_work: int) -> Re
             raise ValueError(
                 f"phase {i} needs {gib(nbytes)} ({nbytes} B) but budget_bytes is {gib(budget)} ({budget} B): "
                 f"every item of phases[{i}] must be resident at once, so the budget must be at least the "
-                f"largest phase, {max(need_bytes)} B; raise budget_bytes or split the phase")
+                f"largest phase, {max(need_bytes)} B; raise budget_bytes or split the phase"
+            )
     slack = [budget - b for b in need_bytes]
 
     items, complete = [], True
@@ -369,8 +396,9 @@ def _plan(sizes, phases, budget_bytes, *, written, scratch, max_work: int) -> Re
         nodes += more
 
     extra_by_name = {it.name: it.options[c][1] for it, c in zip(items, choice) if c is not None}
-    resident = tuple(frozenset(ph | {x for x, e in extra_by_name.items() if e >> i & 1})
-                     for i, ph in enumerate(phases_))
+    resident = tuple(
+        frozenset(ph | {x for x, e in extra_by_name.items() if e >> i & 1}) for i, ph in enumerate(phases_)
+    )
     boundaries = _boundaries(sizes_, resident, written_, scratch_)
     moved = sum(b.bytes_in + b.bytes_out for b in boundaries)
     aon = sum(b.bytes_in + b.bytes_out for b in _boundaries(sizes_, phases_, written_, scratch_))
@@ -378,9 +406,16 @@ def _plan(sizes, phases, budget_bytes, *, written, scratch, max_work: int) -> Re
     resident_bytes = tuple(sum(sizes_[x] for x in r) for r in resident)
     assert all(b <= budget for b in resident_bytes)
     return ResidencyPlan(
-        resident=resident, bytes_moved=moved, all_or_nothing_bytes=aon, optimal=finished and complete,
-        boundaries=boundaries, resident_bytes=resident_bytes,
-        kept=tuple(r - ph for r, ph in zip(resident, phases_)), budget_bytes=budget, search_nodes=nodes)
+        resident=resident,
+        bytes_moved=moved,
+        all_or_nothing_bytes=aon,
+        optimal=finished and complete,
+        boundaries=boundaries,
+        resident_bytes=resident_bytes,
+        kept=tuple(r - ph for r, ph in zip(resident, phases_)),
+        budget_bytes=budget,
+        search_nodes=nodes,
+    )
 
 
 def _fits(it: _Item, c: Optional[int], cur: Optional[int], slack: list[int]) -> bool:
@@ -417,10 +452,12 @@ def _greedy(items: list[_Item], slack: list[int]) -> tuple[list, int]:
     n = len(slack)
     keys = [lambda kc: (-items[kc[0]].options[kc[1]][0], items[kc[0]].name, kc[1])]
     for w in [[1.0] * n, *_prices(items, slack)]:
+
         def key(kc, w=w):
             it = items[kc[0]]
             saving, _, phases = it.options[kc[1]]
             return (-saving / (it.size * sum(w[p] for p in phases)), -saving, it.name, kc[1])
+
         keys.append(key)
     best = None
     for key in keys:
@@ -495,8 +532,10 @@ def _exchange(items: list[_Item], choice: list, room: list[int]) -> None:
     changed = True
     while changed:
         changed = False
-        holders = [{k for k, (it, c) in enumerate(zip(items, choice)) if c is not None and it.options[c][1] >> p & 1}
-                   for p in range(n)]
+        holders = [
+            {k for k, (it, c) in enumerate(zip(items, choice)) if c is not None and it.options[c][1] >> p & 1}
+            for p in range(n)
+        ]
         for b, it in enumerate(items):
             cur = choice[b]
             have = it.options[cur][0] if cur is not None else 0
@@ -511,8 +550,11 @@ def _exchange(items: list[_Item], choice: list, room: list[int]) -> None:
                 for a in sorted(set.intersection(*(holders[p] for p in blocking)) - {b}):
                     other, cur_a = items[a], choice[a]
                     have_a = other.options[cur_a][0]
-                    steps = [c2 for c2 in range(len(other.options))
-                             if other.options[c2][0] < have_a and not other.options[c2][1] & block_mask]
+                    steps = [
+                        c2
+                        for c2 in range(len(other.options))
+                        if other.options[c2][0] < have_a and not other.options[c2][1] & block_mask
+                    ]
                     for c2 in [*steps, None]:
                         gain = s - have - (have_a - (other.options[c2][0] if c2 is not None else 0))
                         if gain <= 0 or not _fits(other, c2, cur_a, room):
@@ -538,8 +580,9 @@ class _OutOfWork(Exception):
     pass
 
 
-def _branch_and_bound(items: list[_Item], slack: list[int], choice: list, saving: int,
-                      max_work: int) -> tuple[list, int, int, bool, int]:
+def _branch_and_bound(
+    items: list[_Item], slack: list[int], choice: list, saving: int, max_work: int
+) -> tuple[list, int, int, bool, int]:
     """Depth-first search over one option per item, starting from the incumbent ``choice``.
 
     Returns the best choice, its saving, the nodes explored, whether the search finished (then
@@ -643,8 +686,9 @@ def _neighbourhoods(items: list[_Item], slack: list[int], choice: list, max_work
         for it, k in zip(sub, group):
             _switch(it, None, choice[k], sub_room)
         before = _saving(sub, [choice[k] for k in group])
-        got, got_saving, n, _, w = _branch_and_bound(sub, sub_room, [choice[k] for k in group], before,
-                                                     min(2_000, max_work - work))
+        got, got_saving, n, _, w = _branch_and_bound(
+            sub, sub_room, [choice[k] for k in group], before, min(2_000, max_work - work)
+        )
         work, nodes = work + w, nodes + n
         if got_saving > before:
             for it, k, c in zip(sub, group, got):

@@ -39,12 +39,15 @@ class Residency:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k}={v / 2**20:.2f}" for k, v in self.by_category.items())
-        return (f"device {self.device_bytes / 2**20:.2f} MiB ({parts}), "
-                f"host store {self.host_bytes / 2**20:.2f} MiB")
+        return f"device {self.device_bytes / 2**20:.2f} MiB ({parts}), host store {self.host_bytes / 2**20:.2f} MiB"
 
 
-def measure(tensors_by_category: Mapping[str, Iterable[torch.Tensor]], device: torch.device,
-            host_by_category: Mapping[str, int], released_by_category: Mapping[str, int] = {}) -> Residency:
+def measure(
+    tensors_by_category: Mapping[str, Iterable[torch.Tensor]],
+    device: torch.device,
+    host_by_category: Mapping[str, int],
+    released_by_category: Mapping[str, int] = {},
+) -> Residency:
     """Sum storage bytes on ``device`` per category; a storage goes to the first category listing it.
 
     ``released_by_category``: for each offloaded part, the bytes its storages had (they count in

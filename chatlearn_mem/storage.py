@@ -28,8 +28,15 @@ from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import HostStore
 
-__all__ = ["GroupTransfer", "StorageGroup", "TransferStats", "advise_huge_pages", "extent", "storage_key",
-           "unique_storages"]
+__all__ = [
+    "GroupTransfer",
+    "StorageGroup",
+    "TransferStats",
+    "advise_huge_pages",
+    "extent",
+    "storage_key",
+    "unique_storages",
+]
 
 logger = logging.getLogger("chatlearn_mem")
 
@@ -166,8 +173,7 @@ class StorageGroup:
 
     def host_copy_current(self, token: Optional[Hashable], storages: list[torch.UntypedStorage]) -> bool:
         """Whether the host store already holds exactly these storages' current contents."""
-        return (token is not None and token == self._host_token
-                and tuple(s._cdata for s in storages) == self._host_keys)
+        return token is not None and token == self._host_token and tuple(s._cdata for s in storages) == self._host_keys
 
     def set_host_token(self, token: Optional[Hashable]) -> None:
         """Record that the host copy equals the device contents described by ``token``."""
@@ -189,7 +195,7 @@ class StorageGroup:
         for host, off in self.store.views(index):
             lo, hi = max(start, off), min(start + nbytes, off + host.numel())
             if lo < hi:
-                out[lo - start:hi - start].copy_(host[lo - off:hi - off])
+                out[lo - start : hi - start].copy_(host[lo - off : hi - off])
         return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
 
     def _host_span(self, t: torch.Tensor) -> tuple[int, int, int]:
@@ -199,8 +205,7 @@ class StorageGroup:
         try:
             index = self._host_keys.index(storage_key(t))
         except ValueError:
-            raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a view of a storage of "
-                             f"{self.name}") from None
+            raise ValueError(f"a tensor of shape {tuple(t.shape)} is not a view of a storage of {self.name}") from None
         size = t.element_size()
         return index, t.storage_offset() * size, extent(t) * size
 
@@ -218,7 +223,7 @@ class StorageGroup:
         index, start, nbytes = self._host_span(t)
         for host, off in self.store.views(index):
             if off <= start and start + nbytes <= off + host.numel():
-                piece = host[start - off:start - off + nbytes]
+                piece = host[start - off : start - off + nbytes]
                 # from_numpy: a storage of exactly these bytes over the bucket's memory (no copy)
                 exact = torch.from_numpy(piece.numpy()) if nbytes else torch.empty(0, dtype=torch.uint8)
                 return exact.view(t.dtype).as_strided(t.shape, t.stride())
@@ -247,8 +252,9 @@ class StorageGroup:
         """Block until no reader of the host store is left (see :meth:`reading`)."""
         with self._readers_done:
             if self._readers:
-                logger.info("%s: waiting for %d reader(s) of the host store (a checkpoint save)",
-                            self.name, self._readers)
+                logger.info(
+                    "%s: waiting for %d reader(s) of the host store (a checkpoint save)", self.name, self._readers
+                )
             self._readers_done.wait_for(lambda: self._readers == 0)
 
     def new_host_bytes(self, storages: list[torch.UntypedStorage]) -> int:
@@ -293,8 +299,9 @@ class StorageGroup:
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
 
     # -- transitions through the copy engine ------------------------------------------------
-    def start_offload(self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None,
-                      caller_event=None) -> "GroupTransfer":
+    def start_offload(
+        self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None, caller_event=None
+    ) -> "GroupTransfer":
         """Start the copy (if needed) and release of ``storages``: the group is offloaded from now
         on (its state is the target state). Submit :attr:`GroupTransfer.batch` to the copy engine;
         :meth:`GroupTransfer.finish` settles it once done (:func:`transitions.run` does both).
@@ -319,16 +326,18 @@ class StorageGroup:
         key = ("offload", sizes, copy, id(self.store) if copy else None, caller_event is not None)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _offload_plan(sizes, self.store if copy else None,
-                                                     self._config.copy_chunk_bytes, caller_event is not None)
+            plan = self._plans[key] = _offload_plan(
+                sizes, self.store if copy else None, self._config.copy_chunk_bytes, caller_event is not None
+            )
         t = GroupTransfer(self, "offload", plan, list(storages), list(sizes), copy, token, caller_event)
         self._released = list(zip(storages, sizes))
         self.offloaded = True
         self._transfer = t
         return t
 
-    def start_onload(self, users: Optional[list[list[tuple[int, int, int]]]] = None,
-                     token: Optional[Hashable] = None) -> "GroupTransfer":
+    def start_onload(
+        self, users: Optional[list[list[tuple[int, int, int]]]] = None, token: Optional[Hashable] = None
+    ) -> "GroupTransfer":
         """Start the regrow and copy back (or zeroing) of the released storages: the group is
         resident from now on (its target state); submit and settle as :meth:`start_offload`.
 
@@ -351,8 +360,9 @@ class StorageGroup:
         if plan is None:
             if len(self._plans) > 8:  # sizes or users changed many times: keep the cache small
                 self._plans.clear()
-            plan = self._plans[key] = _onload_plan(sizes, self.store if self.keep_contents else None,
-                                                    self._config.copy_chunk_bytes, use)
+            plan = self._plans[key] = _onload_plan(
+                sizes, self.store if self.keep_contents else None, self._config.copy_chunk_bytes, use
+            )
         t = GroupTransfer(self, "onload", plan, storages, list(sizes), self.keep_contents, token, None)
         self.offloaded = False
         self._transfer = t
@@ -443,8 +453,7 @@ def _coalesce(step: list) -> list:
     merged: list[tuple] = []
     for a in sorted(copies, key=lambda a: (a[0], a[1], a[2], a[4])):
         last = merged[-1] if merged else None
-        if (last is not None and last[:3] == a[:3] and last[4] + last[5] == a[4]
-                and last[3] - last[4] == a[3] - a[4]):
+        if last is not None and last[:3] == a[:3] and last[4] + last[5] == a[4] and last[3] - last[4] == a[3] - a[4]:
             merged[-1] = (*last[:5], last[5] + a[5])
         else:
             merged.append(a)
@@ -453,6 +462,7 @@ def _coalesce(step: list) -> list:
     first = [a for a in step if a[0] in (WAIT, GROW)]
     rest = [a for a in step if a[0] in (RELEASE, ZERO)]
     return first + merged + rest
+
 
 def _spans(store: HostStore, i: int, start: int, end: int, chunk: int) -> list[tuple[int, int, int, int]]:
     """``(bucket, bucket offset, storage offset, bytes)`` pieces of bytes ``[start, end)`` of storage
@@ -480,8 +490,9 @@ def _offload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int
     return _Plan(pack.finish(), release, {}, ())
 
 
-def _onload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int,
-                 users: tuple[tuple[tuple[int, int, int], ...], ...]) -> _Plan:
+def _onload_plan(
+    sizes: tuple[int, ...], store: Optional[HostStore], chunk: int, users: tuple[tuple[tuple[int, int, int], ...], ...]
+) -> _Plan:
     pack = _Packer(chunk)
     grow_at: dict[int, tuple[int, int]] = {}
     pieces: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
@@ -543,8 +554,9 @@ def _subtract(r: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[in
     return out
 
 
-def _user_steps(users, pieces: dict[int, list[tuple[int, int, int]]],
-                grow_at: dict[int, tuple[int, int]]) -> tuple[Optional[int], ...]:
+def _user_steps(
+    users, pieces: dict[int, list[tuple[int, int, int]]], grow_at: dict[int, tuple[int, int]]
+) -> tuple[Optional[int], ...]:
     """For each user, the last step whose bytes it reads (None: it reads nothing of this group)."""
     ordered = {i: sorted(ps) for i, ps in pieces.items()}
     starts = {i: [p[0] for p in ps] for i, ps in ordered.items()}
@@ -571,8 +583,17 @@ class GroupTransfer:
     It is also the batch's runner: it runs the plan's actions on its own storages.
     """
 
-    def __init__(self, group: StorageGroup, direction: str, plan: _Plan, storages: list[torch.UntypedStorage],
-                 sizes: list[int], copy: bool, token: Optional[Hashable], caller_event):
+    def __init__(
+        self,
+        group: StorageGroup,
+        direction: str,
+        plan: _Plan,
+        storages: list[torch.UntypedStorage],
+        sizes: list[int],
+        copy: bool,
+        token: Optional[Hashable],
+        caller_event,
+    ):
         self.group, self.direction, self.plan = group, direction, plan
         self.storages, self.sizes = storages, sizes
         self.copy, self.token = copy, token
@@ -583,8 +604,9 @@ class GroupTransfer:
         self._caller_event = caller_event
         self._store = group.store
         self._huge_pages = group._config.cpu_huge_pages
-        self.batch = Batch("d2h" if direction == "offload" else "h2d", f"{direction} {group.name}",
-                           steps=plan.steps, runner=self)
+        self.batch = Batch(
+            "d2h" if direction == "offload" else "h2d", f"{direction} {group.name}", steps=plan.steps, runner=self
+        )
         self.released: list[int] = []  # offload: indices released so far (R2: after their copies)
         self.grown: list[int] = []  # onload: indices regrown so far
         self.stats: Optional[TransferStats] = None
@@ -597,10 +619,14 @@ class GroupTransfer:
             _, i, b, bo, so, n = a
             # CUDA: asynchronous into pinned memory (the step's event says when it landed); into
             # pageable memory the driver copies synchronously, slower but as correct
-            self._store.buckets[b][bo:bo + n].copy_(_byte_view(self.storages[i])[so:so + n], non_blocking=self._cuda)
+            self._store.buckets[b][bo : bo + n].copy_(
+                _byte_view(self.storages[i])[so : so + n], non_blocking=self._cuda
+            )
         elif op == COPY_IN:
             _, i, b, bo, so, n = a
-            _byte_view(self.storages[i])[so:so + n].copy_(self._store.buckets[b][bo:bo + n], non_blocking=self._cuda)
+            _byte_view(self.storages[i])[so : so + n].copy_(
+                self._store.buckets[b][bo : bo + n], non_blocking=self._cuda
+            )
         elif op == RELEASE:
             s = self.storages[a[1]]
             if self._cuda and s.nbytes():
@@ -705,8 +731,14 @@ class GroupTransfer:
             group.set_host_token(self.token)
         group._transfer = None
         self.stats = TransferStats(group.name, self.direction, nbytes, copied, self.batch.seconds)
-        logger.info("%s %s: %.1f MB, %.1f MB copied (%.2f GB/s)", self.direction, group.name,
-                    nbytes / 1e6, copied / 1e6, self.stats.gb_per_s)
+        logger.info(
+            "%s %s: %.1f MB, %.1f MB copied (%.2f GB/s)",
+            self.direction,
+            group.name,
+            nbytes / 1e6,
+            copied / 1e6,
+            self.stats.gb_per_s,
+        )
         return self.stats
 
     def _roll_back(self) -> str:
@@ -715,8 +747,10 @@ class GroupTransfer:
             for i in self.grown:
                 self.storages[i].resize_(0)
             group.offloaded = True
-            return (f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "
-                    "was released again; the part is still offloaded and its host copy is intact")
+            return (
+                f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "
+                "was released again; the part is still offloaded and its host copy is intact"
+            )
         # offload: the storages released so far have complete host copies (R2): bring them back
         restored = []
         try:
@@ -725,7 +759,7 @@ class GroupTransfer:
                 _grow_storage(s, n)
                 dst = _byte_view(s)
                 for host, off in group.store.views(i):
-                    dst[off:off + host.numel()].copy_(host)
+                    dst[off : off + host.numel()].copy_(host)
                 restored.append(i)
             _synchronize(_device_of(self.storages))
         except BaseException as e:  # noqa: BLE001 - keep what is still released, offloaded
@@ -733,11 +767,15 @@ class GroupTransfer:
             group._released = [(self.storages[i], self.sizes[i]) for i in left]
             group.offloaded = True
             group._host_token = None
-            return (f"chatlearn-mem: the offload of {group.name} failed and could not be fully rolled "
-                    f"back ({e!r}): {len(left)} storage(s) stay released with complete host copies and the "
-                    "part counts as offloaded; call onload() once memory is available")
+            return (
+                f"chatlearn-mem: the offload of {group.name} failed and could not be fully rolled "
+                f"back ({e!r}): {len(left)} storage(s) stay released with complete host copies and the "
+                "part counts as offloaded; call onload() once memory is available"
+            )
         group._released = []
         group.offloaded = False
         group._host_token = None
-        return (f"chatlearn-mem: the offload of {group.name} was rolled back: every storage it had released "
-                "was regrown from its complete host copy; the part is resident")
+        return (
+            f"chatlearn-mem: the offload of {group.name} was rolled back: every storage it had released "
+            "was regrown from its complete host copy; the part is resident"
+        )

@@ -6,19 +6,18 @@ from typing import Any, Hashable, Iterable, Optional
 
 import torch
 
+from chatlearn_mem import guards
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError, UnsupportedLayoutError
 from chatlearn_mem.guards import serialized
 from chatlearn_mem.manager import MemoryManagerBase
-from chatlearn_mem import guards
 from chatlearn_mem.mcore import checks, layout, transient
 from chatlearn_mem.parts import OTHER, Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
 from chatlearn_mem.storage import storage_key
 
 __all__ = ["TrainerMemoryManager"]
-
 
 
 class TrainerMemoryManager(MemoryManagerBase):
@@ -71,8 +70,11 @@ class TrainerMemoryManager(MemoryManagerBase):
         first = next((p for c in self._chunks for p in c.parameters()), None)
         if first is None:
             raise ValueError("the model has no parameters; nothing to manage")
-        super().__init__({Part.WEIGHTS: True, Part.GRADS: False, Part.MAIN_WEIGHTS: True,
-                          Part.OPTIMIZER_STATES: True}, first.device, config)
+        super().__init__(
+            {Part.WEIGHTS: True, Part.GRADS: False, Part.MAIN_WEIGHTS: True, Part.OPTIMIZER_STATES: True},
+            first.device,
+            config,
+        )
         self._chunk_buffers = [layout.ddp_buffers(c, i) for i, c in enumerate(self._chunks)]
         self._buffers = [b for bufs in self._chunk_buffers for b in bufs]
         self._names = {p: f"chunk{i}.{n}" for i, c in enumerate(self._chunks) for n, p in c.named_parameters()}
@@ -94,7 +96,8 @@ class TrainerMemoryManager(MemoryManagerBase):
             self._guard_module(c, c.module)
             self._hook_handles += guards.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
             self._hook_handles += guards.guard_methods(
-                c.module, {"sharded_state_dict": layout.DDP_METHOD_PARTS["sharded_state_dict"]}, self._require)
+                c.module, {"sharded_state_dict": layout.DDP_METHOD_PARTS["sharded_state_dict"]}, self._require
+            )
         for opt in dict.fromkeys([optimizer] + self._leaves):  # the outer optimizer first
             self._hook_handles += guards.guard_methods(opt, layout.OPTIMIZER_METHOD_PARTS, self._require)
         for leaf in self._leaves:
@@ -142,9 +145,13 @@ class TrainerMemoryManager(MemoryManagerBase):
         if part is not Part.OPTIMIZER_STATES:
             return super()._part_slots(part)
         # a state entry is replaced (state[k] = v.cpu()), not rebound: name it by where it is held
-        return (((li, id(key), k), v) for li, leaf in enumerate(self._leaves)
-                for key, state in layout.torch_optimizer(leaf).state.items()
-                for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel())
+        return (
+            ((li, id(key), k), v)
+            for li, leaf in enumerate(self._leaves)
+            for key, state in layout.torch_optimizer(leaf).state.items()
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.numel()
+        )
 
     def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         many = len(self._chunks) > 1
@@ -177,12 +184,15 @@ class TrainerMemoryManager(MemoryManagerBase):
                 raise UnsupportedLayoutError(
                     f"parameter {name} lives in a gradient buffer's storage (megatron's "
                     "reuse_grad_buf_for_mxfp8_param_ag layout); freeing grads would destroy the "
-                    "weights. Disable that option to use the memory manager.")
+                    "weights. Disable that option to use the memory manager."
+                )
         for part in Part:
             for s in self._storages(part):
                 if not s.resizable():
-                    raise UnsupportedLayoutError(f"a {part} storage of {s.nbytes()} bytes cannot be resized "
-                                                 "(created from external memory), so it cannot be released")
+                    raise UnsupportedLayoutError(
+                        f"a {part} storage of {s.nbytes()} bytes cannot be resized "
+                        "(created from external memory), so it cannot be released"
+                    )
 
     # -- guards --------------------------------------------------------------------------------
     def _before_forward(self, module, args) -> None:
@@ -193,7 +203,8 @@ class TrainerMemoryManager(MemoryManagerBase):
                 raise OffloadedError(
                     "training forward pass while the grad buffers are released: call "
                     "onload(['grads']) (or onload()) first, or run forward-only passes under "
-                    "torch.no_grad()")
+                    "torch.no_grad()"
+                )
             self._forward_since_step = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:
@@ -206,13 +217,19 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     def _guard_names(self) -> Iterable[tuple[str, torch.Tensor]]:
         yield from self._named_weights()
-        yield from ((f"main_grad of param {name}", layout.main_grad(p)) for p, name in self._names.items()
-                    if layout.main_grad(p) is not None)
+        yield from (
+            (f"main_grad of param {name}", layout.main_grad(p))
+            for p, name in self._names.items()
+            if layout.main_grad(p) is not None
+        )
         for i, leaf in enumerate(self._leaves):
             yield from ((f"main weight {j} of optimizer {i}", t) for j, t in enumerate(layout.main_weights(leaf)))
             for j, state in enumerate(layout.torch_optimizer(leaf).state.values()):
-                yield from ((f"optimizer state {k!r} #{j} of optimizer {i}", v) for k, v in state.items()
-                            if isinstance(v, torch.Tensor))
+                yield from (
+                    (f"optimizer state {k!r} #{j} of optimizer {i}", v)
+                    for k, v in state.items()
+                    if isinstance(v, torch.Tensor)
+                )
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._steps += 1
@@ -234,7 +251,8 @@ class TrainerMemoryManager(MemoryManagerBase):
             if pending:
                 raise ChatlearnMemError(
                     f"cannot {what}: a bucket group still has {', '.join(pending)} in flight; call "
-                    "model.finish_grad_sync() (and let the param all-gather finish) first")
+                    "model.finish_grad_sync() (and let the param all-gather finish) first"
+                )
 
     # -- public API ----------------------------------------------------------------------------
     @serialized
@@ -291,8 +309,12 @@ class TrainerMemoryManager(MemoryManagerBase):
         """Device bytes held per part (each storage once) and host store bytes, once the transitions
         in flight have finished."""
         self._settle()
-        return measure({p.value: self._part_tensors(p) for p in Part} | {OTHER: self._stale_grads()},
-                       self.device, self._host_bytes(), self._released_bytes())
+        return measure(
+            {p.value: self._part_tensors(p) for p in Part} | {OTHER: self._stale_grads()},
+            self.device,
+            self._host_bytes(),
+            self._released_bytes(),
+        )
 
     @serialized
     def audit(self) -> AuditReport:
@@ -324,13 +346,17 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _check_grads_consumed(self) -> None:
         if not self._forward_since_step:
             return
-        dirty = [b.label for b in self._buffers
-                 if any(g.numel() and bool(g.any()) for g in (b.grad_data, *b.extra_main_grads))]
+        dirty = [
+            b.label
+            for b in self._buffers
+            if any(g.numel() and bool(g.any()) for g in (b.grad_data, *b.extra_main_grads))
+        ]
         if dirty:
             raise ChatlearnMemError(
                 f"refusing to free grad buffers {', '.join(dirty)}: they hold gradients that no "
                 "optimizer step has consumed. Run optimizer.step() or model.zero_grad_buffer() "
-                "first, or call offload(force=True) to drop them")
+                "first, or call offload(force=True) to drop them"
+            )
 
     def _drop_stale_grads(self) -> None:
         # The same as megatron's optimizer.zero_grad(set_to_none=True): these are derived from

@@ -49,8 +49,12 @@ class Transfer:
         parts: ``(manager, part)`` for each part it moves, in submission order.
     """
 
-    def __init__(self, kind: str, entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]],
-                 on_settled: list[Callable[[], None]] = ()):
+    def __init__(
+        self,
+        kind: str,
+        entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]],
+        on_settled: list[Callable[[], None]] = (),
+    ):
         self.kind = kind
         self._entries = entries
         self._job = Job()
@@ -140,15 +144,22 @@ class Transfer:
     def __del__(self) -> None:
         try:
             if not self._settled and self._job.error is not None and not self._reported:
-                warnings.warn(f"a non-blocking {self.kind} of {self._describe()} failed and was dropped "
-                              f"unwaited: {self._job.error!r}; the manager rolls it back on its next call",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"a non-blocking {self.kind} of {self._describe()} failed and was dropped "
+                    f"unwaited: {self._job.error!r}; the manager rolls it back on its next call",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
 
 
-def run(kind: str, entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]], blocking: bool,
-        on_settled: list[Callable[[], None]] = ()):
+def run(
+    kind: str,
+    entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]],
+    blocking: bool,
+    on_settled: list[Callable[[], None]] = (),
+):
     """Submit the started group transitions as one job; wait when ``blocking``.
 
     Returns the stats (blocking) or the :class:`Transfer`. A ``KeyboardInterrupt`` (or any error)
@@ -170,9 +181,16 @@ def run(kind: str, entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]
     return transfer
 
 
-def swap(out: "MemoryManagerBase", into: "MemoryManagerBase", *, out_parts: PartsArg = None,
-         into_parts: PartsArg = None, headroom_bytes: Optional[int] = None, force: bool = False,
-         blocking: bool = True):
+def swap(
+    out: "MemoryManagerBase",
+    into: "MemoryManagerBase",
+    *,
+    out_parts: PartsArg = None,
+    into_parts: PartsArg = None,
+    headroom_bytes: Optional[int] = None,
+    force: bool = False,
+    blocking: bool = True,
+):
     """Move ``out`` off the device and ``into`` onto it at the same time.
 
     The outgoing model's copies (device to host) and the incoming one's (host to device) run in
@@ -200,8 +218,10 @@ def swap(out: "MemoryManagerBase", into: "MemoryManagerBase", *, out_parts: Part
         Whatever ``out.offload`` / ``into.onload`` would raise before any copy (nothing changes).
     """
     if out is into:
-        raise ValueError("swap(out=..., into=...) needs two different managers; to move one manager's parts "
-                         "use its offload() and onload()")
+        raise ValueError(
+            "swap(out=..., into=...) needs two different managers; to move one manager's parts "
+            "use its offload() and onload()"
+        )
     if out.device != into.device:
         raise ValueError(f"swap() moves models on one device; out is on {out.device}, into on {into.device}")
     if headroom_bytes is not None and headroom_bytes < 0:
@@ -224,8 +244,11 @@ def swap(out: "MemoryManagerBase", into: "MemoryManagerBase", *, out_parts: Part
         return run("swap", entries, blocking, on_settled=[out._after_offload_settled])
 
 
-def _pace(out_started: list[tuple[Part, GroupTransfer]], into_started: list[tuple[Part, GroupTransfer]],
-          headroom_bytes: Optional[int]) -> None:
+def _pace(
+    out_started: list[tuple[Part, GroupTransfer]],
+    into_started: list[tuple[Part, GroupTransfer]],
+    headroom_bytes: Optional[int],
+) -> None:
     """Make each regrow of the incoming storages wait for enough outgoing releases (R8)."""
     releases = []  # (fence, cumulative bytes released)
     total = 0
@@ -235,8 +258,9 @@ def _pace(out_started: list[tuple[Part, GroupTransfer]], into_started: list[tupl
             releases.append((gt.batch.fence(step), total))
     grows = [(gt, where, gt.sizes[i]) for _, gt in into_started for i, where in gt.grow_actions()]
     if headroom_bytes is None:
-        headroom_bytes = max([n for _, gt in out_started for n in gt.sizes] +
-                             [n for _, gt in into_started for n in gt.sizes] + [0])
+        headroom_bytes = max(
+            [n for _, gt in out_started for n in gt.sizes] + [n for _, gt in into_started for n in gt.sizes] + [0]
+        )
     grown = 0
     k = 0
     for gt, where, n in grows:

@@ -17,9 +17,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ModuleNotFoundError as e:
         if e.name not in _CLI_PACKAGES:
             raise
-        sys.stderr.write(f"error: the chatlearn-mem command needs {e.name!r}, which is not installed; install "
-                         "it with pip install 'chatlearn-mem[ray]' (the PPO run) or "
-                         "'chatlearn-mem[bench]' (the benchmark)\n")
+        sys.stderr.write(
+            f"error: the chatlearn-mem command needs {e.name!r}, which is not installed; install "
+            "it with pip install 'chatlearn-mem[ray]' (the PPO run) or "
+            "'chatlearn-mem[bench]' (the benchmark)\n"
+        )
         raise SystemExit(1) from None
     app(args=None if argv is None else list(argv), prog_name="chatlearn-mem")
 

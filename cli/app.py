@@ -32,8 +32,12 @@ __all__ = ["app"]
 
 T = TypeVar("T")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Colocated RLHF on shared devices with an exact memory manager for megatron-core.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Colocated RLHF on shared devices with an exact memory manager for megatron-core.",
+)
 
 # Help texts hold no square brackets: typer's rich help reads them as markup and drops them.
 _OVERRIDES_HELP = "dotted key=value overrides, values parsed as YAML (e.g. {})"
@@ -66,9 +70,14 @@ def _guarded(work: Callable[[], T]) -> T:
     except ChatlearnMemError as e:
         raise _fail(str(e), 1) from None
     except ImportError as e:  # an extra that is not installed (Ray, psutil, ...)
-        hint = "" if "chatlearn-mem[" in str(e) else (
-            " (a dependency of this command is missing; install chatlearn-mem with the [ray] extra "
-            "for `ppo` or the [bench] extra for `bench`)")
+        hint = (
+            ""
+            if "chatlearn-mem[" in str(e)
+            else (
+                " (a dependency of this command is missing; install chatlearn-mem with the [ray] extra "
+                "for `ppo` or the [bench] extra for `bench`)"
+            )
+        )
         raise _fail(f"{e}{hint}", 1) from None
     except OSError as e:  # an output directory that cannot be written, a disk that is full, ...
         raise _fail(f"{type(e).__name__}: {e}", 1) from None
@@ -80,13 +89,18 @@ def _guarded(work: Callable[[], T]) -> T:
 
 
 @_command()
-def ppo(overrides: Optional[List[str]] = typer.Argument(
-            None, help=_OVERRIDES_HELP.format("ppo.iterations=5 memory.enabled=false"), show_default=False),
-        config: str = typer.Option(PPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
-        print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
-        resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint in "
-                                    "checkpoint.directory (same as checkpoint.resume=true)"),
-        ) -> None:
+def ppo(
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help=_OVERRIDES_HELP.format("ppo.iterations=5 memory.enabled=false"), show_default=False
+    ),
+    config: str = typer.Option(PPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="continue from the newest complete checkpoint in checkpoint.directory (same as checkpoint.resume=true)",
+    ),
+) -> None:
     """Run PPO with the policy, critic, rollout and reference models colocated through Ray.
 
     Prints one line per iteration and writes log.json and memory_timeline.png to output_dir.
@@ -109,13 +123,16 @@ def ppo(overrides: Optional[List[str]] = typer.Argument(
 
 
 @_command()
-def bench(overrides: Optional[List[str]] = typer.Argument(
-              None, help=_OVERRIDES_HELP.format("repeats=5 trainer.num_layers=4"), show_default=False),
-          config: Optional[str] = typer.Option(BENCH_DEFAULT, "--config", "-c", show_default=BENCH_DEFAULT is not None,
-                                               help=_CONFIG_HELP),
-          print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the targets"),
-          ) -> None:
+def bench(
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help=_OVERRIDES_HELP.format("repeats=5 trainer.num_layers=4"), show_default=False
+    ),
+    config: Optional[str] = typer.Option(
+        BENCH_DEFAULT, "--config", "-c", show_default=BENCH_DEFAULT is not None, help=_CONFIG_HELP
+    ),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the targets"),
+) -> None:
     """Time offload/onload of a megatron-core trainer against a plain-copy ceiling and the usual
     alternatives.
 
@@ -131,8 +148,9 @@ def bench(overrides: Optional[List[str]] = typer.Argument(
     if print_config:
         typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return
-    command = shlex.join(["chatlearn-mem", "bench", "--config", cfg.preset if config is None else config,
-                          *(overrides or [])])
+    command = shlex.join(
+        ["chatlearn-mem", "bench", "--config", cfg.preset if config is None else config, *(overrides or [])]
+    )
 
     def run() -> None:
         from chatlearn_mem_bench.run import run_and_report
@@ -143,9 +161,10 @@ def bench(overrides: Optional[List[str]] = typer.Argument(
 
 
 @_command("bench-report")
-def bench_report(results: str = typer.Argument(..., help="the .json a benchmark run wrote (finished or not)"),
-                 plot: bool = typer.Option(True, "--plot/--no-plot", help="draw the PNG too"),
-                 ) -> None:
+def bench_report(
+    results: str = typer.Argument(..., help="the .json a benchmark run wrote (finished or not)"),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="draw the PNG too"),
+) -> None:
     """Rebuild a benchmark's markdown and PNG next to its JSON, from the JSON alone.
 
     For a run that was killed or timed out: every part it finished, the targets of those rows, and
@@ -178,8 +197,10 @@ def presets() -> None:
     def show(label: str, module: str, default: Optional[str]) -> None:
         where = resources.files(module)
         names = preset_names(where)
-        typer.echo(f"{label}: {', '.join(names) if names else '(none installed)'}"
-                   + (f" (default: {default})" if default in names else ""))
+        typer.echo(
+            f"{label}: {', '.join(names) if names else '(none installed)'}"
+            + (f" (default: {default})" if default in names else "")
+        )
         width = max(map(len, names), default=0)
         for name in names:
             typer.echo(f"  {name:<{width}}  {preset_description(where, name)}".rstrip())

@@ -28,8 +28,10 @@ def _yaml():
     try:
         import yaml
     except ImportError as e:
-        raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml (the [ray] and "
-                          "[bench] extras of chatlearn-mem include it)") from e
+        raise ImportError(
+            "reading YAML configs needs PyYAML: pip install pyyaml (the [ray] and "
+            "[bench] extras of chatlearn-mem include it)"
+        ) from e
     return yaml
 
 
@@ -157,8 +159,9 @@ def _read_source(source: Union[str, os.PathLike], presets: Any) -> dict:
         names = preset_names(presets)
         listing = f"presets: {', '.join(names)}" if names else "no presets"
         if _looks_like_a_name(text):
-            raise ConfigError(f"unknown config {text!r}: not a preset and not a file ({listing}; "
-                              "or give the path of a YAML file)")
+            raise ConfigError(
+                f"unknown config {text!r}: not a preset and not a file ({listing}; or give the path of a YAML file)"
+            )
         raise ConfigError(f"config file {text!r} does not exist ({listing})")
     try:
         data = yaml.safe_load(read()) or {}
@@ -169,8 +172,9 @@ def _read_source(source: Union[str, os.PathLike], presets: Any) -> dict:
     return data
 
 
-def load_config(model: type[M], source: Optional[Union[str, os.PathLike]] = None,
-                overrides: Sequence[str] = (), presets: Any = None) -> M:
+def load_config(
+    model: type[M], source: Optional[Union[str, os.PathLike]] = None, overrides: Sequence[str] = (), presets: Any = None
+) -> M:
     """Build a ``model`` from a preset or YAML file plus dotted ``key=value`` overrides.
 
     Args:

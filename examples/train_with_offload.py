@@ -21,7 +21,6 @@ import warnings
 import torch
 
 from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
-
 from chatlearn_mem.models import gpt
 
 
@@ -41,13 +40,16 @@ def main() -> None:
     warnings.filterwarnings("ignore")  # megatron-core's own notices about apex, TE and deprecations
 
     gpt.init_distributed(cpu_backend=True)
-    cfg = gpt.GPTTrainerConfig(num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=8,
-                               vocab_size=512, seq_length=64)
+    cfg = gpt.GPTTrainerConfig(
+        num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=8, vocab_size=512, seq_length=64
+    )
     trainer = gpt.build_gpt_trainer(cfg)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(bucket_size_mb=args.bucket_size_mb))
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    print(f"GPT with {n_params / 1e6:.2f} M parameters ({cfg.precision}, distributed optimizer), "
-          f"megatron-core on {mm.device}")
+    print(
+        f"GPT with {n_params / 1e6:.2f} M parameters ({cfg.precision}, distributed optimizer), "
+        f"megatron-core on {mm.device}"
+    )
     print(f"{'iter':>4} {'phase':<6} {'device':>12} {'host store':>12}  {'by category (MiB)'}")
 
     def show(step: int, phase: str) -> None:
@@ -68,8 +70,7 @@ def main() -> None:
         show(step, "score")
         mm.offload()
         audit = mm.audit()
-        print(f"{step:>4} loss {loss:.4f}  held-out loss {score_loss:.4f}  {audit}  "
-              f"({time.perf_counter() - t0:.2f} s)")
+        print(f"{step:>4} loss {loss:.4f}  held-out loss {score_loss:.4f}  {audit}  ({time.perf_counter() - t0:.2f} s)")
         if not audit.ok:
             raise SystemExit(1)
     mm.onload()

@@ -20,13 +20,43 @@
 from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
 from chatlearn_mem_ray.colocation import Colocation
 from chatlearn_mem_ray.config import RunConfig, load_config
-from chatlearn_mem_ray.errors import (ActorFailedError, AuditFailedError, CheckpointDirError, CheckpointSaveError,
-                                      ClusterConnectionError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
-                                      ResourceError, ResumeError, RunError, RunInterrupted, RunTerminated,
-                                      WeightSyncError)
+from chatlearn_mem_ray.errors import (
+    ActorFailedError,
+    AuditFailedError,
+    CheckpointDirError,
+    CheckpointSaveError,
+    ClusterConnectionError,
+    NonFiniteLossError,
+    OutputDirError,
+    PhaseTimeoutError,
+    ResourceError,
+    ResumeError,
+    RunError,
+    RunInterrupted,
+    RunTerminated,
+    WeightSyncError,
+)
 from chatlearn_mem_ray.supervisor import run_ppo
 
-__all__ = ["ActorFailedError", "AuditFailedError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
-           "Colocation", "InferenceActor", "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError",
-           "ResumeError", "RunConfig", "RunError", "RunInterrupted", "RunTerminated", "TrainerActor", "WeightSyncError", "load_config",
-           "run_ppo"]
+__all__ = [
+    "ActorFailedError",
+    "AuditFailedError",
+    "CheckpointDirError",
+    "CheckpointSaveError",
+    "ClusterConnectionError",
+    "Colocation",
+    "InferenceActor",
+    "NonFiniteLossError",
+    "OutputDirError",
+    "PhaseTimeoutError",
+    "ResourceError",
+    "ResumeError",
+    "RunConfig",
+    "RunError",
+    "RunInterrupted",
+    "RunTerminated",
+    "TrainerActor",
+    "WeightSyncError",
+    "load_config",
+    "run_ppo",
+]

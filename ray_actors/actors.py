@@ -19,17 +19,25 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import torch
 
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, Part, TrainerMemoryManager
-from chatlearn_mem.parts import PartsArg
 from chatlearn_mem.models.gpt import GPTTrainerConfig
+from chatlearn_mem.parts import PartsArg
 from chatlearn_mem_ray import modeling
 
 __all__ = ["InferenceActor", "TrainerActor"]
 
 
-
 def _stats(stats) -> list[dict]:
-    return [{"part": s.group, "direction": s.direction, "bytes": s.nbytes,
-             "copied_bytes": s.copied_bytes, "seconds": s.seconds} for s in stats if s is not None]
+    return [
+        {
+            "part": s.group,
+            "direction": s.direction,
+            "bytes": s.nbytes,
+            "copied_bytes": s.copied_bytes,
+            "seconds": s.seconds,
+        }
+        for s in stats
+        if s is not None
+    ]
 
 
 class _ManagedActor:
@@ -62,8 +70,9 @@ class _ManagedActor:
             ip = ray.util.get_node_ip_address()
         except Exception:  # not inside Ray
             ip = "127.0.0.1"
-        self._master_store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
-                                           timeout=datetime.timedelta(minutes=30))
+        self._master_store = dist.TCPStore(
+            ip, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(minutes=30)
+        )
         return f"tcp://{ip}:{self._master_store.port}"
 
     def _init_distributed(self, rank: int, world_size: int, tp: int, init_method: str, seed: int) -> None:
@@ -123,9 +132,13 @@ class _ManagedActor:
     def residency(self) -> dict:
         """Device and host bytes of the model, per part; on CUDA also what the allocator holds."""
         r = self.manager.residency()
-        out = {"device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
-               "by_part": dict(r.by_category), "host_by_part": dict(r.host_by_category),
-               "resident_by_part": self.part_sizes()}
+        out = {
+            "device_bytes": r.device_bytes,
+            "host_bytes": r.host_bytes,
+            "by_part": dict(r.by_category),
+            "host_by_part": dict(r.host_by_category),
+            "resident_by_part": self.part_sizes(),
+        }
         if torch.cuda.is_available():
             out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
             out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
@@ -149,8 +162,12 @@ class _ManagedActor:
 
         from chatlearn_mem_ray.nodes import software_versions
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "hostname": platform.node(), "versions": software_versions()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": platform.node(),
+            "versions": software_versions(),
+        }
 
     def check_shared(self, token_path: str, token: str) -> bool:
         """Whether this actor's node reads the driver's token file (and leaves a marker beside it)."""
@@ -172,8 +189,9 @@ class TrainerActor(_ManagedActor):
         memory: A :class:`chatlearn_mem.MemoryConfig` as a dict.
     """
 
-    def __init__(self, name: str, role: Literal["policy", "critic"], model: Mapping[str, Any],
-                 memory: Mapping[str, Any]):
+    def __init__(
+        self, name: str, role: Literal["policy", "critic"], model: Mapping[str, Any], memory: Mapping[str, Any]
+    ):
         super().__init__(name, memory)
         if role not in ("policy", "critic"):
             raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
@@ -195,9 +213,12 @@ class TrainerActor(_ManagedActor):
         self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
         self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.role == "critic")
         self.manager = TrainerMemoryManager(self.trainer.model, self.trainer.optimizer, self.memory)
-        return {"rank": rank, "dp_rank": parallel_state.get_data_parallel_rank(),
-                "dp_size": parallel_state.get_data_parallel_world_size(),
-                "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+        return {
+            "rank": rank,
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        }
 
     def part_sizes(self) -> dict[str, int]:
         """As :meth:`_ManagedActor.part_sizes`; before the optimizer's first step, which creates
@@ -208,10 +229,15 @@ class TrainerActor(_ManagedActor):
         if not sizes.get(Part.OPTIMIZER_STATES.value):
             from chatlearn_mem.mcore import layout
 
-            params = [p for leaf in layout.leaf_optimizers(self.trainer.optimizer)
-                      for g in layout.torch_optimizer(leaf).param_groups for p in g["params"]]
-            sizes[Part.OPTIMIZER_STATES.value] = sum(2 * p.numel() * p.element_size() + 4 * (p.device.type == "cpu")
-                                                     for p in params)
+            params = [
+                p
+                for leaf in layout.leaf_optimizers(self.trainer.optimizer)
+                for g in layout.torch_optimizer(leaf).param_groups
+                for p in g["params"]
+            ]
+            sizes[Part.OPTIMIZER_STATES.value] = sum(
+                2 * p.numel() * p.element_size() + 4 * (p.device.type == "cpu") for p in params
+            )
         return sizes
 
     def _outputs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -225,8 +251,15 @@ class TrainerActor(_ManagedActor):
         """Forward only: log-probs at ``temperature`` (policy, (B, T-1)) or values (critic, (B, T))."""
         return self._outputs(_to_device(tokens), temperature).cpu()
 
-    def train(self, batch: Mapping[str, torch.Tensor], loss_fn: Callable, epochs: int,
-              minibatch_size: int, seed: int, temperature: float = 1.0) -> dict[str, float]:
+    def train(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: Callable,
+        epochs: int,
+        minibatch_size: int,
+        seed: int,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
         """Optimizer steps on this rank's share of a batch.
 
         Args:
@@ -250,7 +283,7 @@ class TrainerActor(_ManagedActor):
         for _ in range(epochs):
             order = torch.randperm(n, generator=g)
             for start in range(0, n, minibatch_size):
-                idx = order[start:start + minibatch_size].to(batch["tokens"].device)
+                idx = order[start : start + minibatch_size].to(batch["tokens"].device)
                 mb = {k: v[idx] for k, v in batch.items()}
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
@@ -265,21 +298,27 @@ class TrainerActor(_ManagedActor):
                 steps += 1
         return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
 
-    def weights_for_sync(self, with_digest: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:
+    def weights_for_sync(
+        self, with_digest: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:
         """This rank's weights (from the host store when offloaded); per name, the dimension
         tensor parallelism split it along (-1: replicated); and, with ``with_digest``, their
         SHA-256 (see :func:`chatlearn_mem_ray.modeling.weights_digest`), computed from the same read."""
         state = self.manager.weights_state_dict()
         params = dict(self.trainer.model.module.named_parameters())
-        dims = {name: (getattr(params[name], "partition_dim", -1)
-                       if getattr(params.get(name), "tensor_model_parallel", False) else -1)
-                for name in state}
+        dims = {
+            name: (
+                getattr(params[name], "partition_dim", -1)
+                if getattr(params.get(name), "tensor_model_parallel", False)
+                else -1
+            )
+            for name in state
+        }
         return state, dims, modeling.weights_digest(state) if with_digest else None
 
     def weights_digest(self) -> str:
         """SHA-256 of this rank's weights (see :func:`chatlearn_mem_ray.modeling.weights_digest`)."""
         return modeling.weights_digest(self.manager.weights_state_dict())
-
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_nbytes(self, resharding: bool = True) -> int:
@@ -290,8 +329,9 @@ class TrainerActor(_ManagedActor):
 
         return estimate_checkpoint_nbytes(self.manager, resharding)
 
-    def save_checkpoint(self, root: str, step: int, async_: bool, metadata: Optional[dict] = None,
-                        resharding: bool = True) -> dict:
+    def save_checkpoint(
+        self, root: str, step: int, async_: bool, metadata: Optional[dict] = None, resharding: bool = True
+    ) -> dict:
         """Start saving this rank's whole state to ``<root>/step_<step>`` (every rank of the trainer
         calls it; a collective); while offloaded it is read from the host store. With ``async_`` a
         background thread writes it: :meth:`finish_checkpoint` completes it. ``resharding``: see
@@ -305,13 +345,15 @@ class TrainerActor(_ManagedActor):
         from chatlearn_mem.checkpoint import save_checkpoint
 
         if self._save is not None:
-            raise RuntimeError(f"{self.name}: a checkpoint save ({self._save.path}) is still open; call "
-                               "finish_checkpoint() first")
+            raise RuntimeError(
+                f"{self.name}: a checkpoint save ({self._save.path}) is still open; call finish_checkpoint() first"
+            )
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._save = save_checkpoint(self.manager, root, step, async_=async_, metadata=metadata,
-                                         resharding=resharding)
+            self._save = save_checkpoint(
+                self.manager, root, step, async_=async_, metadata=metadata, resharding=resharding
+            )
         return {"nbytes": self._save.nbytes, "seconds": time.perf_counter() - t0}
 
     def finish_checkpoint(self) -> dict:
@@ -365,8 +407,9 @@ class InferenceActor(_ManagedActor):
         self.manager = InferenceMemoryManager(self.model, self.memory)
         return {"rank": 0}
 
-    def generate(self, prompts: torch.Tensor, response_length: int, temperature: float,
-                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(
+        self, prompts: torch.Tensor, response_length: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample responses at ``temperature`` (> 0) and score them.
 
         Returns:
@@ -400,27 +443,34 @@ class InferenceActor(_ManagedActor):
             OffloadedError: The weights are offloaded.
         """
         if self.manager.is_offloaded(Part.WEIGHTS):
-            raise OffloadedError(f"{self.name}: load_weights() needs the weights on the device; "
-                                 "call onload() first")
+            raise OffloadedError(f"{self.name}: load_weights() needs the weights on the device; call onload() first")
         state = modeling.merge_tensor_parallel(shards, partition_dims or {})
         own = {n: t for n, t in self.model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
         missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
-        wrong = [f"{n}: {tuple(state[n].shape)} vs {tuple(own[n].shape)}" for n in own.keys() & state.keys()
-                 if state[n].shape != own[n].shape]
+        wrong = [
+            f"{n}: {tuple(state[n].shape)} vs {tuple(own[n].shape)}"
+            for n in own.keys() & state.keys()
+            if state[n].shape != own[n].shape
+        ]
         if missing or unexpected or wrong:
-            raise ValueError(f"{self.name}: weights do not match the model (missing {sorted(missing)}, "
-                             f"unexpected {sorted(unexpected)}, shape mismatches {wrong})")
+            raise ValueError(
+                f"{self.name}: weights do not match the model (missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}, shape mismatches {wrong})"
+            )
         for n, t in own.items():
             t.copy_(state[n])
         return self.weights_digest(len(shards), partition_dims)
 
-    def weights_digest(self, tensor_parallel_size: int = 1,
-                       partition_dims: Optional[Mapping[str, int]] = None) -> list[str]:
+    def weights_digest(
+        self, tensor_parallel_size: int = 1, partition_dims: Optional[Mapping[str, int]] = None
+    ) -> list[str]:
         """SHA-256 of the weights (see :func:`chatlearn_mem_ray.modeling.weights_digest`), one per
         tensor-parallel shard when split as a trainer with ``tensor_parallel_size`` ranks holds them."""
         state = self.manager.weights_state_dict()
-        return [modeling.weights_digest(s) for s in
-                modeling.split_tensor_parallel(state, partition_dims or {}, tensor_parallel_size)]
+        return [
+            modeling.weights_digest(s)
+            for s in modeling.split_tensor_parallel(state, partition_dims or {}, tensor_parallel_size)
+        ]
 
 
 def _to_device(t: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,30 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from chatlearn_mem.checkpoint import (CheckpointDamagedError, CheckpointError, commit_directory, verify_checkpoint,
-                                     write_json_atomic)
+from chatlearn_mem.checkpoint import (
+    CheckpointDamagedError,
+    CheckpointError,
+    commit_directory,
+    verify_checkpoint,
+    write_json_atomic,
+)
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ActorFailedError, CheckpointDirError, CheckpointSaveError, ResumeError
 
-__all__ = ["RUN_FILE", "RunCheckpointer", "check_checkpoint_dir", "check_room", "config_differences",
-           "latest_run_checkpoint", "list_run_checkpoints", "newest_intact_run_checkpoint", "read_run_state",
-           "remove_temporaries", "verify_run_checkpoint", "write_json_atomic"]
+__all__ = [
+    "RUN_FILE",
+    "RunCheckpointer",
+    "check_checkpoint_dir",
+    "check_room",
+    "config_differences",
+    "latest_run_checkpoint",
+    "list_run_checkpoints",
+    "newest_intact_run_checkpoint",
+    "read_run_state",
+    "remove_temporaries",
+    "verify_run_checkpoint",
+    "write_json_atomic",
+]
 
 RUN_FILE = "run.json"
 """The run's state; written last into a run checkpoint."""
@@ -49,9 +65,19 @@ _TMP_PREFIX = ".tmp.iter_"
 TRAINERS = ("policy", "critic")
 
 # Settings of a trainer that the checkpoint's tensors depend on: a difference cannot be resumed.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "precision",
-                "use_distributed_optimizer", "num_moe_experts", "model_class", "frozen_params",
-                "fp32_accumulation_params")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "vocab_size",
+    "seq_length",
+    "precision",
+    "use_distributed_optimizer",
+    "num_moe_experts",
+    "model_class",
+    "frozen_params",
+    "fp32_accumulation_params",
+)
 # Settings expected to change between a run and its resumption; not reported.
 _FREE = ("ppo.iterations", "checkpoint.", "ray.", "output_dir", "output_dir_exists", "memory.compare_iterations")
 
@@ -112,8 +138,9 @@ def verify_run_checkpoint(path: os.PathLike) -> dict:
     return state
 
 
-def newest_intact_run_checkpoint(root: os.PathLike, progress: Callable[[str], None] = print
-                                 ) -> Optional[tuple[Path, dict]]:
+def newest_intact_run_checkpoint(
+    root: os.PathLike, progress: Callable[[str], None] = print
+) -> Optional[tuple[Path, dict]]:
     """The newest complete run checkpoint under ``root`` whose files all match their manifests,
     with its ``run.json``; None when there is no complete checkpoint. Each damaged one skipped on
     the way is one line to ``progress`` naming the file.
@@ -134,8 +161,10 @@ def newest_intact_run_checkpoint(root: os.PathLike, progress: Callable[[str], No
             damaged.append(f"{path.name}: {reason}")
             progress(f"checkpoint {path.name} is damaged, skipped: {reason}")
     if damaged:
-        raise ResumeError(f"no intact checkpoint in {root} to resume from ({'; '.join(damaged)}). Restore the "
-                          "files from a copy, or start the run anew without --resume in another output_dir")
+        raise ResumeError(
+            f"no intact checkpoint in {root} to resume from ({'; '.join(damaged)}). Restore the "
+            "files from a copy, or start the run anew without --resume in another output_dir"
+        )
     return None
 
 
@@ -185,8 +214,10 @@ def check_checkpoint_dir(root: os.PathLike) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise CheckpointDirError(f"cannot write checkpoints to {root}: {e.strerror or e} ({type(e).__name__}); "
-                                 "set checkpoint.directory to a writable directory") from None
+        raise CheckpointDirError(
+            f"cannot write checkpoints to {root}: {e.strerror or e} ({type(e).__name__}); "
+            "set checkpoint.directory to a writable directory"
+        ) from None
 
 
 def check_room(root: os.PathLike, nbytes: int, keep_last: int, free_bytes: Optional[int] = None) -> None:
@@ -210,7 +241,8 @@ def check_room(root: os.PathLike, nbytes: int, keep_last: int, free_bytes: Optio
             f"checkpoint.directory {root} has {free / 2**30:.2f} GiB free, but {slots} more checkpoint(s) of about "
             f"{nbytes / 2**30:.2f} GiB each ({slots * nbytes / 2**30:.2f} GiB; checkpoint.keep_last={keep_last} "
             f"plus the one being written, {existing} already there) do not fit: free space, lower "
-            "checkpoint.keep_last, or choose another checkpoint.directory")
+            "checkpoint.keep_last, or choose another checkpoint.directory"
+        )
 
 
 def remove_temporaries(root: os.PathLike) -> list[str]:
@@ -269,9 +301,16 @@ class RunCheckpointer:
             if before_calls is not None:
                 before_calls(tmp)
             meta = {"run_iterations": iterations}
-            results = c.call("checkpoint", {a: a.save_checkpoint.remote(str(tmp / role), iterations, async_, meta,
-                                                                     self.cfg.checkpoint.resharding)
-                                            for role in TRAINERS for a in getattr(c, role)})
+            results = c.call(
+                "checkpoint",
+                {
+                    a: a.save_checkpoint.remote(
+                        str(tmp / role), iterations, async_, meta, self.cfg.checkpoint.resharding
+                    )
+                    for role in TRAINERS
+                    for a in getattr(c, role)
+                },
+            )
         nbytes = sum(r["nbytes"] for r in results.values())
         self._pending = (iterations, tmp, run_state, t0, nbytes)
         if not async_:
@@ -296,13 +335,19 @@ class RunCheckpointer:
             entry = {"iterations_done": iterations, "bytes": nbytes, "seconds": time.perf_counter() - started}
             state = dict(run_state, checkpoints=[*run_state.get("checkpoints", []), entry])  # itself included
             final = self.root / _name(iterations)  # replaced when a redone iteration is saved again
-            commit_directory(tmp, final, RUN_FILE, {"format": _FORMAT, "iterations_done": iterations,
-                                                    "saved_at": time.time(), **state})
-        for _, old in list_run_checkpoints(self.root)[:-self.cfg.checkpoint.keep_last]:
+            commit_directory(
+                tmp,
+                final,
+                RUN_FILE,
+                {"format": _FORMAT, "iterations_done": iterations, "saved_at": time.time(), **state},
+            )
+        for _, old in list_run_checkpoints(self.root)[: -self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         self.saved.append(entry)
-        self.progress(f"checkpoint {final.name} complete: {nbytes / 2**20:.1f} MiB in {entry['seconds']:.2f}s "
-                      f"({'in the background' if self.cfg.checkpoint.async_save else 'waited for'})")
+        self.progress(
+            f"checkpoint {final.name} complete: {nbytes / 2**20:.1f} MiB in {entry['seconds']:.2f}s "
+            f"({'in the background' if self.cfg.checkpoint.async_save else 'waited for'})"
+        )
         return time.perf_counter() - t0
 
     @contextlib.contextmanager
@@ -314,8 +359,13 @@ class RunCheckpointer:
             if isinstance(e, ActorFailedError) and e.died:
                 raise
             newest = latest_run_checkpoint(self.root)
-            kept = f"the newest complete checkpoint, {newest.name}, is intact" if newest else (
-                "no complete checkpoint exists yet")
-            raise CheckpointSaveError(f"saving the checkpoint after iteration {iterations} to {self.root} failed "
-                                      f"({type(e).__name__}: {e}); the run stopped and {kept}. Check the "
-                                      "directory (space, permissions), then resume with --resume") from e
+            kept = (
+                f"the newest complete checkpoint, {newest.name}, is intact"
+                if newest
+                else ("no complete checkpoint exists yet")
+            )
+            raise CheckpointSaveError(
+                f"saving the checkpoint after iteration {iterations} to {self.root} failed "
+                f"({type(e).__name__}: {e}); the run stopped and {kept}. Check the "
+                "directory (space, permissions), then resume with --resume"
+            ) from e

@@ -23,10 +23,22 @@ from typing import Any, Callable, Mapping, Optional
 
 from chatlearn_mem_ray import connect
 from chatlearn_mem_ray.config import RunConfig
-from chatlearn_mem_ray.errors import (ActorFailedError, CheckpointDirError, PhaseTimeoutError, ResourceError,
-                                      VersionSkewError)
-from chatlearn_mem_ray.nodes import (group_targets, node_label, remove_check_files, shared_dir_check,
-                                     software_versions, unseen_nodes, version_skew)
+from chatlearn_mem_ray.errors import (
+    ActorFailedError,
+    CheckpointDirError,
+    PhaseTimeoutError,
+    ResourceError,
+    VersionSkewError,
+)
+from chatlearn_mem_ray.nodes import (
+    group_targets,
+    node_label,
+    remove_check_files,
+    shared_dir_check,
+    software_versions,
+    unseen_nodes,
+    version_skew,
+)
 
 __all__ = ["Colocation", "actor_roster"]
 
@@ -113,8 +125,10 @@ class Colocation:
                 if time.monotonic() >= deadline:
                     raise
                 if not said:
-                    self.progress(f"waiting up to {self.wait_s:g} s (ray.node_wait_s) for the cluster to have room "
-                                  f"for every rank again: {str(e).splitlines()[-1].strip()}")
+                    self.progress(
+                        f"waiting up to {self.wait_s:g} s (ray.node_wait_s) for the cluster to have room "
+                        f"for every rank again: {str(e).splitlines()[-1].strip()}"
+                    )
                     said = True
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
@@ -135,18 +149,23 @@ class Colocation:
         tp = cfg.parallel.tensor_model_parallel_size
         groups = cfg.parallel.world_size // tp
         bundle = {"CPU": cfg.ray.cpus_per_rank} | ({"GPU": 1} if self.use_gpu else {})
-        targets = group_targets(groups, cfg.ray.cpus_per_rank * tp, tp if self.use_gpu else 0,
-                                ray.nodes(), cfg.ray.placement)
-        self._pgs = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
-                                     _soft_target_node_id=target) for target in targets]
+        targets = group_targets(
+            groups, cfg.ray.cpus_per_rank * tp, tp if self.use_gpu else 0, ray.nodes(), cfg.ray.placement
+        )
+        self._pgs = [
+            placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", _soft_target_node_id=target)
+            for target in targets
+        ]
         timeout, why = cfg.ray.phase_timeout_s, "ray.phase_timeout_s"
         if self.wait_s:  # a restart: what is left of ray.node_wait_s
             timeout, why = max(1.0, self._deadline - time.monotonic()), "ray.node_wait_s"
         ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs), timeout=timeout)
         if len(ready) < len(self._pgs):
-            raise ResourceError(f"the placement groups ({groups} tensor-parallel group(s) of {tp} x {bundle}, each "
-                                f"on one node) could not be scheduled within {timeout:.0f} s ({why}); the "
-                                f"cluster has {ray.available_resources()} available")
+            raise ResourceError(
+                f"the placement groups ({groups} tensor-parallel group(s) of {tp} x {bundle}, each "
+                f"on one node) could not be scheduled within {timeout:.0f} s ({why}); the "
+                f"cluster has {ray.available_resources()} available"
+            )
 
     def _start_actors(self) -> None:
         """Create every actor in its bundle and wait for each to report its node."""
@@ -162,8 +181,12 @@ class Colocation:
             share = {"num_cpus": cfg.ray.cpus_per_rank * ACTOR_SHARE}
             if self.use_gpu:
                 share["num_gpus"] = ACTOR_SHARE
-            return dict(share, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self._pgs[index // tp], placement_group_bundle_index=index % tp))
+            return dict(
+                share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pgs[index // tp], placement_group_bundle_index=index % tp
+                ),
+            )
 
         memory = cfg.memory.manager.model_dump()
         Trainer, Inference = ray.remote(TrainerActor), ray.remote(InferenceActor)
@@ -183,8 +206,10 @@ class Colocation:
         p = self.cfg.parallel
         for group in (self.policy, self.critic):
             init = self.call("setup", {group[0]: group[0].master_address.remote()})[group[0]]
-            results = self.call("setup", {a: a.setup.remote(r, p.world_size, p.tensor_model_parallel_size, init)
-                                          for r, a in enumerate(group)})
+            results = self.call(
+                "setup",
+                {a: a.setup.remote(r, p.world_size, p.tensor_model_parallel_size, init) for r, a in enumerate(group)},
+            )
             self.ranks.update({self.names[a]: v for a, v in results.items()})
         for a in (self.rollout, self.reference):
             init = self.call("setup", {a: a.master_address.remote()})[a]
@@ -192,19 +217,27 @@ class Colocation:
 
     def _check_nodes(self) -> None:
         """Learn every actor's node; stop before any work when one runs other versions than the driver."""
-        info = {self.names[a]: r for a, r in self.call("setup", {a: a.node_info.remote() for a in self.all_actors}).items()}
+        info = {
+            self.names[a]: r for a, r in self.call("setup", {a: a.node_info.remote() for a in self.all_actors}).items()
+        }
         self._node_ids = {name: r["node_id"] for name, r in info.items()}
         self.nodes = {name: node_label(r["node_id"], r["ip"]) for name, r in info.items()}
-        skew = version_skew(software_versions(), {n: {"versions": r["versions"], "node": self.nodes[n]}
-                                                  for n, r in info.items()})
+        skew = version_skew(
+            software_versions(), {n: {"versions": r["versions"], "node": self.nodes[n]} for n, r in info.items()}
+        )
         if skew:
-            raise VersionSkewError("the actors must run the driver's versions: " + "; ".join(skew)
-                                   + ". Install the same versions on every node (one image or one environment)")
+            raise VersionSkewError(
+                "the actors must run the driver's versions: "
+                + "; ".join(skew)
+                + ". Install the same versions on every node (one image or one environment)"
+            )
         by_node: dict[str, list[str]] = {}
         for name in (self.names[a] for a in self.all_actors):
             by_node.setdefault(self.nodes[name], []).append(name)
-        self.progress(f"actors on {len(by_node)} node(s): "
-                      + "; ".join(f"{node}: {', '.join(names)}" for node, names in by_node.items()))
+        self.progress(
+            f"actors on {len(by_node)} node(s): "
+            + "; ".join(f"{node}: {', '.join(names)}" for node, names in by_node.items())
+        )
 
     def check_shared_dir(self, directory: Path) -> None:
         """With actors on several nodes (or the driver on a node without actors): check that every
@@ -231,7 +264,8 @@ class Colocation:
             raise CheckpointDirError(
                 f"checkpoint.directory {directory} is not shared by every node of the run: node(s) "
                 f"{', '.join(labels.get(n, n) for n in missing)} cannot read or write what the driver wrote there. "
-                "Put it on a filesystem every node mounts at the same path (NFS, a parallel filesystem)")
+                "Put it on a filesystem every node mounts at the same path (NFS, a parallel filesystem)"
+            )
 
     def close(self) -> None:
         """Kill the actors and the placement groups; stop Ray if this object started it."""
@@ -282,23 +316,30 @@ class Colocation:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 waiting = sorted(self.names.get(a, "?") for a in pending.values())
-                raise PhaseTimeoutError(f"phase {phase!r} did not finish within {timeout_s:g} s; still "
-                                        f"waiting for {', '.join(waiting)} (raise ray.phase_timeout_s "
-                                        "if the phase is just slow)")
+                raise PhaseTimeoutError(
+                    f"phase {phase!r} did not finish within {timeout_s:g} s; still "
+                    f"waiting for {', '.join(waiting)} (raise ray.phase_timeout_s "
+                    "if the phase is just slow)"
+                )
             for ref in ready:
                 actor = pending.pop(ref)
                 name = self.names.get(actor, "?")
                 try:
                     results[actor] = ray.get(ref)
                 except RayActorError as e:
-                    raise ActorFailedError(name, phase, f"the actor process died ({type(e).__name__})",
-                                           died=True) from None
+                    raise ActorFailedError(
+                        name, phase, f"the actor process died ({type(e).__name__})", died=True
+                    ) from None
                 except RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     dead = self._dead_peer(actor)
                     if dead is not None:  # a collective broke because a peer's process (or node) is gone
-                        raise ActorFailedError(dead, phase, f"the actor process died; {name} then failed in a "
-                                               f"collective ({type(cause).__name__})", died=True) from e
+                        raise ActorFailedError(
+                            dead,
+                            phase,
+                            f"the actor process died; {name} then failed in a collective ({type(cause).__name__})",
+                            died=True,
+                        ) from e
                     raise ActorFailedError(name, phase, f"{type(cause).__name__}: {cause}") from e
         return results
 

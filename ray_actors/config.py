@@ -20,8 +20,18 @@ from chatlearn_mem import MemoryConfig
 from chatlearn_mem.models.gpt import GPTTrainerConfig
 from chatlearn_mem_cli.config_files import load_config as _load
 
-__all__ = ["CheckpointConfig", "DEFAULT_PRESET", "MemoryPolicy", "PPOConfig", "PRESETS", "ParallelConfig", "RayConfig", "RunConfig",
-           "TaskConfig", "load_config"]
+__all__ = [
+    "CheckpointConfig",
+    "DEFAULT_PRESET",
+    "MemoryPolicy",
+    "PPOConfig",
+    "PRESETS",
+    "ParallelConfig",
+    "RayConfig",
+    "RunConfig",
+    "TaskConfig",
+    "load_config",
+]
 
 
 class _Strict(BaseModel):
@@ -80,8 +90,10 @@ class ParallelConfig(_Strict):
     @model_validator(mode="after")
     def _tp_divides_world(self) -> "ParallelConfig":
         if self.world_size % self.tensor_model_parallel_size:
-            raise ValueError(f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) must "
-                             f"divide world_size ({self.world_size})")
+            raise ValueError(
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) must "
+                f"divide world_size ({self.world_size})"
+            )
         return self
 
     @property
@@ -147,9 +159,11 @@ class PPOConfig(_Strict):
     def _whitening_defined(self) -> "PPOConfig":
         n = self.prompts_per_iteration * self.response_length
         if n < 2:
-            raise ValueError(f"ppo.prompts_per_iteration x ppo.response_length must be >= 2, got "
-                             f"{self.prompts_per_iteration} x {self.response_length}: advantages are "
-                             "whitened by their standard deviation, which one advantage does not have")
+            raise ValueError(
+                f"ppo.prompts_per_iteration x ppo.response_length must be >= 2, got "
+                f"{self.prompts_per_iteration} x {self.response_length}: advantages are "
+                "whitened by their standard deviation, which one advantage does not have"
+            )
         return self
 
 
@@ -199,8 +213,10 @@ class MemoryPolicy(_Strict):
     @model_validator(mode="after")
     def _budget_needs_the_manager(self) -> "MemoryPolicy":
         if self.device_budget_mb is not None and not self.enabled:
-            raise ValueError("memory.device_budget_mb plans what the memory manager keeps resident: it needs "
-                             "memory.enabled=true (or set memory.device_budget_mb=null)")
+            raise ValueError(
+                "memory.device_budget_mb plans what the memory manager keeps resident: it needs "
+                "memory.enabled=true (or set memory.device_budget_mb=null)"
+            )
         if isinstance(self.device_budget_mb, float) and self.device_budget_mb <= 0:
             raise ValueError(f"memory.device_budget_mb must be > 0 MiB, got {self.device_budget_mb:g}")
         return self
@@ -261,13 +277,13 @@ class CheckpointConfig(_Strict):
 
 
 def _default_policy() -> GPTTrainerConfig:
-    return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
-                            seq_length=16, lr=1e-3)
+    return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=1e-3)
 
 
 def _default_critic() -> GPTTrainerConfig:
-    return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64,
-                            seq_length=16, lr=3e-3, seed=4321)
+    return GPTTrainerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=3e-3, seed=4321
+    )
 
 
 class RunConfig(_Strict):
@@ -297,8 +313,11 @@ class RunConfig(_Strict):
     @property
     def checkpoint_dir(self) -> Path:
         """``checkpoint.directory``, or ``<output_dir>/checkpoints``."""
-        return Path(self.checkpoint.directory) if self.checkpoint.directory is not None else (
-            Path(self.output_dir) / "checkpoints")
+        return (
+            Path(self.checkpoint.directory)
+            if self.checkpoint.directory is not None
+            else (Path(self.output_dir) / "checkpoints")
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -307,25 +326,31 @@ class RunConfig(_Strict):
         total = ppo.prompt_length + ppo.response_length
         for name, m in (("policy", p), ("critic", c)):
             if total > m.seq_length:
-                problems.append(f"ppo.prompt_length + ppo.response_length ({total}) exceeds "
-                                f"{name}.seq_length ({m.seq_length})")
+                problems.append(
+                    f"ppo.prompt_length + ppo.response_length ({total}) exceeds {name}.seq_length ({m.seq_length})"
+                )
             tp = self.parallel.tensor_model_parallel_size
             if m.num_attention_heads % tp or m.vocab_size % tp:
-                problems.append(f"parallel.tensor_model_parallel_size ({tp}) must divide "
-                                f"{name}.num_attention_heads ({m.num_attention_heads}) and "
-                                f"{name}.vocab_size ({m.vocab_size})")
+                problems.append(
+                    f"parallel.tensor_model_parallel_size ({tp}) must divide "
+                    f"{name}.num_attention_heads ({m.num_attention_heads}) and "
+                    f"{name}.vocab_size ({m.vocab_size})"
+                )
         if c.vocab_size != p.vocab_size:
             problems.append(f"critic.vocab_size ({c.vocab_size}) must equal policy.vocab_size ({p.vocab_size})")
         if self.task.target_high > p.vocab_size:
-            problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size "
-                            f"({p.vocab_size})")
+            problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
         dp = self.parallel.data_parallel_size
         if ppo.prompts_per_iteration % dp:
-            problems.append(f"ppo.prompts_per_iteration ({ppo.prompts_per_iteration}) must be "
-                            f"divisible by the data-parallel size ({dp})")
+            problems.append(
+                f"ppo.prompts_per_iteration ({ppo.prompts_per_iteration}) must be "
+                f"divisible by the data-parallel size ({dp})"
+            )
         elif (ppo.prompts_per_iteration // dp) % ppo.minibatch_size:
-            problems.append(f"ppo.minibatch_size ({ppo.minibatch_size}) must divide the prompts per "
-                            f"data-parallel rank ({ppo.prompts_per_iteration // dp})")
+            problems.append(
+                f"ppo.minibatch_size ({ppo.minibatch_size}) must divide the prompts per "
+                f"data-parallel rank ({ppo.prompts_per_iteration // dp})"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

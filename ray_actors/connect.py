@@ -28,8 +28,18 @@ from typing import Callable, Iterator, Mapping, Optional
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ClusterConnectionError, ResourceError
 
-__all__ = ["ClusterTarget", "check_resources", "current_cluster_file", "import_ray", "init_kwargs", "join_environment",
-           "probe_address", "resolve_address", "start_or_join", "wants_gpu"]
+__all__ = [
+    "ClusterTarget",
+    "check_resources",
+    "current_cluster_file",
+    "import_ray",
+    "init_kwargs",
+    "join_environment",
+    "probe_address",
+    "resolve_address",
+    "start_or_join",
+    "wants_gpu",
+]
 
 
 def import_ray():
@@ -69,8 +79,10 @@ class ClusterTarget:
         host, _, port = rest.rpartition(":")
         host = host.strip("[]")  # [::1]:6379
         if not host or not port.isdigit():
-            raise ClusterConnectionError(f"the Ray address {self.address!r} (from {self.source}) is not host:port "
-                                         "(e.g. 10.0.0.1:6379, or ray://10.0.0.1:10001 for the Ray client)")
+            raise ClusterConnectionError(
+                f"the Ray address {self.address!r} (from {self.source}) is not host:port "
+                "(e.g. 10.0.0.1:6379, or ray://10.0.0.1:10001 for the Ray client)"
+            )
         return host, int(port)
 
 
@@ -83,14 +95,17 @@ def current_cluster_file() -> Path:
         try:
             from ray._private.utils import get_ray_address_file
         except ImportError:  # Ray's rule, for versions that moved it again
+
             def get_ray_address_file(_):
                 base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
                 return os.path.join(base, "ray", "ray_current_cluster")
+
     return Path(get_ray_address_file(None))
 
 
-def resolve_address(address: Optional[str], environ: Mapping[str, str] = os.environ,
-                    recorded_file: Optional[Path] = None) -> ClusterTarget:
+def resolve_address(
+    address: Optional[str], environ: Mapping[str, str] = os.environ, recorded_file: Optional[Path] = None
+) -> ClusterTarget:
     """Decide which cluster a run uses, from ``ray.address`` and the ``RAY_ADDRESS`` variable.
 
     ======================  ========================================================================
@@ -139,7 +154,8 @@ def resolve_address(address: Optional[str], environ: Mapping[str, str] = os.envi
             raise ClusterConnectionError(
                 f"{via} but no Ray cluster was found: RAY_ADDRESS is not set and no head started with "
                 f"`ray start` is recorded in {path}. Start one (`ray start --head`), set ray.address=HOST:PORT, "
-                "or leave ray.address unset to start a local cluster for the run")
+                "or leave ray.address unset to start a local cluster for the run"
+            )
         return ClusterTarget(recorded, f"the latest `ray start`, recorded in {path}")
     return ClusterTarget(address, "ray.address")
 
@@ -149,8 +165,13 @@ def init_kwargs(cfg: RunConfig, target: ClusterTarget) -> dict:
     cluster (Ray refuses them when joining one)."""
     if target.local:
         # "local": a new cluster even when RAY_ADDRESS or a `ray start` head would be picked up.
-        return {"address": "local", "num_cpus": cfg.ray.num_cpus, "include_dashboard": False,
-                "logging_level": "WARNING", "log_to_driver": True}
+        return {
+            "address": "local",
+            "num_cpus": cfg.ray.num_cpus,
+            "include_dashboard": False,
+            "logging_level": "WARNING",
+            "log_to_driver": True,
+        }
     return {"address": target.address, "logging_level": "WARNING"}
 
 
@@ -184,8 +205,11 @@ def _token_available(environ: Mapping[str, str]) -> bool:
     """Whether a Ray auth token exists where Ray looks for one."""
     if environ.get("RAY_AUTH_TOKEN"):
         return True
-    path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else (
-        Path.home() / ".ray" / "auth_token")
+    path = (
+        Path(environ["RAY_AUTH_TOKEN_PATH"])
+        if environ.get("RAY_AUTH_TOKEN_PATH")
+        else (Path.home() / ".ray" / "auth_token")
+    )
     return path.is_file() and path.stat().st_size > 0
 
 
@@ -200,10 +224,21 @@ def join_environment(target: ClusterTarget, timeout_s: float, environ: Mapping[s
       goes to another machine unasked.
     """
     each = str(max(1, math.ceil(timeout_s / 3)))  # three waits in a row: GCS, pubsub, cluster id
-    env = {k: v for k, v in (("RAY_gcs_rpc_server_connect_timeout_s", each), ("RAY_py_gcs_connect_timeout_s", each),
-                             ("RAY_gcs_server_port_wait_time_s", "1")) if k not in environ}
-    if (not target.address.startswith("ray://") and "RAY_AUTH_MODE" not in environ and _token_available(environ)
-            and _is_this_machine(target.host_port[0])):
+    env = {
+        k: v
+        for k, v in (
+            ("RAY_gcs_rpc_server_connect_timeout_s", each),
+            ("RAY_py_gcs_connect_timeout_s", each),
+            ("RAY_gcs_server_port_wait_time_s", "1"),
+        )
+        if k not in environ
+    }
+    if (
+        not target.address.startswith("ray://")
+        and "RAY_AUTH_MODE" not in environ
+        and _token_available(environ)
+        and _is_this_machine(target.host_port[0])
+    ):
         env["RAY_AUTH_MODE"] = "token"
     return env
 
@@ -253,11 +288,15 @@ def _join(ray, cfg: RunConfig, target: ClusterTarget) -> None:
     timeout_s = cfg.ray.connect_timeout_s
     problem = probe_address(host, port, timeout_s)
     if problem is not None:
-        stale = " (that head has probably stopped; `ray start --head` starts a new one)" if (
-            "ray start" in target.source) else ""
+        stale = (
+            " (that head has probably stopped; `ray start --head` starts a new one)"
+            if ("ray start" in target.source)
+            else ""
+        )
         raise ClusterConnectionError(
             f"cannot reach {where}: {problem}{stale}. Check the address, or unset it to start a local "
-            "cluster (ray.address unset and RAY_ADDRESS unset, or ray.address=local)")
+            "cluster (ray.address unset and RAY_ADDRESS unset, or ray.address=local)"
+        )
     env = join_environment(target, timeout_s)
     try:
         with _environment(env):
@@ -268,12 +307,14 @@ def _join(ray, cfg: RunConfig, target: ClusterTarget) -> None:
             raise ClusterConnectionError(
                 f"{where} requires token authentication and refused this driver: set RAY_AUTH_MODE=token and "
                 "provide the cluster's token in RAY_AUTH_TOKEN (or in the file RAY_AUTH_TOKEN_PATH names, "
-                "default ~/.ray/auth_token); `ray get-auth-token` on the head prints it") from None
+                "default ~/.ray/auth_token); `ray get-auth-token` on the head prints it"
+            ) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ClusterConnectionError(
             f"could not join {where} within about {timeout_s:g} s: {first}. Is it a Ray head's GCS port "
             "(6379 by default; ray://HOST:10001 for the Ray client)? Raise ray.connect_timeout_s if the "
-            "cluster is just slow to answer") from None
+            "cluster is just slow to answer"
+        ) from None
 
 
 def wants_gpu(cfg: RunConfig, available_gpus: float) -> bool:
@@ -293,12 +334,16 @@ def check_resources(cfg: RunConfig, cpus: float, gpus: float, where: str) -> boo
     need_cpus = ranks * cfg.ray.cpus_per_rank
     problems = []
     if need_cpus > cpus:
-        problems.append(f"{ranks} rank(s) x ray.cpus_per_rank={cfg.ray.cpus_per_rank:g} need {need_cpus:g} "
-                        f"CPUs but {where} has {cpus:g}: lower parallel.world_size or ray.cpus_per_rank")
+        problems.append(
+            f"{ranks} rank(s) x ray.cpus_per_rank={cfg.ray.cpus_per_rank:g} need {need_cpus:g} "
+            f"CPUs but {where} has {cpus:g}: lower parallel.world_size or ray.cpus_per_rank"
+        )
     use_gpu = wants_gpu(cfg, gpus)
     if use_gpu and ranks > gpus:
-        problems.append(f"{ranks} rank(s) need {ranks} GPUs but {where} has {gpus:g}: lower "
-                        "parallel.world_size or set ray.use_gpu=false")
+        problems.append(
+            f"{ranks} rank(s) need {ranks} GPUs but {where} has {gpus:g}: lower "
+            "parallel.world_size or set ray.use_gpu=false"
+        )
     if problems:
         raise ResourceError("not enough resources for this run:\n  " + "\n  ".join(problems))
     return use_gpu
@@ -336,7 +381,8 @@ def start_or_join(cfg: RunConfig, progress: Callable[[str], None]) -> tuple[str,
         return "the local Ray cluster", True
     _join(ray, cfg, target)
     where = f"the Ray cluster at {target.address}"
-    ignored = (f"; ray.num_cpus={cfg.ray.num_cpus} ignored (it sizes a local cluster)"
-               if cfg.ray.num_cpus is not None else "")
+    ignored = (
+        f"; ray.num_cpus={cfg.ray.num_cpus} ignored (it sizes a local cluster)" if cfg.ray.num_cpus is not None else ""
+    )
     progress(f"joined {where} (from {target.source}){ignored}")
     return where, True

@@ -6,9 +6,24 @@ from __future__ import annotations
 
 from chatlearn_mem import ChatlearnMemError
 
-__all__ = ["ActorFailedError", "AuditFailedError", "BudgetError", "CheckpointDirError", "CheckpointSaveError", "ClusterConnectionError",
-           "NonFiniteLossError", "OutputDirError", "PhaseTimeoutError", "ResourceError", "ResumeError", "RunError",
-           "RunInterrupted", "RunTerminated", "VersionSkewError", "WeightSyncError"]
+__all__ = [
+    "ActorFailedError",
+    "AuditFailedError",
+    "BudgetError",
+    "CheckpointDirError",
+    "CheckpointSaveError",
+    "ClusterConnectionError",
+    "NonFiniteLossError",
+    "OutputDirError",
+    "PhaseTimeoutError",
+    "ResourceError",
+    "ResumeError",
+    "RunError",
+    "RunInterrupted",
+    "RunTerminated",
+    "VersionSkewError",
+    "WeightSyncError",
+]
 
 
 class RunError(ChatlearnMemError):
@@ -93,8 +108,10 @@ class NonFiniteLossError(RunError):
     def __init__(self, iteration: int, phase: str, values: dict, comparison: bool = False):
         bad = ", ".join(f"{k}={v}" for k, v in values.items())
         which = f"manager-off iteration {iteration}" if comparison else f"iteration {iteration}"
-        super().__init__(f"{which}, phase {phase!r}: non-finite {bad}; the run stopped "
-                         "(lower the learning rate, or check the config and the reward)")
+        super().__init__(
+            f"{which}, phase {phase!r}: non-finite {bad}; the run stopped "
+            "(lower the learning rate, or check the config and the reward)"
+        )
         self.iteration, self.phase, self.comparison = iteration, phase, comparison
 
 
@@ -126,8 +143,12 @@ class RunTerminated(RunInterrupted):
 
     def __init__(self, iterations: int, log_path, checkpoint=None, note: str = ""):
         plural = "" if iterations == 1 else "s"
-        resume = (f"newest checkpoint {checkpoint} ({note}); continue with --resume" if checkpoint is not None
-                  else f"no checkpoint ({note}); a new run starts from the beginning")
-        KeyboardInterrupt.__init__(self, f"stopped by SIGTERM after {iterations} iteration{plural}; {resume}; "
-                                         f"log: {log_path}")
+        resume = (
+            f"newest checkpoint {checkpoint} ({note}); continue with --resume"
+            if checkpoint is not None
+            else f"no checkpoint ({note}); a new run starts from the beginning"
+        )
+        KeyboardInterrupt.__init__(
+            self, f"stopped by SIGTERM after {iterations} iteration{plural}; {resume}; log: {log_path}"
+        )
         self.iterations, self.log_path, self.checkpoint = iterations, log_path, checkpoint

@@ -7,8 +7,14 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["generate", "merge_tensor_parallel", "sequence_logprobs", "sequence_values", "split_tensor_parallel",
-           "weights_digest"]
+__all__ = [
+    "generate",
+    "merge_tensor_parallel",
+    "sequence_logprobs",
+    "sequence_values",
+    "split_tensor_parallel",
+    "weights_digest",
+]
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -52,8 +58,13 @@ def sequence_values(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompts: torch.Tensor, response_length: int, temperature: float,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def generate(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """Sample ``response_length`` tokens after each prompt (no KV cache: one full forward per token).
 
     Args:
@@ -77,8 +88,9 @@ def generate(model: torch.nn.Module, prompts: torch.Tensor, response_length: int
     return tokens
 
 
-def merge_tensor_parallel(shards: Sequence[Mapping[str, torch.Tensor]],
-                          partition_dims: Mapping[str, int]) -> dict[str, torch.Tensor]:
+def merge_tensor_parallel(
+    shards: Sequence[Mapping[str, torch.Tensor]], partition_dims: Mapping[str, int]
+) -> dict[str, torch.Tensor]:
     """Join the state dicts of the tensor-parallel ranks of one model into a TP=1 state dict.
 
     Args:
@@ -95,8 +107,9 @@ def merge_tensor_parallel(shards: Sequence[Mapping[str, torch.Tensor]],
     return out
 
 
-def split_tensor_parallel(state: Mapping[str, torch.Tensor], partition_dims: Mapping[str, int],
-                          size: int) -> list[dict[str, torch.Tensor]]:
+def split_tensor_parallel(
+    state: Mapping[str, torch.Tensor], partition_dims: Mapping[str, int], size: int
+) -> list[dict[str, torch.Tensor]]:
     """The inverse of :func:`merge_tensor_parallel`: the state dict of each of ``size`` ranks."""
     if size == 1:
         return [dict(state)]

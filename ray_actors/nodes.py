@@ -27,8 +27,17 @@ import uuid
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["VERSIONED", "check_shared_from_node", "group_targets", "node_label", "remove_check_files",
-           "shared_dir_check", "software_versions", "unseen_nodes", "version_skew"]
+__all__ = [
+    "VERSIONED",
+    "check_shared_from_node",
+    "group_targets",
+    "node_label",
+    "remove_check_files",
+    "shared_dir_check",
+    "software_versions",
+    "unseen_nodes",
+    "version_skew",
+]
 
 VERSIONED = ("chatlearn-mem", "megatron-core", "torch", "ray")
 """Packages whose versions must match between the driver and every actor."""
@@ -68,8 +77,9 @@ def node_label(node_id: str, ip: str) -> str:
     return f"{ip}/{node_id[:8]}"
 
 
-def group_targets(groups: int, group_cpus: float, group_gpus: float, nodes: Sequence[Mapping],
-                  strategy: str) -> list[Optional[str]]:
+def group_targets(
+    groups: int, group_cpus: float, group_gpus: float, nodes: Sequence[Mapping], strategy: str
+) -> list[Optional[str]]:
     """The node each placement group (a TP group) is asked to go to (a soft target; None: anywhere).
 
     Args:
@@ -84,8 +94,10 @@ def group_targets(groups: int, group_cpus: float, group_gpus: float, nodes: Sequ
         if not n.get("Alive", False):
             continue
         res = n.get("Resources", {})
-        fits = min(res.get("CPU", 0.0) // group_cpus if group_cpus else groups,
-                   res.get("GPU", 0.0) // group_gpus if group_gpus else groups)
+        fits = min(
+            res.get("CPU", 0.0) // group_cpus if group_cpus else groups,
+            res.get("GPU", 0.0) // group_gpus if group_gpus else groups,
+        )
         if fits >= 1:
             room.append([n["NodeID"], int(fits)])
     if not room:

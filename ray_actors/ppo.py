@@ -46,8 +46,16 @@ from chatlearn_mem_ray.timeline import MemoryTimeline
 if TYPE_CHECKING:
     from chatlearn_mem_ray.colocation import Colocation
 
-__all__ = ["PPORun", "TASKS", "check_finite", "gae", "policy_loss", "token_range_reward", "value_loss",
-           "weight_sync_mismatch"]
+__all__ = [
+    "PPORun",
+    "TASKS",
+    "check_finite",
+    "gae",
+    "policy_loss",
+    "token_range_reward",
+    "value_loss",
+    "weight_sync_mismatch",
+]
 
 
 # -- the task ------------------------------------------------------------------------------
@@ -75,19 +83,21 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 def policy_loss(logprobs: torch.Tensor, mb: dict, *, prompt_length: int, clip_ratio: float):
     """Clipped PPO objective on the response tokens. ``logprobs`` (b, T-1) from the policy."""
-    new = logprobs[:, prompt_length - 1:]  # (b, R): log p of each response token
+    new = logprobs[:, prompt_length - 1 :]  # (b, R): log p of each response token
     ratio = torch.exp(new - mb["old_logprobs"])
     adv = mb["advantages"]
     loss = -torch.min(ratio * adv, ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * adv).mean()
     with torch.no_grad():
-        metrics = {"clip_fraction": ((ratio - 1).abs() > clip_ratio).float().mean().item(),
-                   "approx_kl": (mb["old_logprobs"] - new).mean().item()}
+        metrics = {
+            "clip_fraction": ((ratio - 1).abs() > clip_ratio).float().mean().item(),
+            "approx_kl": (mb["old_logprobs"] - new).mean().item(),
+        }
     return loss, metrics
 
 
 def value_loss(values: torch.Tensor, mb: dict, *, prompt_length: int, value_clip: float):
     """Clipped value regression on the response tokens. ``values`` (b, T) from the critic."""
-    v = values[:, prompt_length - 1:-1]  # (b, R): value before each response token
+    v = values[:, prompt_length - 1 : -1]  # (b, R): value before each response token
     old = mb["old_values"]
     clipped = old + (v - old).clamp(-value_clip, value_clip)
     loss = 0.5 * torch.max((v - mb["returns"]) ** 2, (clipped - mb["returns"]) ** 2).mean()
@@ -138,8 +148,13 @@ class PPORun:
         on_phase: Called as each phase starts with the run, the iteration's index and the phase.
     """
 
-    def __init__(self, cfg: RunConfig, colo: Colocation, progress: Callable[[str], None] = print,
-                 on_phase: Optional[Callable[["PPORun", int, str], None]] = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        colo: Colocation,
+        progress: Callable[[str], None] = print,
+        on_phase: Optional[Callable[["PPORun", int, str], None]] = None,
+    ):
         self.cfg, self.colo, self.progress, self.on_phase = cfg, colo, progress, on_phase
         self.checkpointer = None  # a RunCheckpointer when the run saves checkpoints
         self.where: tuple[Optional[int], str] = (None, "setup")  # (iteration index, phase) now running
@@ -157,16 +172,19 @@ class PPORun:
         self.tp = p.tensor_model_parallel_size
         self.dp = p.data_parallel_size
         ppo = cfg.ppo
-        self._policy_loss = functools.partial(policy_loss, prompt_length=ppo.prompt_length,
-                                              clip_ratio=ppo.clip_ratio)
-        self._value_loss = functools.partial(value_loss, prompt_length=ppo.prompt_length,
-                                             value_clip=ppo.value_clip)
+        self._policy_loss = functools.partial(policy_loss, prompt_length=ppo.prompt_length, clip_ratio=ppo.clip_ratio)
+        self._value_loss = functools.partial(value_loss, prompt_length=ppo.prompt_length, value_clip=ppo.value_clip)
 
     # -- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict:
         """What a run checkpoint keeps of the driver: the config, the log and the memory timeline so far."""
-        state = {"config": json.loads(self.cfg.model_dump_json()), "iterations": self.iterations,
-                 "memory_timeline": self.timeline.to_json(), "sync_checks": self.sync_checks, "audits": self.audits}
+        state = {
+            "config": json.loads(self.cfg.model_dump_json()),
+            "iterations": self.iterations,
+            "memory_timeline": self.timeline.to_json(),
+            "sync_checks": self.sync_checks,
+            "audits": self.audits,
+        }
         return json.loads(json.dumps(state))  # a copy: the run goes on while a save is open
 
     def restore(self, path: Path, state: dict) -> None:
@@ -178,8 +196,14 @@ class PPORun:
         c = self.colo
         self.where = (None, "resume")
         step = f"step_{state['iterations_done']:08d}"
-        c.call("resume", {a: a.load_checkpoint.remote(str(Path(path) / role / step), verify=False)
-                          for role in ("policy", "critic") for a in getattr(c, role)})
+        c.call(
+            "resume",
+            {
+                a: a.load_checkpoint.remote(str(Path(path) / role / step), verify=False)
+                for role in ("policy", "critic")
+                for a in getattr(c, role)
+            },
+        )
         self.iterations = [dict(m) for m in state["iterations"]]
         self.timeline = MemoryTimeline.from_json(state["memory_timeline"])
         self.sync_checks = list(state["sync_checks"])
@@ -202,8 +226,10 @@ class PPORun:
     def final_weights(self) -> dict[str, str]:
         """SHA-256 of every trainer rank's weights (read from the host store when asleep)."""
         c = self.colo
-        return {c.names[a]: d for a, d in c.call("final", {a: a.weights_digest.remote()
-                                                           for a in [*c.policy, *c.critic]}).items()}
+        return {
+            c.names[a]: d
+            for a, d in c.call("final", {a: a.weights_digest.remote() for a in [*c.policy, *c.critic]}).items()
+        }
 
     # -- memory ---------------------------------------------------------------------------
     def sleep_all(self) -> None:
@@ -227,8 +253,10 @@ class PPORun:
         sizes = {n: {Part(p): b for p, b in s.items()} for n, s in sizes.items()}
         if mem.device_budget_mb == "auto":
             if not c.use_gpu:
-                raise BudgetError("memory.device_budget_mb=auto reads the free memory of each GPU, and this run "
-                                  "has none; give the budget in MiB, or null (all or nothing)")
+                raise BudgetError(
+                    "memory.device_budget_mb=auto reads the free memory of each GPU, and this run "
+                    "has none; give the budget in MiB, or null (all or nothing)"
+                )
             one = {bundle_of(c.names[a]): a for a in reversed(c.policy)}  # one actor per device
             free = c.call("plan", {a: a.device_free_bytes.remote() for a in one.values()})
             margin = int(mem.device_budget_margin_mb * 2**20)
@@ -254,8 +282,10 @@ class PPORun:
         for a, problems in c.call(name, {a: a.audit.remote() for a in actors}).items():
             self.audits["runs"] += 1
             if problems:
-                raise AuditFailedError(f"audit of {c.names[a]} after onload in phase {name!r} "
-                                       f"found {len(problems)} problem(s): {problems[:5]}")
+                raise AuditFailedError(
+                    f"audit of {c.names[a]} after onload in phase {name!r} "
+                    f"found {len(problems)} problem(s): {problems[:5]}"
+                )
             self.audits["checks_clean"] += 1
 
     def _phase(self, index: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
@@ -269,8 +299,11 @@ class PPORun:
         t0 = time.perf_counter()
         moved = []
         if self.manager_on:
-            moved += [s for stats in c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()}).values()
-                      for s in stats]
+            moved += [
+                s
+                for stats in c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()}).values()
+                for s in stats
+            ]
         t_in = time.perf_counter() - t0
         if self.manager_on and self.cfg.memory.audit:
             self._audit(name, needs)
@@ -278,13 +311,22 @@ class PPORun:
         residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
         t1 = time.perf_counter()
         if self.manager_on:
-            moved += [s for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()}).values()
-                      for s in stats]
+            moved += [
+                s
+                for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()}).values()
+                for s in stats
+            ]
         seconds = time.perf_counter() - t0
-        self.timeline.add(self.number(index)[0], name, self.manager_on, seconds,
-                          {c.names[a]: parts for a, parts in needs.items()},
-                          {c.names[a]: r for a, r in residency.items()},
-                          moved=moved, transition_seconds=t_in + time.perf_counter() - t1)
+        self.timeline.add(
+            self.number(index)[0],
+            name,
+            self.manager_on,
+            seconds,
+            {c.names[a]: parts for a, parts in needs.items()},
+            {c.names[a]: r for a, r in residency.items()},
+            moved=moved,
+            transition_seconds=t_in + time.perf_counter() - t1,
+        )
         return result
 
     def _moves(self, name: str, moves: dict[str, tuple[Part, ...]], direction: str, blocking: bool) -> list[dict]:
@@ -294,8 +336,7 @@ class PPORun:
             return []
         c = self.colo
         by_name = {c.names[a]: a for a in c.all_actors}
-        refs = {by_name[n]: getattr(by_name[n], direction).remote(list(parts), blocking)
-                for n, parts in moves.items()}
+        refs = {by_name[n]: getattr(by_name[n], direction).remote(list(parts), blocking) for n, parts in moves.items()}
         if not blocking:
             self._unsettled.update(refs)
         return [s for stats in c.call(name, refs).values() for s in stats]
@@ -337,21 +378,32 @@ class PPORun:
             self._audit(name, needs)
         residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
         number = self.number(index)[0]  # the manager is on: never a comparison iteration
-        self.timeline.add(number, name, True, time.perf_counter() - t0,
-                          {c.names[a]: parts for a, parts in needs.items()},
-                          {c.names[a]: r for a, r in residency.items()},
-                          moved=moved, transition_seconds=t_before + t_settle,
-                          budget_bytes=s.budget, kept=s.kept(phase))
+        self.timeline.add(
+            number,
+            name,
+            True,
+            time.perf_counter() - t0,
+            {c.names[a]: parts for a, parts in needs.items()},
+            {c.names[a]: r for a, r in residency.items()},
+            moved=moved,
+            transition_seconds=t_before + t_settle,
+            budget_bytes=s.budget,
+            kept=s.kept(phase),
+        )
         over = {b: n for b, n in self.timeline.records[-1].bundle_bytes.items() if n > s.budget[int(b)]}
         if over:  # never silently: a measured phase above its device's budget is said and logged
             self.over_budget.append({"iteration": number, "phase": name, "device_bytes": over})
-            self.progress(f"warning: {name} of iteration {number} held " + ", ".join(
-                f"{n / 2**20:.2f} MiB on device {b}" for b, n in over.items()) + " (the budget is "
-                f"{max(s.budget.values()) / 2**20:.2f} MiB); a model grew past what was measured")
+            self.progress(
+                f"warning: {name} of iteration {number} held "
+                + ", ".join(f"{n / 2**20:.2f} MiB on device {b}" for b, n in over.items())
+                + " (the budget is "
+                f"{max(s.budget.values()) / 2**20:.2f} MiB); a model grew past what was measured"
+            )
         sizes = {c.names[a]: {Part(p): b for p, b in r["resident_by_part"].items()} for a, r in residency.items()}
         if s.update_sizes(sizes):
-            self.progress(f"re-planned the device memory after {name} of iteration {number}: a model's "
-                          "parts changed size")
+            self.progress(
+                f"re-planned the device memory after {name} of iteration {number}: a model's parts changed size"
+            )
         return result
 
     def _by_dp_rank(self, group: list) -> list[list]:
@@ -363,7 +415,7 @@ class PPORun:
 
     def _shard(self, batch: dict, dp_rank: int) -> dict:
         n = next(iter(batch.values())).shape[0] // self.dp
-        return {k: v[dp_rank * n:(dp_rank + 1) * n] for k, v in batch.items()}
+        return {k: v[dp_rank * n : (dp_rank + 1) * n] for k, v in batch.items()}
 
     def _first_tp_outputs(self, group: list, results: dict) -> torch.Tensor:
         """Concatenate the outputs of tensor-parallel rank 0 of every data-parallel rank."""
@@ -378,32 +430,53 @@ class PPORun:
         # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
         dims = c.call("generate", {senders[0]: triples[0][1]})[senders[0]]
         digests = c.call("generate", {a: digest_ref for a, (_, _, digest_ref) in zip(senders, triples)})
-        rollout_digests = c.call("generate", {c.rollout: c.rollout.load_weights.remote(
-            dims, *[state_ref for state_ref, _, _ in triples])})[c.rollout]
+        rollout_digests = c.call(
+            "generate", {c.rollout: c.rollout.load_weights.remote(dims, *[state_ref for state_ref, _, _ in triples])}
+        )[c.rollout]
         if verify:
             policy_digests = [digests[a] for a in senders]  # tensor-parallel rank order, as the shards
             mismatch = weight_sync_mismatch(policy_digests, rollout_digests)
             number, comparison = self.number(index)
-            self.sync_checks.append({"iteration": number, "manager_on": self.manager_on, "equal": mismatch is None,
-                                     "policy": policy_digests, "rollout": rollout_digests})
+            self.sync_checks.append(
+                {
+                    "iteration": number,
+                    "manager_on": self.manager_on,
+                    "equal": mismatch is None,
+                    "policy": policy_digests,
+                    "rollout": rollout_digests,
+                }
+            )
             if mismatch:
                 raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
         seed = ppo.seed * 1_000_003 + index
-        return c.call("generate", {c.rollout: c.rollout.generate.remote(
-            prompts, ppo.response_length, ppo.temperature, seed)})[c.rollout]
+        return c.call(
+            "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
+        )[c.rollout]
 
     def _critic_values(self, tokens: torch.Tensor) -> torch.Tensor:
         c = self.colo
-        results = c.call("values", {a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"])
-                                    for a in c.critic})
+        results = c.call(
+            "values",
+            {a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"]) for a in c.critic},
+        )
         return self._first_tp_outputs(c.critic, results)
 
     def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, index: int) -> dict:
         c, ppo = self.colo, self.cfg.ppo
-        results = c.call(phase, {a: a.train.remote(self._shard(batch, c.ranks[c.names[a]]["dp_rank"]), loss_fn,
-                                                   ppo.ppo_epochs, ppo.minibatch_size, ppo.seed + index,
-                                                   ppo.temperature)
-                                 for a in group})
+        results = c.call(
+            phase,
+            {
+                a: a.train.remote(
+                    self._shard(batch, c.ranks[c.names[a]]["dp_rank"]),
+                    loss_fn,
+                    ppo.ppo_epochs,
+                    ppo.minibatch_size,
+                    ppo.seed + index,
+                    ppo.temperature,
+                )
+                for a in group
+            },
+        )
         firsts = [ranks[0] for ranks in self._by_dp_rank(group)]
         return {k: sum(results[a][k] for a in firsts) / len(firsts) for k in results[firsts[0]]}
 
@@ -428,20 +501,27 @@ class PPORun:
         g = torch.Generator().manual_seed(ppo.seed * 7919 + index)
         prompts = torch.randint(0, cfg.policy.vocab_size, (ppo.prompts_per_iteration, P), generator=g)
 
-        tokens, old_logprobs = self._phase(index, "generate", {c.rollout: (Part.WEIGHTS,)},
-                                           lambda: self._sync_and_generate(index, prompts))
-        ref_logprobs = self._phase(index, "reference", {c.reference: (Part.WEIGHTS,)},
-                                   lambda: c.call("reference", {c.reference: c.reference.logprobs.remote(
-                                       tokens, ppo.temperature)})[c.reference])
-        values = self._phase(index, "values", {a: (Part.WEIGHTS,) for a in c.critic},
-                             lambda: self._critic_values(tokens))
+        tokens, old_logprobs = self._phase(
+            index, "generate", {c.rollout: (Part.WEIGHTS,)}, lambda: self._sync_and_generate(index, prompts)
+        )
+        ref_logprobs = self._phase(
+            index,
+            "reference",
+            {c.reference: (Part.WEIGHTS,)},
+            lambda: c.call("reference", {c.reference: c.reference.logprobs.remote(tokens, ppo.temperature)})[
+                c.reference
+            ],
+        )
+        values = self._phase(
+            index, "values", {a: (Part.WEIGHTS,) for a in c.critic}, lambda: self._critic_values(tokens)
+        )
 
-        old = old_logprobs[:, P - 1:]  # (B, R)
-        kl = old - ref_logprobs[:, P - 1:]  # (B, R) per-token KL estimate
+        old = old_logprobs[:, P - 1 :]  # (B, R)
+        kl = old - ref_logprobs[:, P - 1 :]  # (B, R) per-token KL estimate
         score = TASKS[cfg.task.name](tokens[:, P:], cfg.task)  # (B,)
         rewards = -ppo.kl_coef * kl
         rewards[:, -1] += score
-        old_values = values[:, P - 1:-1]  # (B, R)
+        old_values = values[:, P - 1 : -1]  # (B, R)
         advantages, returns = gae(rewards, old_values, ppo.gamma, ppo.lam)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
@@ -449,30 +529,55 @@ class PPORun:
         if self.checkpointer is not None:  # the trainers are about to change: commit the open save
             self.where = (index, "checkpoint")
             checkpoint_wait = self.checkpointer.complete()
-        critic = self._phase(index, "train_critic", {a: tuple(Part) for a in c.critic},
-                             lambda: self._train("train_critic", c.critic, {
-                                 "tokens": tokens, "old_values": old_values, "returns": returns},
-                                 self._value_loss, index))
+        critic = self._phase(
+            index,
+            "train_critic",
+            {a: tuple(Part) for a in c.critic},
+            lambda: self._train(
+                "train_critic",
+                c.critic,
+                {"tokens": tokens, "old_values": old_values, "returns": returns},
+                self._value_loss,
+                index,
+            ),
+        )
         check_finite(number, "train_critic", critic, comparison)
-        policy = self._phase(index, "train_policy", {a: tuple(Part) for a in c.policy},
-                             lambda: self._train("train_policy", c.policy, {
-                                 "tokens": tokens, "old_logprobs": old, "advantages": advantages},
-                                 self._policy_loss, index))
+        policy = self._phase(
+            index,
+            "train_policy",
+            {a: tuple(Part) for a in c.policy},
+            lambda: self._train(
+                "train_policy",
+                c.policy,
+                {"tokens": tokens, "old_logprobs": old, "advantages": advantages},
+                self._policy_loss,
+                index,
+            ),
+        )
         check_finite(number, "train_policy", policy, comparison)
 
         phases = [r for r in self.timeline.records if r.iteration == number and r.manager_on == self.manager_on]
-        out = {"iteration": number, "manager_on": self.manager_on, "reward": score.mean().item(),
-               "kl": kl.mean().item(), "policy_loss": policy["loss"], "value_loss": critic["loss"],
-               "clip_fraction": policy["clip_fraction"], "approx_kl": policy["approx_kl"],
-               "policy_grad_norm": policy["grad_norm"], "seconds": time.perf_counter() - t_start,
-               "checkpoint_seconds": checkpoint_wait,
-               "phase_seconds": {r.phase: r.seconds for r in phases},
-               "phase_colocated_bytes": {r.phase: r.colocated_bytes for r in phases},
-               "moved_in_bytes": sum(r.moved_in_bytes for r in phases),
-               "moved_out_bytes": sum(r.moved_out_bytes for r in phases),
-               "transition_seconds": sum(r.transition_seconds for r in phases),
-               "peak_device_bytes": {b: max(r.bundle_bytes.get(b, 0) for r in phases)
-                                     for b in (phases[0].bundle_bytes if phases else {})}}
+        out = {
+            "iteration": number,
+            "manager_on": self.manager_on,
+            "reward": score.mean().item(),
+            "kl": kl.mean().item(),
+            "policy_loss": policy["loss"],
+            "value_loss": critic["loss"],
+            "clip_fraction": policy["clip_fraction"],
+            "approx_kl": policy["approx_kl"],
+            "policy_grad_norm": policy["grad_norm"],
+            "seconds": time.perf_counter() - t_start,
+            "checkpoint_seconds": checkpoint_wait,
+            "phase_seconds": {r.phase: r.seconds for r in phases},
+            "phase_colocated_bytes": {r.phase: r.colocated_bytes for r in phases},
+            "moved_in_bytes": sum(r.moved_in_bytes for r in phases),
+            "moved_out_bytes": sum(r.moved_out_bytes for r in phases),
+            "transition_seconds": sum(r.transition_seconds for r in phases),
+            "peak_device_bytes": {
+                b: max(r.bundle_bytes.get(b, 0) for r in phases) for b in (phases[0].bundle_bytes if phases else {})
+            },
+        }
         if self.schedule is not None and self.manager_on:
             out["budget_bytes"] = {str(b): v for b, v in self.schedule.budget.items()}
         self.iterations.append(out)

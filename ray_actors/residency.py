@@ -55,19 +55,25 @@ def phase_needs(names: Iterable[str]) -> list[dict[str, tuple[Part, ...]]]:
     """Per phase (in :data:`PHASES` order): actor name -> the parts the phase uses."""
     names = list(names)
     by = {r: [n for n in names if _role(n) == r] for r in ("policy", "critic", "rollout", "reference")}
-    return [{n: (Part.WEIGHTS,) for n in by["rollout"]},
-            {n: (Part.WEIGHTS,) for n in by["reference"]},
-            {n: (Part.WEIGHTS,) for n in by["critic"]},
-            {n: tuple(Part) for n in by["critic"]},
-            {n: tuple(Part) for n in by["policy"]}]
+    return [
+        {n: (Part.WEIGHTS,) for n in by["rollout"]},
+        {n: (Part.WEIGHTS,) for n in by["reference"]},
+        {n: (Part.WEIGHTS,) for n in by["critic"]},
+        {n: tuple(Part) for n in by["critic"]},
+        {n: tuple(Part) for n in by["policy"]},
+    ]
 
 
 def phase_writes(names: Iterable[str]) -> list[dict[str, tuple[Part, ...]]]:
     """Per phase: actor name -> the parts the phase changes (grads are scratch and not listed)."""
     names = list(names)
-    return [{n: (Part.WEIGHTS,) for n in names if _role(n) == "rollout"}, {}, {},
-            {n: _TRAINED for n in names if _role(n) == "critic"},
-            {n: _TRAINED for n in names if _role(n) == "policy"}]
+    return [
+        {n: (Part.WEIGHTS,) for n in names if _role(n) == "rollout"},
+        {},
+        {},
+        {n: _TRAINED for n in names if _role(n) == "critic"},
+        {n: _TRAINED for n in names if _role(n) == "policy"},
+    ]
 
 
 def _mib(nbytes: int) -> str:
@@ -119,8 +125,11 @@ class ResidencySchedule:
     def __init__(self, sizes: Mapping[str, Mapping[Part, int]], budget_bytes: int | Mapping[int, int]):
         self.names = list(sizes)
         self.bundles = sorted({bundle_of(n) for n in self.names})
-        self.budget = ({b: int(budget_bytes) for b in self.bundles} if isinstance(budget_bytes, (int, float))
-                       else {b: int(budget_bytes[b]) for b in self.bundles})
+        self.budget = (
+            {b: int(budget_bytes) for b in self.bundles}
+            if isinstance(budget_bytes, (int, float))
+            else {b: int(budget_bytes[b]) for b in self.bundles}
+        )
         self.sizes: dict[Item, int] = {}
         self.resident: set[Item] = set()  # what the driver has onloaded (or is onloading) and not offloaded
         self.plans: dict[int, ResidencyPlan] = {}
@@ -136,8 +145,7 @@ class ResidencySchedule:
         for b in self.bundles:
             names = [n for n in self.names if bundle_of(n) == b]
             items = {_key(i): n for i, n in self.sizes.items() if i[0] in names}
-            phases = [[_key((a, p)) for a, parts in need.items() if a in names for p in parts]
-                      for need in self._needs]
+            phases = [[_key((a, p)) for a, parts in need.items() if a in names for p in parts] for need in self._needs]
             written = [[_key((a, p)) for a, parts in w.items() if a in names for p in parts] for w in self._writes]
             scratch = [_key((n, Part.GRADS)) for n in names if _key((n, Part.GRADS)) in items]
             needs = [sum(items[k] for k in ph) for ph in phases]
@@ -148,11 +156,13 @@ class ResidencySchedule:
                     f"memory.device_budget_mb is below what one phase needs on {where}: {PHASES[worst]} needs "
                     f"{_mib(needs[worst])} but the budget is {_mib(self.budget[b])}; raise memory.device_budget_mb "
                     f"to at least {-(-needs[worst] // 2**20)}, or set it to null (onload each phase's models, "
-                    "offload them after)")
+                    "offload them after)"
+                )
             plans[b] = plan_residency(items, phases, self.budget[b], written=written, scratch=scratch)
         self.plans = plans
-        self._kept_scratch = {b: self._keep_scratch(b, set(s for s in self.sizes if bundle_of(s[0]) == b))
-                              for b in self.bundles}
+        self._kept_scratch = {
+            b: self._keep_scratch(b, set(s for s in self.sizes if bundle_of(s[0]) == b)) for b in self.bundles
+        }
 
     def _keep_scratch(self, bundle: int, items: set[Item]) -> set[Item]:
         """Gradients the plan drops between training phases but that fit beside every phase's
@@ -214,8 +224,9 @@ class ResidencySchedule:
     def fits(self, items: Iterable[Item]) -> bool:
         """Whether ``items`` fit every bundle's budget together."""
         items = set(items)
-        return all(sum(self.sizes.get(i, 0) for i in items if bundle_of(i[0]) == b) <= self.budget[b]
-                   for b in self.bundles)
+        return all(
+            sum(self.sizes.get(i, 0) for i in items if bundle_of(i[0]) == b) <= self.budget[b] for b in self.bundles
+        )
 
     def moved(self, moves: BoundaryPlan) -> None:
         """Record a boundary's moves as made (the driver issued them)."""
@@ -230,11 +241,17 @@ class ResidencySchedule:
 
     def summary(self) -> dict:
         """Per bundle: budget, planned bytes moved per iteration, all-or-nothing's, resident sets."""
-        return {str(b): {"budget_bytes": self.budget[b], "bytes_moved": p.bytes_moved,
-                         "all_or_nothing_bytes": p.all_or_nothing_bytes, "optimal": p.optimal,
-                         "resident": [sorted(r) for r in p.resident],
-                         "gradients_kept": sorted(_key(i) for i in self._kept_scratch[b])}
-                for b, p in self.plans.items()}
+        return {
+            str(b): {
+                "budget_bytes": self.budget[b],
+                "bytes_moved": p.bytes_moved,
+                "all_or_nothing_bytes": p.all_or_nothing_bytes,
+                "optimal": p.optimal,
+                "resident": [sorted(r) for r in p.resident],
+                "gradients_kept": sorted(_key(i) for i in self._kept_scratch[b]),
+            }
+            for b, p in self.plans.items()
+        }
 
 
 def _by_actor(items: Iterable[Item]) -> dict[str, tuple[Part, ...]]:

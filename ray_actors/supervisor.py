@@ -27,14 +27,31 @@ from typing import Callable, Optional
 
 import torch
 
-from chatlearn_mem_ray.checkpoints import (RunCheckpointer, check_checkpoint_dir, check_room, config_differences,
-                                           latest_run_checkpoint, list_run_checkpoints, newest_intact_run_checkpoint,
-                                           remove_temporaries, write_json_atomic)
+from chatlearn_mem_ray.checkpoints import (
+    RunCheckpointer,
+    check_checkpoint_dir,
+    check_room,
+    config_differences,
+    latest_run_checkpoint,
+    list_run_checkpoints,
+    newest_intact_run_checkpoint,
+    remove_temporaries,
+    write_json_atomic,
+)
 from chatlearn_mem_ray.colocation import Colocation
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.connect import wants_gpu
-from chatlearn_mem_ray.errors import (ActorFailedError, BudgetError, CheckpointDirError, OutputDirError,
-                                      PhaseTimeoutError, ResourceError, ResumeError, RunInterrupted, RunTerminated)
+from chatlearn_mem_ray.errors import (
+    ActorFailedError,
+    BudgetError,
+    CheckpointDirError,
+    OutputDirError,
+    PhaseTimeoutError,
+    ResourceError,
+    ResumeError,
+    RunInterrupted,
+    RunTerminated,
+)
 from chatlearn_mem_ray.nodes import software_versions
 from chatlearn_mem_ray.ppo import PPORun, iteration_label
 from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes
@@ -43,10 +60,13 @@ from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 __all__ = ["check_budget", "find_resume_point", "prepare_output_dir", "run_ppo"]
 
 
-def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
-            on_iteration: Optional[Callable[[PPORun, int], None]] = None,
-            on_phase: Optional[Callable[[PPORun, int, str], None]] = None,
-            on_checkpoint: Optional[Callable[[Path], None]] = None) -> dict:
+def run_ppo(
+    cfg: RunConfig,
+    progress: Callable[[str], None] = print,
+    on_iteration: Optional[Callable[[PPORun, int], None]] = None,
+    on_phase: Optional[Callable[[PPORun, int, str], None]] = None,
+    on_checkpoint: Optional[Callable[[Path], None]] = None,
+) -> dict:
     """Run PPO as ``cfg`` says; write ``log.json`` and ``memory_timeline.png`` to ``cfg.output_dir``.
 
     ``output_dir`` (and the checkpoint directory) are checked before Ray starts. ``log.json`` is
@@ -124,13 +144,18 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
             if resume is not None:
                 run.restore(*resume)
                 progress(f"resumed from {resume[0]}: {run.next_iteration} iteration(s) done")
-            progress(f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
-                     f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
-                     f"memory manager {'on' if cfg.memory.enabled else 'off'}")
+            progress(
+                f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
+                f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
+                f"memory manager {'on' if cfg.memory.enabled else 'off'}"
+            )
             if ck.every:
                 run.checkpointer = RunCheckpointer(cfg, colo, progress, saved=record["checkpoints"])
-                nbytes = sum(colo.call("setup", {a: a.checkpoint_nbytes.remote(ck.resharding)
-                                                 for a in [*colo.policy, *colo.critic]}).values())
+                nbytes = sum(
+                    colo.call(
+                        "setup", {a: a.checkpoint_nbytes.remote(ck.resharding) for a in [*colo.policy, *colo.critic]}
+                    ).values()
+                )
                 check_room(cfg.checkpoint_dir, nbytes, ck.keep_last)
             start = run.next_iteration
             if cfg.memory.enabled:
@@ -140,9 +165,11 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                     record["residency_plan"] = schedule.summary()
                     moved = {b: p["bytes_moved"] for b, p in record["residency_plan"].items()}
                     aon = {b: p["all_or_nothing_bytes"] for b, p in record["residency_plan"].items()}
-                    progress(f"device budget {', '.join(f'{v / 2**20:.1f} MiB' for v in schedule.budget.values())}: "
-                             f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
-                             f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)")
+                    progress(
+                        f"device budget {', '.join(f'{v / 2**20:.1f} MiB' for v in schedule.budget.values())}: "
+                        f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
+                        f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)"
+                    )
             if start < total + extra_its and not legend_said:
                 progress(PROGRESS_LEGEND)
                 legend_said = True
@@ -157,8 +184,9 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
                 if run.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
                     run.where = (it, "checkpoint")
                     saved_so_far = {"restarts": list(record["restarts"]), "checkpoints": list(record["checkpoints"])}
-                    waited = run.checkpointer.save(it + 1, dict(run.state(), **saved_so_far),
-                                                   before_calls=on_checkpoint)
+                    waited = run.checkpointer.save(
+                        it + 1, dict(run.state(), **saved_so_far), before_calls=on_checkpoint
+                    )
                     m["checkpoint_seconds"] += waited
                     m["seconds"] += waited
                 write("running")
@@ -196,8 +224,12 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
         done = len(run.iterations) if run is not None else 0
         _write_quietly(write, progress, "terminated", "stopped by SIGTERM")
         newest = latest_run_checkpoint(cfg.checkpoint_dir) if ck.every else None
-        raise RunTerminated(done, log_path, newest.name if newest is not None else None,
-                            term.note or "stopped before the iteration ended") from None
+        raise RunTerminated(
+            done,
+            log_path,
+            newest.name if newest is not None else None,
+            term.note or "stopped before the iteration ended",
+        ) from None
     except KeyboardInterrupt:
         done = len(run.iterations) if run is not None else 0
         _write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")
@@ -213,14 +245,19 @@ def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print,
     nodes = sorted(set(record["nodes"].values()))
     main = min(len(run.iterations), total)
     compared = f" (+{len(run.iterations) - main} with the manager off)" if len(run.iterations) > main else ""
-    plot_timeline(run.timeline, out_dir / "memory_timeline.png",
-                  f"colocated PPO, {cfg.parallel.world_size} rank(s), {main} iterations{compared}, "
-                  f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}")
+    plot_timeline(
+        run.timeline,
+        out_dir / "memory_timeline.png",
+        f"colocated PPO, {cfg.parallel.world_size} rank(s), {main} iterations{compared}, "
+        f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}",
+    )
     for key, s in log["summary"].items():
         if isinstance(s, dict):
-            progress(f"{key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**20:.2f} MiB "
-                     f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**20:.2f} MiB "
-                     f"({s['largest_phase']}) = {s['ratio']:.3f}")
+            progress(
+                f"{key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**20:.2f} MiB "
+                f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**20:.2f} MiB "
+                f"({s['largest_phase']}) = {s['ratio']:.3f}"
+            )
     progress(f"wrote {log_path} and {out_dir / 'memory_timeline.png'}")
     return log
 
@@ -254,19 +291,31 @@ def prepare_output_dir(cfg: RunConfig, resuming: bool = False) -> Path:
             if resuming:
                 old, done, status, pid, node = {}, 0, "unreadable", None, None
             else:
-                raise OutputDirError(f"output_dir {out} holds a log.json that is not a PPO run's log "
-                                     f"({type(e).__name__}); choose another output_dir or set "
-                                     "output_dir_exists=overwrite") from None
+                raise OutputDirError(
+                    f"output_dir {out} holds a log.json that is not a PPO run's log "
+                    f"({type(e).__name__}); choose another output_dir or set "
+                    "output_dir_exists=overwrite"
+                ) from None
         if status in ("starting", "running") and pid and node == platform.node() and _pid_alive(pid):
             raise OutputDirError(f"another run (pid {pid}) is writing to output_dir {out}; choose another output_dir")
         if done and not resuming:
             resumable = ", resume it (--resume)" if latest_run_checkpoint(cfg.checkpoint_dir) else ""
-            raise OutputDirError(f"output_dir {out} already holds the log of another run ({done} iteration(s), "
-                                 f"{status}); choose another output_dir{resumable}, or set "
-                                 "output_dir_exists=overwrite to replace it")
+            raise OutputDirError(
+                f"output_dir {out} already holds the log of another run ({done} iteration(s), "
+                f"{status}); choose another output_dir{resumable}, or set "
+                "output_dir_exists=overwrite to replace it"
+            )
     try:
-        write_json_atomic(log_path, {"status": "starting", "pid": os.getpid(), "versions": {"node": platform.node()},
-                                     "config": json.loads(cfg.model_dump_json()), "iterations": []})
+        write_json_atomic(
+            log_path,
+            {
+                "status": "starting",
+                "pid": os.getpid(),
+                "versions": {"node": platform.node()},
+                "config": json.loads(cfg.model_dump_json()),
+                "iterations": [],
+            },
+        )
     except OSError as e:
         raise OutputDirError(f"cannot write {log_path}: {e.strerror or e}; choose a writable output_dir") from None
     (out / "memory_timeline.png").unlink(missing_ok=True)  # another run's picture must not pass for this one's
@@ -299,20 +348,32 @@ def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -
         if mode == "auto":
             progress(f"checkpoint.resume=auto: no complete checkpoint in {root}; starting from the beginning")
             return None
-        raise ResumeError(f"nothing to resume: no complete checkpoint in {root}. Run without --resume (or with "
-                          "checkpoint.resume=auto) to start from the beginning, or point checkpoint.directory "
-                          "at the run's checkpoints")
+        raise ResumeError(
+            f"nothing to resume: no complete checkpoint in {root}. Run without --resume (or with "
+            "checkpoint.resume=auto) to start from the beginning, or point checkpoint.directory "
+            "at the run's checkpoints"
+        )
     newest, state = intact
     blocking, changed = config_differences(state["config"], cfg)
     if blocking:
-        raise ResumeError(f"cannot resume from {newest}: the config's model differs from the checkpoint's: "
-                          + "; ".join(blocking) + ". Resume with the checkpoint's model settings, or start a new "
-                          "run in another output_dir / checkpoint.directory")
+        raise ResumeError(
+            f"cannot resume from {newest}: the config's model differs from the checkpoint's: "
+            + "; ".join(blocking)
+            + ". Resume with the checkpoint's model settings, or start a new "
+            "run in another output_dir / checkpoint.directory"
+        )
     if changed:
         resharded = any(line.startswith("parallel.") for line in changed)
-        progress("resuming with settings that differ from the checkpoint's: " + "; ".join(changed)
-                 + ("; megatron reshards the trainers to the new split, whose RNG states start afresh (the "
-                    "result is not bit-identical to the run continued on its own split)" if resharded else ""))
+        progress(
+            "resuming with settings that differ from the checkpoint's: "
+            + "; ".join(changed)
+            + (
+                "; megatron reshards the trainers to the new split, whose RNG states start afresh (the "
+                "result is not bit-identical to the run continued on its own split)"
+                if resharded
+                else ""
+            )
+        )
     return newest, state
 
 
@@ -344,28 +405,49 @@ def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], pr
     if resume is None:
         earlier = list_run_checkpoints(root)
         if earlier and cfg.output_dir_exists == "error":
-            raise CheckpointDirError(f"checkpoint.directory {root} holds checkpoints of an earlier run (newest: "
-                                     f"{earlier[-1][1].name}); resume it (--resume or checkpoint.resume=auto), "
-                                     "choose another checkpoint.directory, or set output_dir_exists=overwrite to "
-                                     "delete them")
+            raise CheckpointDirError(
+                f"checkpoint.directory {root} holds checkpoints of an earlier run (newest: "
+                f"{earlier[-1][1].name}); resume it (--resume or checkpoint.resume=auto), "
+                "choose another checkpoint.directory, or set output_dir_exists=overwrite to "
+                "delete them"
+            )
         for _, path in earlier:
             shutil.rmtree(path)
         if earlier:
-            progress(f"deleted {len(earlier)} checkpoint(s) of an earlier run from {root} (output_dir_exists=overwrite)")
+            progress(
+                f"deleted {len(earlier)} checkpoint(s) of an earlier run from {root} (output_dir_exists=overwrite)"
+            )
 
 
 # -- the log and the console ---------------------------------------------------------------
-def _log(cfg: RunConfig, run: Optional[PPORun], versions: dict, status: str, seconds: float,
-         error: Optional[str] = None, extra: Optional[dict] = None) -> dict:
+def _log(
+    cfg: RunConfig,
+    run: Optional[PPORun],
+    versions: dict,
+    status: str,
+    seconds: float,
+    error: Optional[str] = None,
+    extra: Optional[dict] = None,
+) -> dict:
     timeline = run.timeline if run is not None else MemoryTimeline()
-    return {"status": status, "error": error, "pid": os.getpid(),
-            "config": json.loads(cfg.model_dump_json()), "versions": versions,
-            "iterations": run.iterations if run is not None else [], "memory_timeline": timeline.to_json(),
-            "sync_checks": run.sync_checks if run is not None else [],
-            "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
-            "over_budget": run.over_budget if run is not None else [],
-            "summary": {"memory_manager_on": timeline.summary(True), "memory_manager_off": timeline.summary(False),
-                        "seconds": seconds}, **(extra or {})}
+    return {
+        "status": status,
+        "error": error,
+        "pid": os.getpid(),
+        "config": json.loads(cfg.model_dump_json()),
+        "versions": versions,
+        "iterations": run.iterations if run is not None else [],
+        "memory_timeline": timeline.to_json(),
+        "sync_checks": run.sync_checks if run is not None else [],
+        "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
+        "over_budget": run.over_budget if run is not None else [],
+        "summary": {
+            "memory_manager_on": timeline.summary(True),
+            "memory_manager_off": timeline.summary(False),
+            "seconds": seconds,
+        },
+        **(extra or {}),
+    }
 
 
 def _write_quietly(write: Callable, progress: Callable[[str], None], status: str, error: str) -> bool:
@@ -380,27 +462,39 @@ def _write_quietly(write: Callable, progress: Callable[[str], None], status: str
 
 def _versions() -> dict:
     of = software_versions()  # read without importing (megatron takes seconds)
-    return {"torch": torch.__version__, "megatron-core": of["megatron-core"], "ray": of["ray"],
-            "python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.__version__,
+        "megatron-core": of["megatron-core"],
+        "ray": of["ray"],
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "node": platform.node(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
-PROGRESS_LEGEND = ("reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
-                   "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
-                   "seconds/MiB held on the devices")
+PROGRESS_LEGEND = (
+    "reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
+    "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
+    "seconds/MiB held on the devices"
+)
 """What the progress line's short names mean, said once before the first iteration."""
 
 
 def _progress_line(m: dict, of: int, comparison: bool = False) -> str:
     """``iter   3/20 reward ...``, or ``iter manager off 1/1 reward ...`` for a comparison iteration."""
-    phases = " ".join(f"{name} {m['phase_seconds'][name]:.2f}s/{m['phase_colocated_bytes'][name] / 2**20:.1f}MiB"
-                      for name in m["phase_seconds"])
+    phases = " ".join(
+        f"{name} {m['phase_seconds'][name]:.2f}s/{m['phase_colocated_bytes'][name] / 2**20:.1f}MiB"
+        for name in m["phase_seconds"]
+    )
     if comparison:
         head = f"iter manager off {m['iteration']}/{of}"
     else:
         head = f"iter {m['iteration']:>3}/{of}{'' if m['manager_on'] else ' [manager off]'}"
-    return (f"{head} reward {m['reward']:.3f} pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} "
-            f"kl {m['kl']:+.4f} | {phases}")
+    return (
+        f"{head} reward {m['reward']:.3f} pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} "
+        f"kl {m['kl']:+.4f} | {phases}"
+    )
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
@@ -455,8 +549,10 @@ def _sigterm_checkpoint(cfg: RunConfig, run: "PPORun", record: dict, done: int, 
     last = record["checkpoints"][-1]["seconds"] if record["checkpoints"] else None
     left = ck.sigterm_grace_s - (time.monotonic() - term.at)
     if last is not None and last > left:
-        return (f"no time to save the last iterations: the previous save took {last:.1f}s and "
-                f"{max(0.0, left):.1f}s of checkpoint.sigterm_grace_s={ck.sigterm_grace_s:g} are left")
+        return (
+            f"no time to save the last iterations: the previous save took {last:.1f}s and "
+            f"{max(0.0, left):.1f}s of checkpoint.sigterm_grace_s={ck.sigterm_grace_s:g} are left"
+        )
     run.where = (done - 1, "checkpoint")
     state = dict(run.state(), restarts=list(record["restarts"]), checkpoints=list(record["checkpoints"]))
     run.checkpointer.save(done, state)
@@ -470,27 +566,45 @@ def _restartable(e: BaseException) -> bool:
     return isinstance(e, PhaseTimeoutError) or (isinstance(e, ActorFailedError) and e.died)
 
 
-def _restart(cfg: RunConfig, error: BaseException, run: Optional[PPORun], record: dict, number: int,
-             progress: Callable[[str], None]) -> Optional[tuple[Path, dict]]:
+def _restart(
+    cfg: RunConfig,
+    error: BaseException,
+    run: Optional[PPORun],
+    record: dict,
+    number: int,
+    progress: Callable[[str], None],
+) -> Optional[tuple[Path, dict]]:
     """After an actor's death (or a hung phase): say what happened, record it, and return the
     checkpoint the run continues from (None: from the start)."""
     index, phase = run.where if run is not None else (None, "setup")
     iteration, comparison = run.number(index) if index is not None else (None, False)
     done = len(run.iterations) if run is not None else 0
-    intact = (newest_intact_run_checkpoint(cfg.checkpoint_dir, progress)
-              if cfg.checkpoint.every or record["resumed_from"] else None)
+    intact = (
+        newest_intact_run_checkpoint(cfg.checkpoint_dir, progress)
+        if cfg.checkpoint.every or record["resumed_from"]
+        else None
+    )
     newest, state = intact if intact is not None else (None, None)
     back_to = state["iterations_done"] if state is not None else 0
     where = f" (in {iteration_label(iteration, comparison)})" if iteration is not None else ""
-    entry = {"number": number, "actor": getattr(error, "actor", None), "phase": phase,
-             "iteration": iteration, "error": f"{type(error).__name__}: {error}", "iterations_done": done,
-             "resumed_from": str(newest) if newest is not None else None, "iterations_redone": done - back_to,
-             "at": time.time()}
+    entry = {
+        "number": number,
+        "actor": getattr(error, "actor", None),
+        "phase": phase,
+        "iteration": iteration,
+        "error": f"{type(error).__name__}: {error}",
+        "iterations_done": done,
+        "resumed_from": str(newest) if newest is not None else None,
+        "iterations_redone": done - back_to,
+        "at": time.time(),
+    }
     record["restarts"].append(entry)
     source = f"the checkpoint after iteration {back_to} ({newest})" if newest is not None else "the beginning"
-    progress(f"restart {number} of {cfg.checkpoint.max_restarts}: {error}{where}; tearing every actor "
-             f"down, starting them again and continuing from {source}: {done - back_to} completed "
-             "iteration(s) lost and redone")
+    progress(
+        f"restart {number} of {cfg.checkpoint.max_restarts}: {error}{where}; tearing every actor "
+        f"down, starting them again and continuing from {source}: {done - back_to} completed "
+        "iteration(s) lost and redone"
+    )
     return (newest, state) if newest is not None else None
 
 
@@ -518,8 +632,10 @@ def _elastic_config(cfg: RunConfig, error: BaseException, progress: Callable[[st
         smaller = RunConfig.model_validate(data)
     except ValueError as e:
         raise ResourceError(f"{error}; checkpoint.elastic cannot go on with {ranks} rank(s): {e}") from None
-    progress(f"checkpoint.elastic: the cluster holds {ranks} of {p.world_size} rank(s) after waiting "
-             f"ray.node_wait_s={cfg.ray.node_wait_s:g} s; going on with data-parallel size "
-             f"{ranks // p.tensor_model_parallel_size} (was {p.data_parallel_size}), the checkpoint resharded to it. "
-             "From here the results differ from those of the original layout")
+    progress(
+        f"checkpoint.elastic: the cluster holds {ranks} of {p.world_size} rank(s) after waiting "
+        f"ray.node_wait_s={cfg.ray.node_wait_s:g} s; going on with data-parallel size "
+        f"{ranks // p.tensor_model_parallel_size} (was {p.data_parallel_size}), the checkpoint resharded to it. "
+        "From here the results differ from those of the original layout"
+    )
     return smaller

@@ -73,10 +73,19 @@ class MemoryTimeline:
 
     records: list[PhaseRecord] = field(default_factory=list)
 
-    def add(self, iteration: int, phase: str, manager_on: bool, seconds: float,
-            active: dict[str, list[str]], residency: dict[str, dict], moved: Sequence[dict] = (),
-            transition_seconds: float = 0.0, budget_bytes: Optional[Mapping[int, int]] = None,
-            kept: Optional[dict[str, list[str]]] = None) -> PhaseRecord:
+    def add(
+        self,
+        iteration: int,
+        phase: str,
+        manager_on: bool,
+        seconds: float,
+        active: dict[str, list[str]],
+        residency: dict[str, dict],
+        moved: Sequence[dict] = (),
+        transition_seconds: float = 0.0,
+        budget_bytes: Optional[Mapping[int, int]] = None,
+        kept: Optional[dict[str, list[str]]] = None,
+    ) -> PhaseRecord:
         """Record a phase from every actor's ``residency()`` taken at its peak.
 
         Args:
@@ -91,15 +100,23 @@ class MemoryTimeline:
         bundles: dict[str, int] = {}
         for a, r in residency.items():
             bundles[str(bundle_of(a))] = bundles.get(str(bundle_of(a)), 0) + r["device_bytes"]
-        rec = PhaseRecord(iteration, phase, manager_on, seconds, {a: list(p) for a, p in active.items()},
-                          {a: r["device_bytes"] for a, r in residency.items()}, need,
-                          {a: r["cuda_allocated_bytes"] for a, r in residency.items() if "cuda_allocated_bytes" in r},
-                          {a: {p: int(b) for p, b in r.get("by_part", {}).items()} for a, r in residency.items()},
-                          moved_in_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "onload"),
-                          moved_out_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "offload"),
-                          transition_seconds=transition_seconds, bundle_bytes=bundles,
-                          budget_bytes={str(b): int(v) for b, v in (budget_bytes or {}).items()},
-                          kept=dict(kept or {}))
+        rec = PhaseRecord(
+            iteration,
+            phase,
+            manager_on,
+            seconds,
+            {a: list(p) for a, p in active.items()},
+            {a: r["device_bytes"] for a, r in residency.items()},
+            need,
+            {a: r["cuda_allocated_bytes"] for a, r in residency.items() if "cuda_allocated_bytes" in r},
+            {a: {p: int(b) for p, b in r.get("by_part", {}).items()} for a, r in residency.items()},
+            moved_in_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "onload"),
+            moved_out_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "offload"),
+            transition_seconds=transition_seconds,
+            bundle_bytes=bundles,
+            budget_bytes={str(b): int(v) for b, v in (budget_bytes or {}).items()},
+            kept=dict(kept or {}),
+        )
         self.records.append(rec)
         return rec
 
@@ -111,10 +128,14 @@ class MemoryTimeline:
             return None
         peak = max(recs, key=lambda r: r.colocated_bytes)
         largest = max(recs, key=lambda r: r.need_bytes)
-        return {"peak_colocated_bytes": peak.colocated_bytes, "peak_phase": peak.phase,
-                "largest_phase_bytes": largest.need_bytes, "largest_phase": largest.phase,
-                "ratio": peak.colocated_bytes / largest.need_bytes if largest.need_bytes else float("nan"),
-                "phases": len(recs)}
+        return {
+            "peak_colocated_bytes": peak.colocated_bytes,
+            "peak_phase": peak.phase,
+            "largest_phase_bytes": largest.need_bytes,
+            "largest_phase": largest.phase,
+            "ratio": peak.colocated_bytes / largest.need_bytes if largest.need_bytes else float("nan"),
+            "phases": len(recs),
+        }
 
     def to_json(self) -> list[dict]:
         return [asdict(r) | {"colocated_bytes": r.colocated_bytes} for r in self.records]
@@ -129,8 +150,13 @@ class MemoryTimeline:
 
 
 MiB = 2**20
-PART_HATCH = {Part.WEIGHTS: "", Part.GRADS: "////", Part.MAIN_WEIGHTS: "....", Part.OPTIMIZER_STATES: "xxxx",
-              OTHER: "----"}
+PART_HATCH = {
+    Part.WEIGHTS: "",
+    Part.GRADS: "////",
+    Part.MAIN_WEIGHTS: "....",
+    Part.OPTIMIZER_STATES: "xxxx",
+    OTHER: "----",
+}
 PART_ALPHA = {Part.WEIGHTS: 1.0, Part.GRADS: 0.75, Part.MAIN_WEIGHTS: 0.6, Part.OPTIMIZER_STATES: 0.45, OTHER: 0.3}
 FIGSIZE, DPI = (13.0, 9.6), 100  # 1300 x 960 px
 ROLE_CMAP = {"policy": "Blues", "critic": "Oranges", "rollout": "Greens", "reference": "Purples"}
@@ -150,8 +176,15 @@ def _actor_colors(names: list[str]) -> tuple[list[str], dict]:
     import matplotlib.pyplot as plt
 
     roles = list(ROLE_CMAP)
-    order = sorted(names, key=lambda a: (roles.index(_role(a)[0]) if _role(a)[0] in roles else len(roles),
-                                         _role(a)[0] if _role(a)[0] not in roles else "", _role(a)[1], a))
+    order = sorted(
+        names,
+        key=lambda a: (
+            roles.index(_role(a)[0]) if _role(a)[0] in roles else len(roles),
+            _role(a)[0] if _role(a)[0] not in roles else "",
+            _role(a)[1],
+            a,
+        ),
+    )
     colors, others = {}, 0
     for role, cmap_name in ROLE_CMAP.items():
         members = [a for a in order if _role(a)[0] == role]
@@ -195,11 +228,21 @@ def _iteration_stats(timeline: MemoryTimeline) -> list[dict]:
         comparison = seen_on and not on
         peak = max(recs, key=lambda r: r.colocated_bytes)
         largest = max(recs, key=lambda r: r.need_bytes)
-        out.append({"iteration": it, "manager_on": on, "records": recs, "x": x, "comparison": comparison,
-                    "label": f"manager-off iteration {it}" if comparison else f"iteration {it}",
-                    "peak_colocated_bytes": peak.colocated_bytes, "peak_phase": peak.phase,
-                    "largest_phase_bytes": largest.need_bytes, "largest_phase": largest.phase,
-                    "ratio": _ratio(peak.colocated_bytes, largest.need_bytes)})
+        out.append(
+            {
+                "iteration": it,
+                "manager_on": on,
+                "records": recs,
+                "x": x,
+                "comparison": comparison,
+                "label": f"manager-off iteration {it}" if comparison else f"iteration {it}",
+                "peak_colocated_bytes": peak.colocated_bytes,
+                "peak_phase": peak.phase,
+                "largest_phase_bytes": largest.need_bytes,
+                "largest_phase": largest.phase,
+                "ratio": _ratio(peak.colocated_bytes, largest.need_bytes),
+            }
+        )
     return out
 
 
@@ -240,33 +283,65 @@ def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
                 h = nbytes / MiB
                 kept = part in rec.kept.get(a, ())
                 kept_seen |= kept
-                ax.bar(x, h, bottom=bottom, width=0.62, color=colors[a], alpha=PART_ALPHA.get(part, 1.0),
-                       hatch=PART_HATCH.get(part, ""), edgecolor="tab:red" if kept else "0.15",
-                       linewidth=1.6 if kept else 0.5, linestyle="--" if kept else "-")
+                ax.bar(
+                    x,
+                    h,
+                    bottom=bottom,
+                    width=0.62,
+                    color=colors[a],
+                    alpha=PART_ALPHA.get(part, 1.0),
+                    hatch=PART_HATCH.get(part, ""),
+                    edgecolor="tab:red" if kept else "0.15",
+                    linewidth=1.6 if kept else 0.5,
+                    linestyle="--" if kept else "-",
+                )
                 if h > 0.07 * top:  # room for a label inside the segment
-                    ax.text(x, bottom + h / 2, f"{a} {part} {_fmt_mib(nbytes)}", ha="center", va="center",
-                            fontsize=8, bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
+                    ax.text(
+                        x,
+                        bottom + h / 2,
+                        f"{a} {part} {_fmt_mib(nbytes)}",
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85),
+                    )
                 bottom += h
-        ax.text(x, bottom + 0.015 * top, f"{_fmt_mib(rec.colocated_bytes)} MiB\n" + _holders(rec, actors),
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            x,
+            bottom + 0.015 * top,
+            f"{_fmt_mib(rec.colocated_bytes)} MiB\n" + _holders(rec, actors),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
         ax.plot([x - 0.36, x + 0.36], [rec.need_bytes / MiB] * 2, color="black", ls="--", lw=1.2)
     ax.plot([], [], color="black", ls="--", lw=1.2, label="the phase's need")
     if budget:
         per = " per device" if any(len(r.budget_bytes) > 1 for r in recs) else ""
         ax.axhline(budget / MiB, color="tab:red", lw=1.4, label=f"device budget{per} ({_fmt_mib(budget)} MiB)")
     if kept_seen:
-        ax.bar([0], [0], color="white", edgecolor="tab:red", linestyle="--", linewidth=1.6,
-               label="kept resident beyond the phase's need (residency plan)")
+        ax.bar(
+            [0],
+            [0],
+            color="white",
+            edgecolor="tab:red",
+            linestyle="--",
+            linewidth=1.6,
+            label="kept resident beyond the phase's need (residency plan)",
+        )
     ax.set_xticks(range(len(recs)))
     ax.set_xticklabels([r.phase for r in recs], fontsize=9)
     ax.set_xlim(-0.6, len(recs) - 0.4)
     ax.set_ylim(0, top * 1.22)
     ax.set_ylabel("device MiB", fontsize=9)
     mode = "on" if stat["manager_on"] else "off"
-    ax.set_title(f"(1) {stat['label']} (the last with the memory manager {mode}): "
-                 f"device bytes per phase, by actor and part"
-                 + ("" if any(r.device_by_part for r in recs) else " (parts not in this log: totals)"),
-                 fontsize=10, loc="left")
+    ax.set_title(
+        f"(1) {stat['label']} (the last with the memory manager {mode}): "
+        f"device bytes per phase, by actor and part"
+        + ("" if any(r.device_by_part for r in recs) else " (parts not in this log: totals)"),
+        fontsize=10,
+        loc="left",
+    )
     ax.legend(fontsize=8, loc="upper left")
 
 
@@ -275,14 +350,30 @@ def _plot_peaks(ax, stats: list[dict]) -> None:
     comparison iterations follow the others, their ticks labelled ``off 1``, ``off 2``, ..."""
     xs = [s["x"] for s in stats]
     ax.plot(xs, [s["peak_colocated_bytes"] / MiB for s in stats], color="0.55", lw=1, zorder=1)
-    ax.plot(xs, [s["largest_phase_bytes"] / MiB for s in stats], color="black", ls="--", lw=1.2,
-            label="largest phase's need", zorder=2)
-    for on, marker, color, label in ((True, "o", "0.15", "peak colocated, manager on"),
-                                     (False, "s", "tab:red", "peak colocated, manager off")):
+    ax.plot(
+        xs,
+        [s["largest_phase_bytes"] / MiB for s in stats],
+        color="black",
+        ls="--",
+        lw=1.2,
+        label="largest phase's need",
+        zorder=2,
+    )
+    for on, marker, color, label in (
+        (True, "o", "0.15", "peak colocated, manager on"),
+        (False, "s", "tab:red", "peak colocated, manager off"),
+    ):
         sel = [s for s in stats if s["manager_on"] == on]
         if sel:
-            ax.scatter([s["x"] for s in sel], [s["peak_colocated_bytes"] / MiB for s in sel],
-                       marker=marker, color=color, s=30, zorder=3, label=label)
+            ax.scatter(
+                [s["x"] for s in sel],
+                [s["peak_colocated_bytes"] / MiB for s in sel],
+                marker=marker,
+                color=color,
+                s=30,
+                zorder=3,
+                label=label,
+            )
     off = [s["x"] for s in stats if not s["manager_on"]]
     for i, it in enumerate(off):
         ax.axvspan(it - 0.5, it + 0.5, color="tab:red", alpha=0.1, lw=0, label="manager off" if i == 0 else None)
@@ -291,19 +382,25 @@ def _plot_peaks(ax, stats: list[dict]) -> None:
         sel = [s for s in stats if s["manager_on"] == on]
         if sel:
             s = sel[-1]
-            ax.annotate(f"ratio {s['ratio']:.2f}\n({s['peak_phase']})", (s["x"], s["peak_colocated_bytes"] / MiB),
-                        xytext=(0, 8), textcoords="offset points", ha="right" if on and off else "center",
-                        va="bottom", fontsize=8)
+            ax.annotate(
+                f"ratio {s['ratio']:.2f}\n({s['peak_phase']})",
+                (s["x"], s["peak_colocated_bytes"] / MiB),
+                xytext=(0, 8),
+                textcoords="offset points",
+                ha="right" if on and off else "center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_ylim(0, top * 1.35 if top else 1)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     ax.set_xlabel("iteration", fontsize=9)
     ax.set_ylabel("device MiB", fontsize=9)
     main, compared = [s for s in stats if not s["comparison"]], [s for s in stats if s["comparison"]]
-    ticks = main[::-(-len(main) // 10) or 1] + compared[::-(-len(compared) // 5) or 1]  # about 10 + 5 at most
-    ax.set_xticks([s["x"] for s in ticks], [f"off {s['iteration']}" if s["comparison"] else str(s["iteration"])
-                                            for s in ticks])
-    ax.set_title("(2) peak per iteration: all actors at the worst phase vs the largest phase",
-                 fontsize=10, loc="left")
+    ticks = main[:: -(-len(main) // 10) or 1] + compared[:: -(-len(compared) // 5) or 1]  # about 10 + 5 at most
+    ax.set_xticks(
+        [s["x"] for s in ticks], [f"off {s['iteration']}" if s["comparison"] else str(s["iteration"]) for s in ticks]
+    )
+    ax.set_title("(2) peak per iteration: all actors at the worst phase vs the largest phase", fontsize=10, loc="left")
     ax.legend(fontsize=8, loc="lower left", ncol=2)
 
 
@@ -323,8 +420,9 @@ def _plot_on_off(ax, on: Optional[dict], off: Optional[dict], actors: list[str],
                 if h > 0:
                     ax.bar(x, h, bottom=bottom, width=0.4, color=colors[a], edgecolor="0.15", linewidth=0.5)
                 bottom += h
-            ax.text(x, bottom + 0.015 * top, f"{lab}\n{_fmt_mib(rec.colocated_bytes)}", ha="center",
-                    va="bottom", fontsize=8)
+            ax.text(
+                x, bottom + 0.015 * top, f"{lab}\n{_fmt_mib(rec.colocated_bytes)}", ha="center", va="bottom", fontsize=8
+            )
     largest = max(s["largest_phase_bytes"] for s, _, _ in shown) / MiB
     ax.axhline(largest, color="black", ls="--", lw=1.2, label="largest phase's need")
     ax.set_xticks(range(len(phases)))
@@ -334,12 +432,19 @@ def _plot_on_off(ax, on: Optional[dict], off: Optional[dict], actors: list[str],
     ax.set_ylabel("colocated device MiB", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     parts = [f"manager {lab} ({s['label']}): {s['ratio']:.2f}" for s, _, lab in shown]
-    ax.set_title("(3) manager on vs off, peak colocated / largest phase:\n" + ", ".join(parts),
-                 fontsize=10, loc="left")
+    ax.set_title("(3) manager on vs off, peak colocated / largest phase:\n" + ", ".join(parts), fontsize=10, loc="left")
     if on is None or off is None:
         missing = "on" if on is None else "off"
-        ax.text(0.02, 0.97, f"no manager-{missing} iteration in this run", transform=ax.transAxes,
-                ha="left", va="top", fontsize=9, color="tab:red")
+        ax.text(
+            0.02,
+            0.97,
+            f"no manager-{missing} iteration in this run",
+            transform=ax.transAxes,
+            ha="left",
+            va="top",
+            fontsize=9,
+            color="tab:red",
+        )
 
 
 def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path:
@@ -364,23 +469,37 @@ def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path
 
     path = Path(path)
     stats = _iteration_stats(timeline)
-    actors, colors = _actor_colors(list(dict.fromkeys(
-        a for r in timeline.records for a in [*r.device_bytes, *r.device_by_part])))
+    actors, colors = _actor_colors(
+        list(dict.fromkeys(a for r in timeline.records for a in [*r.device_bytes, *r.device_by_part]))
+    )
     last_on = next((s for s in reversed(stats) if s["manager_on"]), None)
     last_off = next((s for s in reversed(stats) if not s["manager_on"]), None)
     detail = last_on or (stats[-1] if stats else None)
-    parts_seen = {p for r in (detail["records"] if detail else []) for a in actors
-                  for p, nbytes in _parts_of(r, a) if nbytes > 0}
+    parts_seen = {
+        p for r in (detail["records"] if detail else []) for a in actors for p, nbytes in _parts_of(r, a) if nbytes > 0
+    }
     handles = [Patch(facecolor=colors[a], edgecolor="0.15", label=a) for a in actors]
-    handles += [Patch(facecolor="0.6", alpha=PART_ALPHA[p], hatch=PART_HATCH[p], edgecolor="0.15", label=p)
-                for p in TRAIN_PARTS if p in parts_seen]
+    handles += [
+        Patch(facecolor="0.6", alpha=PART_ALPHA[p], hatch=PART_HATCH[p], edgecolor="0.15", label=p)
+        for p in TRAIN_PARTS
+        if p in parts_seen
+    ]
     legend_rows = max(1, -(-len(handles) // 10))
 
     fig = plt.figure(figsize=FIGSIZE, dpi=DPI)
     # Fixed margins (in figure fractions) leave room for the title lines, the legend rows and the
     # two-line title of panel 3, so the layout does not depend on the data.
-    grid = fig.add_gridspec(2, 2, height_ratios=(1.15, 1.0), left=0.05, right=0.99,
-                            top=0.86 - 0.03 * (legend_rows - 1), bottom=0.055, hspace=0.3, wspace=0.14)
+    grid = fig.add_gridspec(
+        2,
+        2,
+        height_ratios=(1.15, 1.0),
+        left=0.05,
+        right=0.99,
+        top=0.86 - 0.03 * (legend_rows - 1),
+        bottom=0.055,
+        hspace=0.3,
+        wspace=0.14,
+    )
     ax1, ax2, ax3 = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     if detail is None:
         for n, ax in enumerate((ax1, ax2, ax3), 1):
@@ -394,15 +513,28 @@ def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
     if handles:
-        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.925),
-                   ncol=-(-len(handles) // legend_rows), fontsize=9, frameon=False, handlelength=2.5,
-                   handleheight=1.2)
+        fig.legend(
+            handles=handles,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.925),
+            ncol=-(-len(handles) // legend_rows),
+            fontsize=9,
+            frameon=False,
+            handlelength=2.5,
+            handleheight=1.2,
+        )
     lines = [title] if title else []
     summaries = [(on, timeline.summary(on)) for on in (True, False)]
-    lines.append("\n".join(f"manager {'on' if on else 'off'}: peak colocated {_fmt_mib(s['peak_colocated_bytes'])} "
-                           f"MiB ({s['peak_phase']}) / largest phase {_fmt_mib(s['largest_phase_bytes'])} MiB "
-                           f"({s['largest_phase']}) = {s['ratio']:.2f}" for on, s in summaries if s)
-                 or "no phases recorded")
+    lines.append(
+        "\n".join(
+            f"manager {'on' if on else 'off'}: peak colocated {_fmt_mib(s['peak_colocated_bytes'])} "
+            f"MiB ({s['peak_phase']}) / largest phase {_fmt_mib(s['largest_phase_bytes'])} MiB "
+            f"({s['largest_phase']}) = {s['ratio']:.2f}"
+            for on, s in summaries
+            if s
+        )
+        or "no phases recorded"
+    )
     fig.suptitle("\n".join(lines), fontsize=11, y=0.99, va="top")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)

@@ -77,8 +77,18 @@ sys.path.insert(0, str(REPO / "tests"))  # trainer_runs, for the report step
 
 MEGATRON_VERSION = "0.19.2"
 """The megatron-core the GPU machine runs (Python 3.12 there)."""
-WHEELS = ("megatron_core", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "jsonschema",
-          "jsonschema_specifications", "referencing", "rpds_py", "chatlearn_mem")
+WHEELS = (
+    "megatron_core",
+    "pydantic",
+    "pydantic_core",
+    "annotated_types",
+    "typing_inspection",
+    "jsonschema",
+    "jsonschema_specifications",
+    "referencing",
+    "rpds_py",
+    "chatlearn_mem",
+)
 """Distributions the GPU machine lacks, carried as wheels (it has torch, numpy, typer, PyYAML,
 matplotlib, psutil, pytest and Ray's other requirements)."""
 RAY_ARCHIVE = re.compile(r"^ray-[0-9.]+-cp312-pruned\.tar\.xz$")
@@ -87,10 +97,18 @@ it without Java, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web cl
 CARRY_LIMIT = 64 * 2**20
 WHEELHOUSE_LIMIT = 60 * 2**20  # the rest of the 64 MiB is the repository itself
 
-PPO_OVERRIDES = ("parallel.world_size=1", "parallel.tensor_model_parallel_size=1", "ppo.iterations=2",
-                 "ppo.prompts_per_iteration=64", "ppo.prompt_length=64", "ppo.response_length=64",
-                 "ppo.minibatch_size=16", "memory.compare_iterations=1", "memory.verify_sync=true",
-                 "ray.cpus_per_rank=4")
+PPO_OVERRIDES = (
+    "parallel.world_size=1",
+    "parallel.tensor_model_parallel_size=1",
+    "ppo.iterations=2",
+    "ppo.prompts_per_iteration=64",
+    "ppo.prompt_length=64",
+    "ppo.response_length=64",
+    "ppo.minibatch_size=16",
+    "memory.compare_iterations=1",
+    "memory.verify_sync=true",
+    "ray.cpus_per_rank=4",
+)
 """configs/ppo/gpu.yaml (8 ranks, TP=2) scaled to one GPU and its step's budget."""
 STEPS = ("tests", "report", "bench", "ppo")
 OPTIONAL = ("ppo",)
@@ -163,18 +181,23 @@ def check_wheelhouse(path: Path) -> list[str]:
         problems.append(f"want one ray-<version>-cp312-pruned.tar.xz, found {rays or 'none'}")
     built_from, here = wheelhouse_revision(path), _checkout_revision()
     if not built_from:
-        problems.append(f"no {REVISION_FILE} file (the source revision the wheel was built from): run "
-                        "`bash scripts/gpu_wheelhouse.sh` again")
+        problems.append(
+            f"no {REVISION_FILE} file (the source revision the wheel was built from): run "
+            "`bash scripts/gpu_wheelhouse.sh` again"
+        )
     elif here and here.split("+")[0] != built_from.split("+")[0]:
-        problems.append(f"built from {built_from}, but this checkout is at {here}: run `bash scripts/gpu_wheelhouse.sh` "
-                        "again")
+        problems.append(
+            f"built from {built_from}, but this checkout is at {here}: run `bash scripts/gpu_wheelhouse.sh` again"
+        )
     unknown = [f for f in files if f not in wheels and f not in rays and f != REVISION_FILE]
     if unknown:
         problems.append(f"files that are neither wheels nor the Ray archive: {', '.join(unknown)}")
     total = sum((path / f).stat().st_size for f in files)
     if total > WHEELHOUSE_LIMIT:
-        problems.append(f"{total / 2**20:.1f} MiB: more than {WHEELHOUSE_LIMIT / 2**20:.0f} MiB, which leaves too "
-                        f"little of the {CARRY_LIMIT / 2**20:.0f} MiB one device call carries for the repository")
+        problems.append(
+            f"{total / 2**20:.1f} MiB: more than {WHEELHOUSE_LIMIT / 2**20:.0f} MiB, which leaves too "
+            f"little of the {CARRY_LIMIT / 2**20:.0f} MiB one device call carries for the repository"
+        )
     return problems
 
 
@@ -224,19 +247,59 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
     """The steps to run, in order: name, command, time budget and the files each writes."""
     py = sys.executable
     cmds = {
-        "tests": [py, "-m", "pytest", "tests/gpu", "-v", "-rA", "-p", "no:cacheprovider",
-                  f"--junitxml={work / 'junit.xml'}"],
+        "tests": [
+            py,
+            "-m",
+            "pytest",
+            "tests/gpu",
+            "-v",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={work / 'junit.xml'}",
+        ],
         "report": [py, str(Path(__file__).resolve()), "--report-json", str(work / "report.json")],
-        "bench": [py, "-m", "chatlearn_mem_cli", "bench", "--config", "gpu", f"output_dir={out}", f"name={stem}",
-                  f"revision={revision}", "-q"],
-        "ppo": [py, "-m", "chatlearn_mem_cli", "ppo", "--config", "gpu", *PPO_OVERRIDES,
-                f"output_dir={out / (stem + '_ppo')}"],
+        "bench": [
+            py,
+            "-m",
+            "chatlearn_mem_cli",
+            "bench",
+            "--config",
+            "gpu",
+            f"output_dir={out}",
+            f"name={stem}",
+            f"revision={revision}",
+            "-q",
+        ],
+        "ppo": [
+            py,
+            "-m",
+            "chatlearn_mem_cli",
+            "ppo",
+            "--config",
+            "gpu",
+            *PPO_OVERRIDES,
+            f"output_dir={out / (stem + '_ppo')}",
+        ],
     }
-    outputs = {"tests": [], "report": [], "bench": [out / f"{stem}.{x}" for x in ("json", "md", "png")],
-               "ppo": [out / f"{stem}_ppo" / "log.json", out / f"{stem}_ppo" / "memory_timeline.png"]}
-    return [{"step": s, "command": cmds[s], "budget_s": BUDGET_S[s], "optional": s in OPTIONAL,
-             "log": str(work / f"{s}.log"), "outputs": [str(p) for p in outputs[s]]}
-            for s in STEPS if s in steps]
+    outputs = {
+        "tests": [],
+        "report": [],
+        "bench": [out / f"{stem}.{x}" for x in ("json", "md", "png")],
+        "ppo": [out / f"{stem}_ppo" / "log.json", out / f"{stem}_ppo" / "memory_timeline.png"],
+    }
+    return [
+        {
+            "step": s,
+            "command": cmds[s],
+            "budget_s": BUDGET_S[s],
+            "optional": s in OPTIONAL,
+            "log": str(work / f"{s}.log"),
+            "outputs": [str(p) for p in outputs[s]],
+        }
+        for s in STEPS
+        if s in steps
+    ]
 
 
 def _resolve_configs() -> dict:
@@ -260,10 +323,24 @@ def bench_outlook():
     cfg = load_config("gpu")
     sizes = estimate_part_sizes(cfg.trainer)
     overlap = overlap_plan_args(cfg)
-    host = plan_host_memory(sizes, methods=cfg.methods, cuda=True, pin=True, overlap_bytes=overlap.get("overlap_bytes"),
-                            bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes)
-    time_s = estimate_seconds(sizes, methods=cfg.methods, repeats=cfg.repeats, warmup=cfg.warmup, cycles=cfg.cycles,
-                              cuda=True, pin=True, **overlap)
+    host = plan_host_memory(
+        sizes,
+        methods=cfg.methods,
+        cuda=True,
+        pin=True,
+        overlap_bytes=overlap.get("overlap_bytes"),
+        bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes,
+    )
+    time_s = estimate_seconds(
+        sizes,
+        methods=cfg.methods,
+        repeats=cfg.repeats,
+        warmup=cfg.warmup,
+        cycles=cfg.cycles,
+        cuda=True,
+        pin=True,
+        **overlap,
+    )
     return host, time_s
 
 
@@ -272,27 +349,50 @@ def check_bounds(steps: list[str]) -> tuple[list[str], list[str]]:
     bench's estimate fits :data:`ESTIMATE_SHARE` of its budget, its host plan :data:`HOST_BOUND_BYTES`."""
     lines, problems = [], []
     total = sum(BUDGET_S[s] for s in steps)
-    lines.append(f"time budget: {' + '.join(f'{s} {BUDGET_S[s]}' for s in steps)} = {total} s "
-                 f"(at most {TOTAL_BUDGET_S} s); {', '.join(o for o in OPTIONAL if o in steps) or 'no step'} optional")
+    lines.append(
+        f"time budget: {' + '.join(f'{s} {BUDGET_S[s]}' for s in steps)} = {total} s "
+        f"(at most {TOTAL_BUDGET_S} s); {', '.join(o for o in OPTIONAL if o in steps) or 'no step'} optional"
+    )
     if sum(BUDGET_S.values()) > TOTAL_BUDGET_S:
         problems.append(f"the step budgets add up to {sum(BUDGET_S.values())} s, over {TOTAL_BUDGET_S} s")
     if "bench" in steps:
         host, time_s = bench_outlook()
         lines += [f"bench {host.summary()}", f"bench {time_s.summary()}"]
         if host.peak_bytes > HOST_BOUND_BYTES:
-            problems.append(f"the bench plans {host.peak_bytes / 2**30:.1f} GiB of host memory, over its bound of "
-                            f"{HOST_BOUND_BYTES / 2**30:.0f} GiB (half the GPU machine's "
-                            f"{GPU_HOST_BYTES / 2**30:.0f} GiB): shrink configs/bench/gpu.yaml")
+            problems.append(
+                f"the bench plans {host.peak_bytes / 2**30:.1f} GiB of host memory, over its bound of "
+                f"{HOST_BOUND_BYTES / 2**30:.0f} GiB (half the GPU machine's "
+                f"{GPU_HOST_BYTES / 2**30:.0f} GiB): shrink configs/bench/gpu.yaml"
+            )
         if time_s.total_s > ESTIMATE_SHARE * BUDGET_S["bench"]:
-            problems.append(f"the bench is estimated at {time_s.total_s:.0f} s, over {ESTIMATE_SHARE:.0%} of its "
-                            f"{BUDGET_S['bench']} s budget: shrink configs/bench/gpu.yaml (trainer, repeats, cycles)")
+            problems.append(
+                f"the bench is estimated at {time_s.total_s:.0f} s, over {ESTIMATE_SHARE:.0%} of its "
+                f"{BUDGET_S['bench']} s budget: shrink configs/bench/gpu.yaml (trainer, repeats, cycles)"
+            )
     return lines, problems
 
 
-IMPORTS = ("torch", "numpy", "yaml", "typer", "matplotlib", "psutil", "pytest", "pydantic", "megatron.core",
-           "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed", "megatron.core.optimizer",
-           "chatlearn_mem", "chatlearn_mem.models.gpt", "chatlearn_mem_bench.run", "chatlearn_mem_bench.report",
-           "chatlearn_mem_cli.app", "chatlearn_mem_ray.supervisor", "ray")
+IMPORTS = (
+    "torch",
+    "numpy",
+    "yaml",
+    "typer",
+    "matplotlib",
+    "psutil",
+    "pytest",
+    "pydantic",
+    "megatron.core",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "chatlearn_mem",
+    "chatlearn_mem.models.gpt",
+    "chatlearn_mem_bench.run",
+    "chatlearn_mem_bench.report",
+    "chatlearn_mem_cli.app",
+    "chatlearn_mem_ray.supervisor",
+    "ray",
+)
 """Every module the GPU run imports (Ray for the PPO step only)."""
 
 
@@ -314,8 +414,13 @@ def _import_all(steps: list[str]) -> list[str]:
 
 
 def _collect_gpu_tier() -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "tests/gpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     n = sum(1 for line in out.stdout.splitlines() if "::" in line)
     return (n if out.returncode == 0 else -1), out.stdout[-2000:] + out.stderr[-2000:]
 
@@ -352,10 +457,15 @@ def measure_device_report(cfg=None, batch_size: int = 4) -> dict:
     mm.offload()
     after = device_report(trainer.model, trainer.optimizer, managers=[mm])
     mm.onload()
-    return {"trainer": cfg.model_dump(mode="json"),
-            "parameters": sum(p.numel() for p in trainer.model.parameters()),
-            "managed_bytes": before.by_holder["manager_residue"], "audit_ok": mm.audit().ok,
-            "before_offload": before.to_dict(), "after_offload": after.to_dict(), "text": after.format()}
+    return {
+        "trainer": cfg.model_dump(mode="json"),
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "managed_bytes": before.by_holder["manager_residue"],
+        "audit_ok": mm.audit().ok,
+        "before_offload": before.to_dict(),
+        "after_offload": after.to_dict(),
+        "text": after.format(),
+    }
 
 
 # -- running and summarising ------------------------------------------------------------------------
@@ -372,8 +482,14 @@ def _pytest_log(path: Path) -> list[dict]:
     for line in text.splitlines():
         m = _PYTEST_LINE.match(line)
         if m:
-            out.append({"test": f"{Path(m.group(1)).stem}::{m.group(2)}", "outcome": m.group(3).lower(),
-                        "seconds": 0.0, "message": "from the log (the run was cut off before its junit file)"})
+            out.append(
+                {
+                    "test": f"{Path(m.group(1)).stem}::{m.group(2)}",
+                    "outcome": m.group(3).lower(),
+                    "seconds": 0.0,
+                    "message": "from the log (the run was cut off before its junit file)",
+                }
+            )
     return out
 
 
@@ -388,26 +504,43 @@ def _junit(path: Path) -> list[dict]:
             if el is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (el.get("message") or "")[:500]
-        out.append({"test": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}",
-                    "outcome": outcome, "seconds": float(case.get("time") or 0), "message": message})
+        out.append(
+            {
+                "test": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0),
+                "message": message,
+            }
+        )
     return out
 
 
 def summarise(results: dict) -> str:
     """The markdown of a validation run."""
     env = results.get("environment", {})
-    lines = [f"# chatlearn-mem GPU validation, {results['date']}", "",
-             f"Produced by `{results['command']}` (git {results.get('git_revision') or 'unknown'}"
-             f"{', from ' + results['revision_source'] if results.get('revision_source') else ''}).", "",
-             f"- GPU: {env.get('gpu_name', '?')} ({env.get('gpu_memory_bytes', 0) / 2**30:.1f} GiB), "
-             f"driver {env.get('driver', '?')}; torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', '?')}), "
-             f"megatron-core {env.get('megatron_core', '?')}, Python {env.get('python', '?')}",
-             "", "## Steps", "", f"Time budget {results.get('budget_s', TOTAL_BUDGET_S):.0f} s; a step that ends "
-             "early leaves its unused seconds to the next; optional steps do not change the exit status.", "",
-             "| step | status | seconds | limit s | detail |", "|---|---|---:|---:|---|"]
+    lines = [
+        f"# chatlearn-mem GPU validation, {results['date']}",
+        "",
+        f"Produced by `{results['command']}` (git {results.get('git_revision') or 'unknown'}"
+        f"{', from ' + results['revision_source'] if results.get('revision_source') else ''}).",
+        "",
+        f"- GPU: {env.get('gpu_name', '?')} ({env.get('gpu_memory_bytes', 0) / 2**30:.1f} GiB), "
+        f"driver {env.get('driver', '?')}; torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', '?')}), "
+        f"megatron-core {env.get('megatron_core', '?')}, Python {env.get('python', '?')}",
+        "",
+        "## Steps",
+        "",
+        f"Time budget {results.get('budget_s', TOTAL_BUDGET_S):.0f} s; a step that ends "
+        "early leaves its unused seconds to the next; optional steps do not change the exit status.",
+        "",
+        "| step | status | seconds | limit s | detail |",
+        "|---|---|---:|---:|---|",
+    ]
     for s in results["steps"]:
-        lines.append(f"| {s['step']}{' (optional)' if s.get('optional') else ''} | {s['status']} | "
-                     f"{s.get('seconds', 0):.0f} | {s.get('limit_s', s.get('budget_s', 0)):.0f} | {s.get('detail', '')} |")
+        lines.append(
+            f"| {s['step']}{' (optional)' if s.get('optional') else ''} | {s['status']} | "
+            f"{s.get('seconds', 0):.0f} | {s.get('limit_s', s.get('budget_s', 0)):.0f} | {s.get('detail', '')} |"
+        )
     tests = results.get("tests", [])
     if tests:
         lines += ["", "## GPU tests", "", "| test | outcome | seconds | message |", "|---|---|---:|---|"]
@@ -416,9 +549,17 @@ def summarise(results: dict) -> str:
             lines.append(f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {msg} |")
     report = results.get("report")
     if report:
-        lines += ["", "## What stays on the device after a full offload", "",
-                  f"Trainer: {report['parameters'] / 1e6:.0f} M parameters, {report['managed_bytes'] / 2**30:.2f} GiB "
-                  f"managed; audit after the cycle ok: {report['audit_ok']}.", "", "```", report["text"], "```"]
+        lines += [
+            "",
+            "## What stays on the device after a full offload",
+            "",
+            f"Trainer: {report['parameters'] / 1e6:.0f} M parameters, {report['managed_bytes'] / 2**30:.2f} GiB "
+            f"managed; audit after the cycle ok: {report['audit_ok']}.",
+            "",
+            "```",
+            report["text"],
+            "```",
+        ]
     targets = results.get("bench_targets")
     if targets:
         met = sum(t["passed"] for t in targets)
@@ -427,13 +568,18 @@ def summarise(results: dict) -> str:
         plan, est = outlook.get("host_memory_plan"), outlook.get("time_estimate")
         if plan and est:
             took = outlook.get("part_seconds") or {}
-            lines += [f"Planned host memory peak {plan['pinned_bytes'] / 2**30:.2f} GiB pinned + "
-                      f"{plan['pageable_bytes'] / 2**30:.2f} GiB pageable; estimated "
-                      + ", ".join(f"{p} {s:.0f} s" + (f" (took {took[p]:.0f} s)" if p in took else " (not run)")
-                                  for p, s in est["parts_s"].items())
-                      + "; `empty_cache` paid by "
-                      + (", ".join(m for m, x in (outlook.get("pays_empty_cache") or {}).items() if x) or "none")
-                      + ".", ""]
+            lines += [
+                f"Planned host memory peak {plan['pinned_bytes'] / 2**30:.2f} GiB pinned + "
+                f"{plan['pageable_bytes'] / 2**30:.2f} GiB pageable; estimated "
+                + ", ".join(
+                    f"{p} {s:.0f} s" + (f" (took {took[p]:.0f} s)" if p in took else " (not run)")
+                    for p, s in est["parts_s"].items()
+                )
+                + "; `empty_cache` paid by "
+                + (", ".join(m for m, x in (outlook.get("pays_empty_cache") or {}).items() if x) or "none")
+                + ".",
+                "",
+            ]
         lines += ["| target | result | detail |", "|---|---|---|"]
         lines += [f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |" for t in targets]
     ppo = results.get("ppo")
@@ -442,11 +588,15 @@ def summarise(results: dict) -> str:
         for key in ("memory_manager_on", "memory_manager_off"):
             s = ppo["summary"].get(key)
             if s:
-                lines.append(f"- {key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**30:.2f} GiB "
-                             f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**30:.2f} GiB "
-                             f"({s['largest_phase']}) = {s['ratio']:.3f}")
-        lines.append(f"- {ppo['iterations']} iterations in {ppo['summary'].get('seconds', 0):.0f} s; "
-                     f"weight syncs verified: {ppo['sync_ok']}; audits clean: {ppo['audits_ok']}")
+                lines.append(
+                    f"- {key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**30:.2f} GiB "
+                    f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**30:.2f} GiB "
+                    f"({s['largest_phase']}) = {s['ratio']:.3f}"
+                )
+        lines.append(
+            f"- {ppo['iterations']} iterations in {ppo['summary'].get('seconds', 0):.0f} s; "
+            f"weight syncs verified: {ppo['sync_ok']}; audits clean: {ppo['audits_ok']}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -516,7 +666,9 @@ def _collect(step: str, results: dict, work: Path, entry: dict) -> None:
         entry["detail"] = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
     elif step == "report" and (work / "report.json").exists():
         results["report"] = json.loads((work / "report.json").read_text())
-        entry["detail"] = f"{results['report']['after_offload']['total_bytes'] / 2**20:.0f} MiB still held after offload"
+        entry["detail"] = (
+            f"{results['report']['after_offload']['total_bytes'] / 2**20:.0f} MiB still held after offload"
+        )
     elif step == "bench":
         path = Path(entry["outputs"][0])
         if path.exists():
@@ -526,22 +678,30 @@ def _collect(step: str, results: dict, work: Path, entry: dict) -> None:
             if not bench.get("complete", True):  # cut off: its markdown and plot from what it measured
                 bench, _ = rebuild(path)
             results["bench_targets"] = bench.get("targets", [])
-            results["bench_timings"] = [{k: r[k] for k in ("part", "method", "direction", "gb_per_s")}
-                                        for r in bench["timings"]]
-            results["bench_outlook"] = {k: bench.get(k) for k in ("host_memory_plan", "time_estimate", "part_seconds",
-                                                                   "pays_empty_cache")}
+            results["bench_timings"] = [
+                {k: r[k] for k in ("part", "method", "direction", "gb_per_s")} for r in bench["timings"]
+            ]
+            results["bench_outlook"] = {
+                k: bench.get(k) for k in ("host_memory_plan", "time_estimate", "part_seconds", "pays_empty_cache")
+            }
             met = sum(t["passed"] for t in results["bench_targets"])
-            entry["detail"] = (f"{met} of {len(results['bench_targets'])} targets met; methods "
-                               f"{', '.join(bench['methods'])}" + (f"; {missing_summary(bench)}"
-                                                                    if not bench.get("complete", True) else ""))
+            entry["detail"] = (
+                f"{met} of {len(results['bench_targets'])} targets met; methods "
+                f"{', '.join(bench['methods'])}"
+                + (f"; {missing_summary(bench)}" if not bench.get("complete", True) else "")
+            )
     elif step == "ppo":
         path = Path(entry["outputs"][0])
         if path.exists():
             log = json.loads(path.read_text())
             audits = log.get("audits") or {}
-            results["ppo"] = {"summary": log["summary"], "iterations": len(log["iterations"]),
-                              "sync_ok": all(c.get("equal", False) for c in log.get("sync_checks", [])),
-                              "audits_ok": audits.get("runs") == audits.get("checks_clean"), "audits": audits}
+            results["ppo"] = {
+                "summary": log["summary"],
+                "iterations": len(log["iterations"]),
+                "sync_ok": all(c.get("equal", False) for c in log.get("sync_checks", [])),
+                "audits_ok": audits.get("runs") == audits.get("checks_clean"),
+                "audits": audits,
+            }
             on = log["summary"].get("memory_manager_on") or {}
             entry["detail"] = f"colocation ratio {on.get('ratio', float('nan')):.3f} with the manager on"
 
@@ -561,8 +721,15 @@ def _environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     env.update(gpu_name=props.name, gpu_memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count())
     try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=30).stdout.strip() or None
+        env["driver"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         env["driver"] = None
     return env
@@ -588,13 +755,17 @@ def run(args, steps: list[str]) -> int:
     import torch
 
     if not torch.cuda.is_available():  # the first CUDA call
-        _say("error: no CUDA device here (torch.cuda.is_available() is False). Run it on the GPU machine, "
-             "or check the setup with --dry-run")
+        _say(
+            "error: no CUDA device here (torch.cuda.is_available() is False). Run it on the GPU machine, "
+            "or check the setup with --dry-run"
+        )
         return 2
     revision, source = source_revision(args.revision, args.wheelhouse)
     if not revision:
-        _say("error: no source revision to record: pass --revision, run from a git checkout, or carry the "
-             "wheelhouse scripts/gpu_wheelhouse.sh filled (it writes .whl/REVISION)")
+        _say(
+            "error: no source revision to record: pass --revision, run from a git checkout, or carry the "
+            "wheelhouse scripts/gpu_wheelhouse.sh filled (it writes .whl/REVISION)"
+        )
         return 2
     env = _environment()
     date = _dt.date.today().isoformat()
@@ -602,8 +773,15 @@ def run(args, steps: list[str]) -> int:
     out = Path(args.out)
     work = out / f"{stem}_validation"
     work.mkdir(parents=True, exist_ok=True)
-    results = {"date": date, "command": shlex.join(sys.argv), "git_revision": revision, "revision_source": source,
-               "environment": env, "steps": [], "budget_s": args.budget_s}
+    results = {
+        "date": date,
+        "command": shlex.join(sys.argv),
+        "git_revision": revision,
+        "revision_source": source,
+        "environment": env,
+        "steps": [],
+        "budget_s": args.budget_s,
+    }
     _say(f"revision {revision} (from {source}); logs under {work}")
     for line in check_bounds(steps)[0]:
         _say(line)
@@ -612,7 +790,7 @@ def run(args, steps: list[str]) -> int:
     entries = plan(out, stem, steps, work, revision)
     for i, entry in enumerate(entries):
         step = entry["step"]
-        later = sum(e["budget_s"] for e in entries[i + 1:])
+        later = sum(e["budget_s"] for e in entries[i + 1 :])
         limit = args.budget_s - (time.monotonic() - started) - later  # unused seconds roll forward
         entry = {**entry, "command": shlex.join(entry["command"]), "limit_s": max(0.0, limit)}
         if limit < MIN_STEP_S:
@@ -634,16 +812,21 @@ def run(args, steps: list[str]) -> int:
         _say(f"wrote {p}")
     for t in results.get("bench_targets", []):
         _say(f"{'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
-    _say("every required step ran, every GPU test passed or was skipped" if ok
-         else "some steps failed: see the table above")
+    _say(
+        "every required step ran, every GPU test passed or was skipped"
+        if ok
+        else "some steps failed: see the table above"
+    )
     return 0 if ok else 1
 
 
 def dry_run(args, steps: list[str]) -> int:
     """Everything up to the first CUDA call."""
     problems = []
-    _say(f"dry run: Python {sys.version.split()[0]} ({'3.12 like' if sys.version_info[:2] == (3, 12) else 'not'} "
-         "the GPU machine's)")
+    _say(
+        f"dry run: Python {sys.version.split()[0]} ({'3.12 like' if sys.version_info[:2] == (3, 12) else 'not'} "
+        "the GPU machine's)"
+    )
     if args.wheelhouse:
         wh = check_wheelhouse(Path(args.wheelhouse))
         problems += [f"wheelhouse {args.wheelhouse}: {p}" for p in wh]
@@ -656,8 +839,10 @@ def dry_run(args, steps: list[str]) -> int:
     if revision:
         _say(f"revision: {revision} (from {source})")
     else:
-        problems.append("no source revision: pass --revision, run from a git checkout, or fill the wheelhouse with "
-                        "scripts/gpu_wheelhouse.sh (it writes .whl/REVISION)")
+        problems.append(
+            "no source revision: pass --revision, run from a git checkout, or fill the wheelhouse with "
+            "scripts/gpu_wheelhouse.sh (it writes .whl/REVISION)"
+        )
     try:
         import warnings
 
@@ -665,12 +850,16 @@ def dry_run(args, steps: list[str]) -> int:
             warnings.simplefilter("ignore")
             configs = _resolve_configs()
         b, p = configs["bench"], configs["ppo"]
-        _say(f"bench config: preset gpu: {b['trainer']['num_layers']} layers x "
-             f"{b['trainer']['hidden_size']}, vocab {b['trainer']['vocab_size']}, repeats {b['repeats']}, "
-             f"cycles {b['cycles']}, methods {', '.join(b['methods'])}")
-        _say(f"ppo config: preset gpu + {' '.join(PPO_OVERRIDES)}: {p['parallel']['world_size']} rank(s), "
-             f"{p['ppo']['iterations']} iterations, policy {p['policy']['num_layers']} layers x "
-             f"{p['policy']['hidden_size']}")
+        _say(
+            f"bench config: preset gpu: {b['trainer']['num_layers']} layers x "
+            f"{b['trainer']['hidden_size']}, vocab {b['trainer']['vocab_size']}, repeats {b['repeats']}, "
+            f"cycles {b['cycles']}, methods {', '.join(b['methods'])}"
+        )
+        _say(
+            f"ppo config: preset gpu + {' '.join(PPO_OVERRIDES)}: {p['parallel']['world_size']} rank(s), "
+            f"{p['ppo']['iterations']} iterations, policy {p['policy']['num_layers']} layers x "
+            f"{p['policy']['hidden_size']}"
+        )
         lines, bounds = check_bounds(steps)
         for line in lines:
             _say(line)
@@ -690,8 +879,10 @@ def dry_run(args, steps: list[str]) -> int:
     work = out / f"{stem}_validation"
     _say(f"plan ({len(steps)} steps, time budget {args.budget_s:.0f} s; outputs under {out}):")
     for entry in plan(out, stem, steps, work, revision or "<revision>"):
-        _say(f"  {entry['step']} (budget {entry['budget_s']} s{', optional' if entry['optional'] else ''}): "
-             f"{shlex.join(entry['command'])}")
+        _say(
+            f"  {entry['step']} (budget {entry['budget_s']} s{', optional' if entry['optional'] else ''}): "
+            f"{shlex.join(entry['command'])}"
+        )
         for o in [entry["log"], *entry["outputs"]]:
             _say(f"      writes {o}")
     for x in ("json", "md", "png"):
@@ -711,10 +902,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where the results go")
     parser.add_argument("--wheelhouse", default=None, help="check this wheelhouse (e.g. .whl)")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
-    parser.add_argument("--budget-s", type=float, default=float(TOTAL_BUDGET_S),
-                        help=f"seconds for all steps; a step with too little left is skipped (default {TOTAL_BUDGET_S})")
-    parser.add_argument("--revision", default=None,
-                        help="source revision to record (default: git HEAD here, else the wheelhouse's REVISION)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=float(TOTAL_BUDGET_S),
+        help=f"seconds for all steps; a step with too little left is skipped (default {TOTAL_BUDGET_S})",
+    )
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="source revision to record (default: git HEAD here, else the wheelhouse's REVISION)",
+    )
     parser.add_argument("--report-json", default=None, help=argparse.SUPPRESS)  # the report step's own process
     args = parser.parse_args(argv)
     if args.report_json:

@@ -72,14 +72,26 @@ def main() -> None:
     trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=bench.batch_size))
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-measure-")
     os.makedirs(root, exist_ok=True)
-    times: dict[str, list[float]] = {k: [] for k in (
-        "save_awake", "save_asleep", "save_async_return", "save_async_total",
-        "save_awake_dp", "save_asleep_dp", "save_async_return_dp", "save_async_total_dp", "plain_write")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "save_awake",
+            "save_asleep",
+            "save_async_return",
+            "save_async_total",
+            "save_awake_dp",
+            "save_asleep_dp",
+            "save_async_return_dp",
+            "save_async_total_dp",
+            "plain_write",
+        )
+    }
     # seconds of each save spent checksumming its files for the manifest (in the writing thread)
     manifest: dict[str, list[float]] = {k: [] for k in times if k.startswith("save") and "return" not in k}
     nbytes = 0
     asleep_device_bytes = []
     step = 0
+
     def plain_write():
         times["plain_write"].append(plain_write_seconds(root, nbytes))
 
@@ -113,14 +125,21 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     samples = {k: [round(x, 3) for x in v] for k, v in times.items()}
     out = {
-        "preset": args.preset, "trainer": cfg.model_dump(), "tensor_bytes": nbytes, "repeats": args.repeats,
-        "seconds": med, "samples_s": samples, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if "return" not in k},
+        "preset": args.preset,
+        "trainer": cfg.model_dump(),
+        "tensor_bytes": nbytes,
+        "repeats": args.repeats,
+        "seconds": med,
+        "samples_s": samples,
+        "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items() if "return" not in k},
         "save_vs_plain_write": {k: med["plain_write"] / v for k, v in med.items() if "return" not in k},
         "asleep_device_bytes_max": max(asleep_device_bytes),
         "manifest_seconds": {k: statistics.median(v) for k, v in manifest.items()},
         "manifest_share_of_save": {k: statistics.median(v) / med[k] for k, v in manifest.items()},
-        "torch": torch.__version__, "megatron_core": __import__("chatlearn_mem.mcore.layout", fromlist=["x"])
-        .megatron_core_version(), "cpu_count": os.cpu_count(), "dir": root,
+        "torch": torch.__version__,
+        "megatron_core": __import__("chatlearn_mem.mcore.layout", fromlist=["x"]).megatron_core_version(),
+        "cpu_count": os.cpu_count(),
+        "dir": root,
     }
     print(json.dumps(out, indent=1))
     if args.dir is None:

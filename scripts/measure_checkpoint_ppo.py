@@ -59,13 +59,18 @@ def plot(results: dict, path: Path, samples: int) -> None:
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.7 * len(modes)), dpi=100)
     for y, mode in enumerate(modes):
         r, left = results[mode], 0.0
-        parts = [*((p, r["phase_s"][p], colors[p], "") for p in phases),
-                 ("checkpoint (driver blocked)", r["blocked_s"], "black", ""),
-                 ("other (driver, Ray)", max(0.0, r["iteration_s"] - sum(r["phase_s"].values()) - r["blocked_s"]),
-                  "lightgray", "//")]
+        parts = [
+            *((p, r["phase_s"][p], colors[p], "") for p in phases),
+            ("checkpoint (driver blocked)", r["blocked_s"], "black", ""),
+            (
+                "other (driver, Ray)",
+                max(0.0, r["iteration_s"] - sum(r["phase_s"].values()) - r["blocked_s"]),
+                "lightgray",
+                "//",
+            ),
+        ]
         for label, width, color, hatch in parts:
-            ax.barh(y, width, left=left, color=color, hatch=hatch, edgecolor="white",
-                    label=label if y == 0 else None)
+            ax.barh(y, width, left=left, color=color, hatch=hatch, edgecolor="white", label=label if y == 0 else None)
             left += width
         extra = f"  {r['lengthening_s']:+.2f} s" if r.get("lengthening_s") else ""
         ax.text(left + 0.02, y, f"{r['iteration_s']:.2f} s{extra}", va="center")
@@ -97,26 +102,34 @@ def main() -> None:
     from chatlearn_mem_ray import load_config, run_ppo
     from chatlearn_mem_ray.supervisor import _versions
 
-    base = [*(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL), f"ppo.iterations={args.iterations}",
-            "memory.compare_iterations=0", "checkpoint.keep_last=1", *args.set]
+    base = [
+        *(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL),
+        f"ppo.iterations={args.iterations}",
+        "memory.compare_iterations=0",
+        "checkpoint.keep_last=1",
+        *args.set,
+    ]
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-ppo-"))
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     results: dict[str, dict] = {}
     try:
         for mode in args.modes.split(","):
-            cfg = load_config("cpu_tiny", [*base, *MODES[mode], f"output_dir={root / mode}",
-                                           "output_dir_exists=overwrite"])
+            cfg = load_config(
+                "cpu_tiny", [*base, *MODES[mode], f"output_dir={root / mode}", "output_dir_exists=overwrite"]
+            )
             print(f"[{mode}] {args.iterations} iterations ...", flush=True)
             log = run_ppo(cfg, progress=lambda line: None)
-            its = log["iterations"][args.warmup:]
+            its = log["iterations"][args.warmup :]
             saves = [c for c in log["checkpoints"] if c["iterations_done"] > args.warmup]
             phases = list(its[0]["phase_seconds"])
-            r = {"iteration_s": statistics.median(m["seconds"] for m in its),
-                 "phase_s": {p: statistics.median(m["phase_seconds"][p] for m in its) for p in phases},
-                 "iteration_s_samples": [round(m["seconds"], 4) for m in its],
-                 "blocked_s": statistics.median(m.get("checkpoint_seconds", 0.0) for m in its),
-                 "save_s": statistics.median(c["seconds"] for c in saves) if saves else None,
-                 "checkpoint_bytes": saves[0]["bytes"] if saves else None}
+            r = {
+                "iteration_s": statistics.median(m["seconds"] for m in its),
+                "phase_s": {p: statistics.median(m["phase_seconds"][p] for m in its) for p in phases},
+                "iteration_s_samples": [round(m["seconds"], 4) for m in its],
+                "blocked_s": statistics.median(m.get("checkpoint_seconds", 0.0) for m in its),
+                "save_s": statistics.median(c["seconds"] for c in saves) if saves else None,
+                "checkpoint_bytes": saves[0]["bytes"] if saves else None,
+            }
             if saves:
                 r["plain_write_s"] = plain_write_seconds(root, saves[0]["bytes"])
                 r["save_gb_per_s"] = r["checkpoint_bytes"] / r["save_s"] / 1e9
@@ -130,27 +143,46 @@ def main() -> None:
         r["lengthening_s"] = r["iteration_s"] - baseline if baseline else None
         r["lengthening_pct"] = 100 * r["lengthening_s"] / baseline if baseline else None
 
-    rows = ["| mode | median iteration (s) | lengthening vs none | blocked per iteration (s) | save start to commit (s) "
-            "| checkpoint (MiB) | save GB/s | plain write GB/s (ceiling) |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| mode | median iteration (s) | lengthening vs none | blocked per iteration (s) | save start to commit (s) "
+        "| checkpoint (MiB) | save GB/s | plain write GB/s (ceiling) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode, r in results.items():
+
         def f(key, fmt):
             return format(r[key], fmt) if r.get(key) is not None else "-"
-        lengthening = (f"{r['lengthening_s']:+.3f} s ({r['lengthening_pct']:+.1f}%)"
-                       if r["lengthening_s"] is not None else "-")
+
+        lengthening = (
+            f"{r['lengthening_s']:+.3f} s ({r['lengthening_pct']:+.1f}%)" if r["lengthening_s"] is not None else "-"
+        )
         mib = f"{r['checkpoint_bytes'] / 2**20:.1f}" if r.get("checkpoint_bytes") else "-"
-        rows.append(f"| {mode} | {r['iteration_s']:.3f} | {lengthening} | {r['blocked_s']:.3f} | {f('save_s', '.3f')} "
-                    f"| {mib} | {f('save_gb_per_s', '.2f')} | {f('plain_write_gb_per_s', '.2f')} |")
+        rows.append(
+            f"| {mode} | {r['iteration_s']:.3f} | {lengthening} | {r['blocked_s']:.3f} | {f('save_s', '.3f')} "
+            f"| {mib} | {f('save_gb_per_s', '.2f')} | {f('plain_write_gb_per_s', '.2f')} |"
+        )
     table = "\n".join(rows)
     print(table)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         cfg = load_config("cpu_tiny", base)
-        record = {"command": " ".join(["python scripts/measure_checkpoint_ppo.py", *(
-                      f"--set {s}" for s in args.set), f"--iterations {args.iterations}"]),
-                  "policy": cfg.policy.model_dump(), "ppo": cfg.ppo.model_dump(), "warmup": args.warmup,
-                  "versions": _versions(), "cpus": os.cpu_count(), "machine": platform.processor(),
-                  "results": results}
+        record = {
+            "command": " ".join(
+                [
+                    "python scripts/measure_checkpoint_ppo.py",
+                    *(f"--set {s}" for s in args.set),
+                    f"--iterations {args.iterations}",
+                ]
+            ),
+            "policy": cfg.policy.model_dump(),
+            "ppo": cfg.ppo.model_dump(),
+            "warmup": args.warmup,
+            "versions": _versions(),
+            "cpus": os.cpu_count(),
+            "machine": platform.processor(),
+            "results": results,
+        }
         out.with_suffix(".json").write_text(json.dumps(record, indent=1))
         plot(results, out.with_suffix(".png"), args.iterations - args.warmup)
         out.with_suffix(".md").write_text(
@@ -158,7 +190,8 @@ def main() -> None:
             f"(versions: {json.dumps(record['versions'])}).\nPolicy and critic: {', '.join(MODEL)}; "
             f"{cfg.ppo.prompts_per_iteration} prompts x {cfg.ppo.response_length} tokens per iteration; "
             f"medians over iterations {args.warmup + 1}..{args.iterations}.\n\n{table}\n\n"
-            f"![where the time goes]({out.with_suffix('.png').name})\n")
+            f"![where the time goes]({out.with_suffix('.png').name})\n"
+        )
         print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
 
 

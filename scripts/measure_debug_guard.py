@@ -81,8 +81,12 @@ def main() -> None:
             results[g]["train_step"].append(_median_ms(lambda: trainer.train_step(batch), 1))
             results[g]["cycle"].append(_median_ms(lambda: (mm.offload(), mm.onload()), 1))
             results[g]["op"].append(op_loop(trainer, mm) * 1e6)
-    out = {"config": vars(args), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-           "params": sum(p.numel() for p in runs[False][0].model.parameters())}
+    out = {
+        "config": vars(args),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "params": sum(p.numel() for p in runs[False][0].model.parameters()),
+    }
     for key, unit in (("forward_partial", "ms"), ("train_step", "ms"), ("cycle", "ms"), ("op", "us")):
         off, on = statistics.median(results[False][key]), statistics.median(results[True][key])
         out[key] = {f"off_{unit}": round(off, 3), f"on_{unit}": round(on, 3), "ratio": round(on / off, 2)}

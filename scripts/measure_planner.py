@@ -33,8 +33,12 @@ def models_schedule(rng: random.Random, n_models: int = 16, n_phases: int = 8):
     sizes, phases, written, scratch = {}, [set() for _ in range(n_phases)], [set() for _ in range(n_phases)], set()
     for m in range(n_models):
         w = rng.randint(GIB // 10, 4 * GIB)
-        parts = {f"m{m:02d}/weights": w, f"m{m:02d}/grads": w, f"m{m:02d}/main_weights": 2 * w,
-                 f"m{m:02d}/optimizer_states": 4 * w}
+        parts = {
+            f"m{m:02d}/weights": w,
+            f"m{m:02d}/grads": w,
+            f"m{m:02d}/main_weights": 2 * w,
+            f"m{m:02d}/optimizer_states": 4 * w,
+        }
         sizes |= parts
         scratch.add(f"m{m:02d}/grads")
         order = rng.sample(range(n_phases), 4)
@@ -42,7 +46,7 @@ def models_schedule(rng: random.Random, n_models: int = 16, n_phases: int = 8):
             train = order.pop()
             phases[train] |= parts.keys()
             written[train] |= parts.keys() - scratch
-        for p in order[:rng.randint(1, 3)]:
+        for p in order[: rng.randint(1, 3)]:
             phases[p].add(f"m{m:02d}/weights")
     return sizes, phases, written, scratch
 
@@ -50,8 +54,12 @@ def models_schedule(rng: random.Random, n_models: int = 16, n_phases: int = 8):
 def random_schedule(rng: random.Random, n_items: int = 64, n_phases: int = 8):
     sizes = {f"item{k:02d}": rng.randint(1, GIB) for k in range(n_items)}
     phases = [{x for x in sizes if rng.random() < 0.35} for _ in range(n_phases)]
-    return (sizes, phases, [{x for x in sorted(p) if rng.random() < 0.5} for p in phases],
-            {x for x in sizes if rng.random() < 0.1})
+    return (
+        sizes,
+        phases,
+        [{x for x in sorted(p) if rng.random() < 0.5} for p in phases],
+        {x for x in sizes if rng.random() < 0.1},
+    )
 
 
 def main() -> None:
@@ -59,8 +67,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=3, help="schedules of each kind")
     args = ap.parse_args()
-    print(f"python {platform.python_version()} on {platform.machine()} {platform.processor() or ''}; "
-          f"{args.repeats} timed runs per plan")
+    print(
+        f"python {platform.python_version()} on {platform.machine()} {platform.processor() or ''}; "
+        f"{args.repeats} timed runs per plan"
+    )
     medians, worst = [], 0.0
     for kind, make in (("models", models_schedule), ("random", random_schedule)):
         for seed in range(args.seeds):
@@ -78,12 +88,16 @@ def main() -> None:
                 med = statistics.median(times)
                 medians.append(med)
                 worst = max(worst, max(times))
-                print(f"{kind:6s} seed {seed} {factor:4.2f}x largest: {med:6.1f} ms median "
-                      f"({min(times):.1f}-{max(times):.1f}); {plan.bytes_moved / GIB:7.1f} GiB moved of "
-                      f"{plan.all_or_nothing_bytes / GIB:7.1f} all-or-nothing, "
-                      f"{'optimal' if plan.optimal else 'best found'}, {plan.search_nodes} nodes")
-    print(f"all {len(medians)} plans: median of medians {statistics.median(medians):.1f} ms, "
-          f"slowest median {max(medians):.1f} ms, slowest single run {worst:.1f} ms")
+                print(
+                    f"{kind:6s} seed {seed} {factor:4.2f}x largest: {med:6.1f} ms median "
+                    f"({min(times):.1f}-{max(times):.1f}); {plan.bytes_moved / GIB:7.1f} GiB moved of "
+                    f"{plan.all_or_nothing_bytes / GIB:7.1f} all-or-nothing, "
+                    f"{'optimal' if plan.optimal else 'best found'}, {plan.search_nodes} nodes"
+                )
+    print(
+        f"all {len(medians)} plans: median of medians {statistics.median(medians):.1f} ms, "
+        f"slowest median {max(medians):.1f} ms, slowest single run {worst:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

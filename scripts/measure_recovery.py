@@ -49,10 +49,17 @@ def main() -> None:
             if args.replace:
                 cluster.add_node(num_cpus=2)
 
-    overrides = ["parallel.world_size=2", "ppo.iterations=4", "ppo.prompts_per_iteration=16",
-                 "memory.compare_iterations=0", "ray.placement=spread", "checkpoint.every=1",
-                 "checkpoint.max_restarts=1", f"ray.node_wait_s={args.node_wait_s}",
-                 f"output_dir={tempfile.mkdtemp(prefix='recovery-')}"]
+    overrides = [
+        "parallel.world_size=2",
+        "ppo.iterations=4",
+        "ppo.prompts_per_iteration=16",
+        "memory.compare_iterations=0",
+        "ray.placement=spread",
+        "checkpoint.every=1",
+        "checkpoint.max_restarts=1",
+        f"ray.node_wait_s={args.node_wait_s}",
+        f"output_dir={tempfile.mkdtemp(prefix='recovery-')}",
+    ]
     overrides += [] if args.replace else ["ray.cpus_per_rank=2", "checkpoint.elastic=true"]
     try:
         log = run_ppo(load_config("cpu_tiny", overrides), progress=progress, on_phase=hook)
@@ -70,13 +77,20 @@ def main() -> None:
     resumed = first("resumed from ", after=restart or 0)
     after = first("iter ", after=resumed or 0)
     seconds = [m["seconds"] for m in log["iterations"]]
-    out = {"scenario": "replacement node" if args.replace else "no replacement, checkpoint.elastic",
-           "node_wait_s": args.node_wait_s, "status": log["status"],
-           "world_size_at_end": log["config"]["parallel"]["world_size"],
-           "seconds_after_kill": {"loss_seen (restart line)": restart, "actors_ready": ready, "resumed": resumed,
-                                  "first_iteration_after_resume_done": after},
-           "undisturbed_iteration_s_median": sorted(seconds)[len(seconds) // 2],
-           "lines": [f"{t - t0:+8.2f} s  {line}" for t, line in events if t - t0 > -1]}
+    out = {
+        "scenario": "replacement node" if args.replace else "no replacement, checkpoint.elastic",
+        "node_wait_s": args.node_wait_s,
+        "status": log["status"],
+        "world_size_at_end": log["config"]["parallel"]["world_size"],
+        "seconds_after_kill": {
+            "loss_seen (restart line)": restart,
+            "actors_ready": ready,
+            "resumed": resumed,
+            "first_iteration_after_resume_done": after,
+        },
+        "undisturbed_iteration_s_median": sorted(seconds)[len(seconds) // 2],
+        "lines": [f"{t - t0:+8.2f} s  {line}" for t, line in events if t - t0 > -1],
+    }
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

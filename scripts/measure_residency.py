@@ -51,8 +51,13 @@ def plot(results: dict, path: Path, largest: int) -> None:
     xs = [r["budget_bytes"] / largest for r in planned.values()]
     aon = results["all_or_nothing"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), dpi=100)
-    ax1.plot(xs, [r["moved_bytes"] / 2**20 for r in planned.values()], "o-", color="tab:blue",
-             label="measured (actors' copies)")
+    ax1.plot(
+        xs,
+        [r["moved_bytes"] / 2**20 for r in planned.values()],
+        "o-",
+        color="tab:blue",
+        label="measured (actors' copies)",
+    )
     ax1.plot(xs, [r["planned_bytes"] / 2**20 for r in planned.values()], "x--", color="black", label="the plan")
     ax1.axhline(aon["moved_bytes"] / 2**20, color="tab:red", ls=":", label="all or nothing (no budget)")
     ax1.set_xlabel("device budget / largest phase")
@@ -61,13 +66,18 @@ def plot(results: dict, path: Path, largest: int) -> None:
     ax1.legend(fontsize=8)
     ax1.set_ylim(bottom=0)
     ax1.grid(alpha=0.3)
-    ax2.plot(xs, [r["transition_s"] for r in planned.values()], "o-", color="tab:blue",
-             label="exposed transitions, prefetch")
+    ax2.plot(
+        xs, [r["transition_s"] for r in planned.values()], "o-", color="tab:blue", label="exposed transitions, prefetch"
+    )
     blocking = {k: r for k, r in results.items() if r["blocking"]}
     if blocking:
-        ax2.plot([r["budget_bytes"] / largest for r in blocking.values()],
-                 [r["transition_s"] for r in blocking.values()], "s", color="tab:orange",
-                 label="exposed transitions, blocking (same plan)")
+        ax2.plot(
+            [r["budget_bytes"] / largest for r in blocking.values()],
+            [r["transition_s"] for r in blocking.values()],
+            "s",
+            color="tab:orange",
+            label="exposed transitions, blocking (same plan)",
+        )
     ax2.axhline(aon["transition_s"], color="tab:red", ls=":", label="exposed transitions, all or nothing")
     ax2.plot(xs, [r["iteration_s"] for r in planned.values()], "^-", color="0.4", label="iteration, prefetch")
     ax2.axhline(aon["iteration_s"], color="0.4", ls=":", label="iteration, all or nothing")
@@ -89,14 +99,16 @@ def _segment(run, iterations: int, warmup: int, start: int) -> tuple[dict, int]:
     kept = its[warmup:]
     phases = [r for r in run.timeline.records if r.iteration > start + warmup]  # numbered from 1
     budget = max(run.schedule.budget.values()) if run.schedule is not None else None
-    return {"iteration_s": statistics.median(m["seconds"] for m in kept),
-            "iteration_s_samples": [round(m["seconds"], 4) for m in kept],
-            "transition_s": statistics.median(m["transition_seconds"] for m in kept),
-            "transition_s_samples": [round(m["transition_seconds"], 4) for m in kept],
-            "moved_bytes": statistics.median(m["moved_in_bytes"] + m["moved_out_bytes"] for m in kept),
-            "peak_bytes": max(max(r.bundle_bytes.values()) for r in phases),
-            "over_budget": bool(budget) and any(max(r.bundle_bytes.values()) > budget for r in phases),
-            "rewards": [m["reward"] for m in its]}, start + iterations
+    return {
+        "iteration_s": statistics.median(m["seconds"] for m in kept),
+        "iteration_s_samples": [round(m["seconds"], 4) for m in kept],
+        "transition_s": statistics.median(m["transition_seconds"] for m in kept),
+        "transition_s_samples": [round(m["transition_seconds"], 4) for m in kept],
+        "moved_bytes": statistics.median(m["moved_in_bytes"] + m["moved_out_bytes"] for m in kept),
+        "peak_bytes": max(max(r.bundle_bytes.values()) for r in phases),
+        "over_budget": bool(budget) and any(max(r.bundle_bytes.values()) > budget for r in phases),
+        "rewards": [m["reward"] for m in its],
+    }, start + iterations
 
 
 def main() -> None:
@@ -116,11 +128,15 @@ def main() -> None:
     from chatlearn_mem_ray import load_config
     from chatlearn_mem_ray.colocation import Colocation
     from chatlearn_mem_ray.ppo import PPORun
-    from chatlearn_mem_ray.supervisor import _versions
     from chatlearn_mem_ray.residency import PHASES, ResidencySchedule, phase_needs
+    from chatlearn_mem_ray.supervisor import _versions
 
-    base = [*(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL), "memory.compare_iterations=0",
-            f"output_dir={tempfile.mkdtemp(prefix='residency-')}", *args.set]
+    base = [
+        *(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL),
+        "memory.compare_iterations=0",
+        f"output_dir={tempfile.mkdtemp(prefix='residency-')}",
+        *args.set,
+    ]
     cfg = load_config("cpu_tiny", base)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     results: dict[str, dict] = {}
@@ -128,7 +144,10 @@ def main() -> None:
     try:
         with Colocation(cfg, progress=lambda line: None) as colo:
             run = PPORun(cfg, colo, progress=print)
-            sizes = {colo.names[a]: s for a, s in colo.call("plan", {a: a.part_sizes.remote() for a in colo.all_actors}).items()}
+            sizes = {
+                colo.names[a]: s
+                for a, s in colo.call("plan", {a: a.part_sizes.remote() for a in colo.all_actors}).items()
+            }
             from chatlearn_mem import Part
 
             sizes = {n: {Part(p): b for p, b in s.items()} for n, s in sizes.items()}
@@ -148,46 +167,81 @@ def main() -> None:
                 run.prefetch = not blocking
                 print(f"[{name}] {args.iterations} iterations ...", flush=True)
                 r, start = _segment(run, args.iterations, args.warmup, start)
-                r.update(budget_bytes=budget, blocking=blocking,
-                         planned_bytes=run.schedule.plans[0].bytes_moved if run.schedule else None,
-                         all_or_nothing_planned_bytes=run.schedule.plans[0].all_or_nothing_bytes if run.schedule else None,
-                         kept={PHASES[i]: sorted(k) for i, k in enumerate(run.schedule.plans[0].resident)}
-                         if run.schedule else None)
+                r.update(
+                    budget_bytes=budget,
+                    blocking=blocking,
+                    planned_bytes=run.schedule.plans[0].bytes_moved if run.schedule else None,
+                    all_or_nothing_planned_bytes=run.schedule.plans[0].all_or_nothing_bytes if run.schedule else None,
+                    kept={PHASES[i]: sorted(k) for i, k in enumerate(run.schedule.plans[0].resident)}
+                    if run.schedule
+                    else None,
+                )
                 if run.schedule is not None:  # sizes after the first steps (optimizer states)
                     sizes = {n: {p: run.schedule.sizes[(n, p)] for p in parts} for n, parts in sizes.items()}
                 results[name] = r
-                print(f"[{name}] {r['moved_bytes'] / 2**20:.2f} MiB moved, iteration {r['iteration_s']:.3f} s, "
-                      f"exposed transitions {r['transition_s']:.3f} s", flush=True)
+                print(
+                    f"[{name}] {r['moved_bytes'] / 2**20:.2f} MiB moved, iteration {r['iteration_s']:.3f} s, "
+                    f"exposed transitions {r['transition_s']:.3f} s",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
     aon = results["all_or_nothing"]
-    rows = ["| schedule | budget (MiB) | budget / largest phase | MiB copied per iteration (plan) | peak MiB "
-            "| iteration (s) | exposed transitions (s) |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| schedule | budget (MiB) | budget / largest phase | MiB copied per iteration (plan) | peak MiB "
+        "| iteration (s) | exposed transitions (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         b = r["budget_bytes"]
         plan = f" ({r['planned_bytes'] / 2**20:.2f})" if r["planned_bytes"] is not None else ""
-        rows.append(f"| {name} | {b / 2**20:.1f} | {b / largest:.2f} | {r['moved_bytes'] / 2**20:.2f}{plan} | "
-                    f"{r['peak_bytes'] / 2**20:.1f} | {r['iteration_s']:.3f} | {r['transition_s']:.3f} |"
-                    if b else f"| {name} | - | - | {r['moved_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.1f} | "
-                    f"{r['iteration_s']:.3f} | {r['transition_s']:.3f} |")
-    ratios = {name[:-len("_blocking")]: results[name[:-len("_blocking")]]["transition_s"] / r["transition_s"]
-              for name, r in results.items() if r["blocking"] and r["transition_s"]}
+        rows.append(
+            f"| {name} | {b / 2**20:.1f} | {b / largest:.2f} | {r['moved_bytes'] / 2**20:.2f}{plan} | "
+            f"{r['peak_bytes'] / 2**20:.1f} | {r['iteration_s']:.3f} | {r['transition_s']:.3f} |"
+            if b
+            else f"| {name} | - | - | {r['moved_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.1f} | "
+            f"{r['iteration_s']:.3f} | {r['transition_s']:.3f} |"
+        )
+    ratios = {
+        name[: -len("_blocking")]: results[name[: -len("_blocking")]]["transition_s"] / r["transition_s"]
+        for name, r in results.items()
+        if r["blocking"] and r["transition_s"]
+    }
     table = "\n".join(rows)
     print(table)
     for k, v in ratios.items():
         print(f"exposed transitions, prefetch / blocking at {k}: {v:.2f}")
-    print(f"exposed transitions, prefetch at 1x / all or nothing: {results['1x']['transition_s'] / aon['transition_s']:.2f}"
-          if "1x" in results and aon["transition_s"] else "")
+    print(
+        f"exposed transitions, prefetch at 1x / all or nothing: {results['1x']['transition_s'] / aon['transition_s']:.2f}"
+        if "1x" in results and aon["transition_s"]
+        else ""
+    )
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"command": " ".join(["python scripts/measure_residency.py", *(f"--set {s}" for s in args.set),
-                                       f"--iterations {args.iterations}", f"--factors {args.factors}",
-                                       f"--blocking-factors {args.blocking_factors}"]),
-                  "policy": cfg.policy.model_dump(), "critic": cfg.critic.model_dump(), "ppo": cfg.ppo.model_dump(),
-                  "largest_phase_bytes": largest, "all_models_bytes": total, "warmup": args.warmup,
-                  "versions": _versions(), "cpus": os.cpu_count(), "machine": platform.processor(),
-                  "seconds": time.perf_counter() - t0, "prefetch_vs_blocking_exposed": ratios, "results": results}
+        record = {
+            "command": " ".join(
+                [
+                    "python scripts/measure_residency.py",
+                    *(f"--set {s}" for s in args.set),
+                    f"--iterations {args.iterations}",
+                    f"--factors {args.factors}",
+                    f"--blocking-factors {args.blocking_factors}",
+                ]
+            ),
+            "policy": cfg.policy.model_dump(),
+            "critic": cfg.critic.model_dump(),
+            "ppo": cfg.ppo.model_dump(),
+            "largest_phase_bytes": largest,
+            "all_models_bytes": total,
+            "warmup": args.warmup,
+            "versions": _versions(),
+            "cpus": os.cpu_count(),
+            "machine": platform.processor(),
+            "seconds": time.perf_counter() - t0,
+            "prefetch_vs_blocking_exposed": ratios,
+            "results": results,
+        }
         out.with_suffix(".json").write_text(json.dumps(record, indent=1))
         plot(results, out.with_suffix(".png"), largest)
         out.with_suffix(".md").write_text(
@@ -196,7 +250,8 @@ def main() -> None:
             f"largest phase {largest / 2**20:.1f} MiB, every model {total / 2**20:.1f} MiB; medians over iterations "
             f"{args.warmup + 1}..{args.iterations} of each segment.\n\n{table}\n\n"
             + "".join(f"Exposed transitions, prefetch / blocking at {k}: {v:.2f}\n\n" for k, v in ratios.items())
-            + f"![bytes moved and time against the budget]({out.with_suffix('.png').name})\n")
+            + f"![bytes moved and time against the budget]({out.with_suffix('.png').name})\n"
+        )
         print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
 
 

@@ -4,7 +4,8 @@
 #   2. Python 3.11 + megatron-core 0.13.1, the oldest supported (put first on PYTHONPATH from a --target install);
 #   3. Python 3.12 + megatron-core 0.19.2, the newest (0.17 and later need Python 3.12), in its own venv
 #      `.venv312` (torch 2.13.0 comes there as the registry's CUDA build, about 4.7 GB; it runs on CPU);
-# then check the wheel as a user installs it (scripts/wheel_check.sh).
+# first the formatter and linter (ruff, configured in pyproject.toml), and last the wheel as a user installs it
+# (scripts/wheel_check.sh).
 #
 # One leg, RAY_LEG (default 0.19, the newest megatron-core, what a new user installs; the first leg of LEGS when
 # RAY_LEG is not among them), runs every tier. The other legs run what depends on the megatron-core version:
@@ -74,6 +75,12 @@ install_312() {  # the Python 3.12 venv with megatron-core 0.19
   echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
 }
 
+lint() {  # lint PYTHON: the formatter and the linter, as configured in pyproject.toml (ruff, pinned in [test])
+  "$1" -m ruff format --check --quiet . || { echo "error: ruff format would change the files above; run 'ruff format .'" >&2; exit 1; }
+  "$1" -m ruff check --quiet . || { echo "error: ruff check found the problems above; run 'ruff check --fix .' for the fixable ones" >&2; exit 1; }
+  echo "== ruff: formatted and lint-clean"
+}
+
 has_leg() { case " $LEGS " in *" $1 "*) return 0 ;; esac; return 1; }
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
@@ -91,6 +98,7 @@ if has_leg 0.16 || has_leg 0.13; then
   pip_quiet python -e '.[test]'
   python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" # fail early if the install did not work
   echo "== installed for Python 3.11 in $((SECONDS - start)) s"
+  lint python
   if has_leg 0.13 && [ ! -f .mcore013/megatron/core/package_info.py ]; then
     pip_quiet python --no-deps --target .mcore013 megatron-core==0.13.1
   fi
@@ -116,6 +124,7 @@ else
 fi
 if has_leg 0.19; then
   if [ -n "$install_pid" ]; then wait_logged "the Python 3.12 install" "$install_pid" "$logs/install312"; else install_312; fi
+  if ! has_leg 0.16 && ! has_leg 0.13; then lint .venv312/bin/python; fi
   run_leg 0.19 .venv312/bin/python "" "$@" | tee "$logs/leg019"
   summary+=("$(grep '^== leg 0.19' "$logs/leg019")")
 fi

@@ -6,7 +6,9 @@ import warnings
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # trainer_runs is importable from every tier (and, through spawn, in the workers)
+sys.path.insert(
+    0, os.path.dirname(__file__)
+)  # trainer_runs is importable from every tier (and, through spawn, in the workers)
 
 
 @pytest.fixture(scope="session")

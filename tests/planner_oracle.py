@@ -24,8 +24,16 @@ def simulated_bytes(size, pattern, written_phases, is_scratch, n):
 
 def schedule_bytes(sizes, resident, written, scratch):
     n = len(resident)
-    return sum(simulated_bytes(sizes[x], {i for i in range(n) if x in resident[i]},
-                               {i for i in range(n) if x in written[i]}, x in scratch, n) for x in sizes)
+    return sum(
+        simulated_bytes(
+            sizes[x],
+            {i for i in range(n) if x in resident[i]},
+            {i for i in range(n) if x in written[i]},
+            x in scratch,
+            n,
+        )
+        for x in sizes
+    )
 
 
 def optimum_bytes(sizes, phases, budget, written, scratch):
@@ -36,8 +44,11 @@ def optimum_bytes(sizes, phases, budget, written, scratch):
     for x in sorted(sizes):
         need = {i for i in range(n) if x in phases[i]}
         w = {i for i in range(n) if x in written[i]}
-        patterns = [(simulated_bytes(sizes[x], need | set(extra), w, x in scratch, n), need | set(extra))
-                    for r in range(n + 1) for extra in itertools.combinations(sorted(set(range(n)) - need), r)]
+        patterns = [
+            (simulated_bytes(sizes[x], need | set(extra), w, x in scratch, n), need | set(extra))
+            for r in range(n + 1)
+            for extra in itertools.combinations(sorted(set(range(n)) - need), r)
+        ]
         patterns = [(c, p) for c, p in patterns if not any(c2 <= c and p2 < p for c2, p2 in patterns)]
         per_item.append((sizes[x], sorted(patterns, key=lambda cp: cp[0])))
     best = [None]
@@ -60,5 +71,3 @@ def optimum_bytes(sizes, phases, budget, written, scratch):
 
     search(0, 0)
     return best[0]
-
-

@@ -23,11 +23,9 @@ from typing import Callable, Optional
 
 import torch
 
-from chatlearn_mem import MemoryConfig, TrainerMemoryManager
-
-from chatlearn_mem import cpu_backend
-from chatlearn_mem.models import gpt
+from chatlearn_mem import MemoryConfig, TrainerMemoryManager, cpu_backend
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.models import gpt
 
 _T0 = time.perf_counter()  # module import in the spawned process, before megatron's
 
@@ -40,12 +38,20 @@ LAYOUT_STEPS = 4  # layout_spec() default: the multi-rank layouts (each step cos
 BATCH = 4
 
 
-def layout_spec(name: str, world: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                steps: int = LAYOUT_STEPS, inject_bugs: bool = False, **cfg) -> dict:
+def layout_spec(
+    name: str,
+    world: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    ep: int = 1,
+    steps: int = LAYOUT_STEPS,
+    inject_bugs: bool = False,
+    **cfg,
+) -> dict:
     """A multi-rank run for :func:`spawn`: process-group sizes, steps, the GPTTrainerConfig
     fields, and whether to break aliases on purpose after the exactness run (:func:`inject_bugs`)."""
-    return dict(name=name, world=world, tp=tp, pp=pp, vpp=vpp, ep=ep, steps=steps, cfg=cfg,
-                inject_bugs=inject_bugs)
+    return dict(name=name, world=world, tp=tp, pp=pp, vpp=vpp, ep=ep, steps=steps, cfg=cfg, inject_bugs=inject_bugs)
 
 
 def setup_parallel(spec: dict) -> None:
@@ -56,8 +62,8 @@ def setup_parallel(spec: dict) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        spec["tp"], spec["pp"], virtual_pipeline_model_parallel_size=spec["vpp"],
-        expert_model_parallel_size=spec["ep"])
+        spec["tp"], spec["pp"], virtual_pipeline_model_parallel_size=spec["vpp"], expert_model_parallel_size=spec["ep"]
+    )
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -98,8 +104,14 @@ def data_parallel_rank() -> int:
     return parallel_state.get_data_parallel_rank()
 
 
-def train(cfg: gpt.GPTTrainerConfig | dict, steps: int = STEPS, between: Optional[Callable] = None,
-          rank: int = 0, pipeline: bool = False, config: Optional[MemoryConfig] = None):
+def train(
+    cfg: gpt.GPTTrainerConfig | dict,
+    steps: int = STEPS,
+    between: Optional[Callable] = None,
+    rank: int = 0,
+    pipeline: bool = False,
+    config: Optional[MemoryConfig] = None,
+):
     """Build a trainer, train ``steps`` steps calling ``between(mm, trainer, step)`` after each.
 
     ``pipeline=False`` builds the single-model ``GPTTrainer`` (``gpt.build_gpt_trainer``),
@@ -158,8 +170,9 @@ def full_cycle_non_blocking(mm, trainer, step):
 
 def train_spec(spec: dict, between: Optional[Callable] = None, config: Optional[MemoryConfig] = None):
     """:func:`train` for a multi-rank layout spec: the pipeline trainer, this rank's data."""
-    return train(spec["cfg"], steps=spec["steps"], between=between, rank=data_parallel_rank(), pipeline=True,
-                 config=config)
+    return train(
+        spec["cfg"], steps=spec["steps"], between=between, rank=data_parallel_rank(), pipeline=True, config=config
+    )
 
 
 def full_cycle(mm, trainer, step):
@@ -183,7 +196,8 @@ def assert_exact(cfg, steps: int, between: Callable, base=None, rank: int = 0, c
         again = train(cfg, steps=steps, rank=rank)
         assert again[0] == base[0] and bit_equal(again[1], base[1]), (
             "two runs without offload differ: this device is not deterministic for this model, so "
-            f"exactness cannot be judged (losses {base[0]} vs {again[0]})")
+            f"exactness cannot be judged (losses {base[0]} vs {again[0]})"
+        )
     assert got[0] == base[0], f"losses differ: {got[0]} vs {base[0]}"
     assert bit_equal(got[1], base[1]), "weights, main weights or optimizer states differ"
     return got
@@ -260,13 +274,16 @@ def inject_bugs(mm, trainer) -> dict:
     groups = [g for g in layout.bucket_groups([chunk]) if layout.cached_shard_views(g)]
     if groups:
         group = groups[-1]
-        attr = next(a for a in ("cached_param_buffer_shard_list", "cached_grad_buffer_shard_list")
-                    if any(x is not None for x in getattr(group, a)))
+        attr = next(
+            a
+            for a in ("cached_param_buffer_shard_list", "cached_grad_buffer_shard_list")
+            if any(x is not None for x in getattr(group, a))
+        )
         idx = next(i for i, x in enumerate(getattr(group, attr)) if x is not None)
         saved = getattr(group, attr)[idx]
         old = torch.empty(sum(t.numel() for t in saved), dtype=saved[0].dtype)  # the "old" bucket
         n = saved[0].numel()
-        getattr(group, attr)[idx] = [old[r * n:(r + 1) * n] for r in range(len(saved))]
+        getattr(group, attr)[idx] = [old[r * n : (r + 1) * n] for r in range(len(saved))]
         old.untyped_storage().resize_(0)  # ... released
         out["stale_cached_shard"] = _audit_text(mm)
         getattr(group, attr)[idx] = saved
@@ -344,12 +361,22 @@ def run_layout(spec: dict) -> dict:
     setup_parallel(spec)
     nb_losses, nb_state, nb_mm, _ = train_spec(spec, between=cycle_non_blocking, config=NON_BLOCKING)
     nb_problems.extend(f"end: {p}" for p in nb_mm.audit().problems)
-    return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state), bugs=bugs,
-                n_tensors=len(state), losses=losses, ratios=ratios, audit_problems=problems,
-                reach_ratios=reach_ratios, leftovers=leftovers,
-                nb_losses_equal=nb_losses == base_losses, nb_weights_equal=bit_equal(nb_state, base_state),
-                nb_ratios=nb_ratios, nb_audit_problems=nb_problems,
-                **describe(trainer, mm))
+    return dict(
+        losses_equal=losses == base_losses,
+        weights_equal=bit_equal(state, base_state),
+        bugs=bugs,
+        n_tensors=len(state),
+        losses=losses,
+        ratios=ratios,
+        audit_problems=problems,
+        reach_ratios=reach_ratios,
+        leftovers=leftovers,
+        nb_losses_equal=nb_losses == base_losses,
+        nb_weights_equal=bit_equal(nb_state, base_state),
+        nb_ratios=nb_ratios,
+        nb_audit_problems=nb_problems,
+        **describe(trainer, mm),
+    )
 
 
 def exactness(spec: dict) -> dict:
@@ -358,12 +385,19 @@ def exactness(spec: dict) -> dict:
     rank = data_parallel_rank()
     base_losses, base_weights, _, _ = train(spec["cfg"], steps=spec["steps"], rank=rank)
     losses, weights, mm, _ = train(spec["cfg"], steps=spec["steps"], between=full_cycle, rank=rank)
-    nb_losses, nb_weights, nb_mm, _ = train(spec["cfg"], steps=spec["steps"], between=full_cycle_non_blocking,
-                                            rank=rank, config=NON_BLOCKING)
-    return dict(losses_equal=base_losses == losses, weights_equal=bit_equal(base_weights, weights),
-                audit_ok=mm.audit().ok, losses=losses, n_tensors=len(weights),
-                nb_losses_equal=base_losses == nb_losses, nb_weights_equal=bit_equal(base_weights, nb_weights),
-                nb_audit_ok=nb_mm.audit().ok)
+    nb_losses, nb_weights, nb_mm, _ = train(
+        spec["cfg"], steps=spec["steps"], between=full_cycle_non_blocking, rank=rank, config=NON_BLOCKING
+    )
+    return dict(
+        losses_equal=base_losses == losses,
+        weights_equal=bit_equal(base_weights, weights),
+        audit_ok=mm.audit().ok,
+        losses=losses,
+        n_tensors=len(weights),
+        nb_losses_equal=base_losses == nb_losses,
+        nb_weights_equal=bit_equal(base_weights, nb_weights),
+        nb_audit_ok=nb_mm.audit().ok,
+    )
 
 
 def _rss_bytes() -> int:
@@ -389,17 +423,30 @@ def soak(spec: dict) -> dict:
         if step % 10 == 0 or step == spec["steps"] - 1:
             gc.collect()
             on = mm.residency()
-            samples.append(dict(step=step, device_off=off.device_bytes, host_off=off.host_bytes,
-                                reach_off=reach_off, device_on=on.device_bytes, host_on=on.host_bytes,
-                                reach_on=reachable_bytes(trainer)[0], rss=_rss_bytes(),
-                                audit_ok=report.ok))
+            samples.append(
+                dict(
+                    step=step,
+                    device_off=off.device_bytes,
+                    host_off=off.host_bytes,
+                    reach_off=reach_off,
+                    device_on=on.device_bytes,
+                    host_on=on.host_bytes,
+                    reach_on=reachable_bytes(trainer)[0],
+                    rss=_rss_bytes(),
+                    audit_ok=report.ok,
+                )
+            )
         elif not report.ok:
             samples.append(dict(step=step, audit_ok=False, problems=report.problems))
 
     setup_parallel(spec)
     losses, state, mm, trainer = train_spec(spec, between=cycle)
-    return dict(losses_equal=losses == base_losses, weights_equal=bit_equal(state, base_state),
-                samples=samples, steps=len(losses))
+    return dict(
+        losses_equal=losses == base_losses,
+        weights_equal=bit_equal(state, base_state),
+        samples=samples,
+        steps=len(losses),
+    )
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str, fn_name: str) -> None:
@@ -420,8 +467,13 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str,
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     # a short timeout: when one rank fails a layout the others give up instead of hanging
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     fn = globals()[fn_name]
     failed = None
     for spec in json.loads(specs_json):
@@ -481,8 +533,9 @@ def spawn(specs: list[dict], fn_name: str = "run_layout") -> dict[str, list[dict
 def _named_state(trainer) -> dict[str, torch.Tensor]:
     """Weights, main weights, optimizer states (keys sorted: a loaded optimizer orders them otherwise)."""
     sync_params(trainer)
-    out = {f"param {i}.{n}": p.detach().clone() for i, c in enumerate(chunks_of(trainer))
-           for n, p in c.named_parameters()}
+    out = {
+        f"param {i}.{n}": p.detach().clone() for i, c in enumerate(chunks_of(trainer)) for n, p in c.named_parameters()
+    }
     for i, leaf in enumerate(layout.leaf_optimizers(trainer.optimizer)):
         out.update({f"main {i}.{j}": t.detach().clone() for j, t in enumerate(layout.main_weights(leaf))})
         for j, state in enumerate(layout.torch_optimizer(leaf).state.values()):
@@ -520,7 +573,12 @@ def checkpoint_reshard(spec: dict) -> dict:
     meta = load_checkpoint(mm, latest_checkpoint(os.path.join(d, "b")))
     expected = torch.load(os.path.join(d, f"state.rank{dist.get_rank()}.pt"))
     got = _named_state(trainer)
-    differ = sorted(k for k in expected.keys() | got.keys()
-                    if k not in got or k not in expected or expected[k].dtype != got[k].dtype
-                    or not torch.equal(expected[k], got[k]))
+    differ = sorted(
+        k
+        for k in expected.keys() | got.keys()
+        if k not in got
+        or k not in expected
+        or expected[k].dtype != got[k].dtype
+        or not torch.equal(expected[k], got[k])
+    )
     return {"differ": differ, "compared": len(expected), "saved_split": meta["parallel"]}

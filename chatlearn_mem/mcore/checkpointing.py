@@ -17,11 +17,25 @@ import torch
 from chatlearn_mem.errors import UnsupportedLayoutError
 from chatlearn_mem.mcore.layout import main_weights, megatron_core_version, module_buffers, shard_views, torch_optimizer
 
-__all__ = ["checkpoint_read_tensors", "clear_optimizer_states", "dist_checkpointing_numpy2_compat",
-           "dist_checkpointing_save_kwargs", "distrib_optimizer_sharding", "init_optimizer_states",
-           "is_distributed_optimizer", "load_model_state", "loading_optimizer_steps_compat",
-           "model_sharded_state_dict", "optimizer_sharded_state_dict", "optimizer_steps", "parallel_split",
-           "rng_state", "set_optimizer_steps", "set_rng_state", "use_in_process_write_results_queue"]
+__all__ = [
+    "checkpoint_read_tensors",
+    "clear_optimizer_states",
+    "dist_checkpointing_numpy2_compat",
+    "dist_checkpointing_save_kwargs",
+    "distrib_optimizer_sharding",
+    "init_optimizer_states",
+    "is_distributed_optimizer",
+    "load_model_state",
+    "loading_optimizer_steps_compat",
+    "model_sharded_state_dict",
+    "optimizer_sharded_state_dict",
+    "optimizer_steps",
+    "parallel_split",
+    "rng_state",
+    "set_optimizer_steps",
+    "set_rng_state",
+    "use_in_process_write_results_queue",
+]
 
 
 def is_distributed_optimizer(leaf: Any) -> bool:
@@ -49,7 +63,8 @@ def distrib_optimizer_sharding(leaves: list[Any], resharding: bool = True) -> st
         if not any(hasattr(leaf, "sharded_param_state_dp_reshardable") for leaf in leaves):
             raise UnsupportedLayoutError(
                 f"resharding=False needs megatron-core 0.14 or newer (found {megatron_core_version()}); "
-                "use resharding=True")
+                "use resharding=True"
+            )
         return "dp_reshardable"
     if any(hasattr(leaf, "sharded_param_state_fully_reshardable") for leaf in leaves):
         return "fully_reshardable"
@@ -170,9 +185,14 @@ def parallel_split() -> dict[str, int]:
     """This process's place in megatron's model-parallel groups: sizes and ranks."""
     from megatron.core import parallel_state as ps
 
-    return dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+    return dict(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -180,8 +200,11 @@ def rng_state() -> dict[str, Any]:
     generator (the CPU backend maps it to the CPU one) and megatron's tensor-parallel RNG tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"torch_cpu": torch.get_rng_state(), "torch_cuda": torch.cuda.get_rng_state(),
-            "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+    return {
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state(),
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -43,6 +43,7 @@ def patch_for_cpu(get_rng_state: Callable[..., torch.Tensor], set_rng_state: Cal
     except ImportError:
         return
     from megatron.core.extensions.transformer_engine import HAVE_TE
+
     if not HAVE_TE:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 

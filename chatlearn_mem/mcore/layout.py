@@ -42,12 +42,35 @@ from chatlearn_mem.errors import UnsupportedLayoutError
 from chatlearn_mem.parts import Part
 
 __all__ = [
-    "SUPPORTED_VERSIONS", "TESTED_VERSIONS", "INSTALL_HINT", "BufferLayout", "ShardView", "check_supported_version",
-    "ddp_chunks", "grad_buffer_view", "local_main_grad", "ddp_buffers", "bucket_views", "bucket_groups",
-    "cached_shard_views", "pending_communication", "grad_accumulators", "grad_accumulator", "module_buffers",
-    "leaf_optimizers", "torch_optimizer", "main_weights", "expected_param_groups", "shard_views",
-    "module_buffer_slots", "derived_grads", "clear_derived_grads", "megatron_core_version", "DDP_METHOD_PARTS",
-    "OPTIMIZER_METHOD_PARTS", "main_grad",
+    "SUPPORTED_VERSIONS",
+    "TESTED_VERSIONS",
+    "INSTALL_HINT",
+    "BufferLayout",
+    "ShardView",
+    "check_supported_version",
+    "ddp_chunks",
+    "grad_buffer_view",
+    "local_main_grad",
+    "ddp_buffers",
+    "bucket_views",
+    "bucket_groups",
+    "cached_shard_views",
+    "pending_communication",
+    "grad_accumulators",
+    "grad_accumulator",
+    "module_buffers",
+    "leaf_optimizers",
+    "torch_optimizer",
+    "main_weights",
+    "expected_param_groups",
+    "shard_views",
+    "module_buffer_slots",
+    "derived_grads",
+    "clear_derived_grads",
+    "megatron_core_version",
+    "DDP_METHOD_PARTS",
+    "OPTIMIZER_METHOD_PARTS",
+    "main_grad",
 ]
 
 SUPPORTED_VERSIONS = ((0, 13), (0, 19))
@@ -80,7 +103,8 @@ def check_supported_version(version: Optional[str] = None) -> str:
         raise UnsupportedLayoutError(
             f"megatron-core {version} is not supported: chatlearn-mem supports megatron-core "
             f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (tested {', '.join(TESTED_VERSIONS)}). "
-            f"Install one with: {INSTALL_HINT}")
+            f"Install one with: {INSTALL_HINT}"
+        )
     return version
 
 
@@ -94,7 +118,8 @@ def ddp_chunks(model: Any) -> list[torch.nn.Module]:
             raise TypeError(
                 f"model chunk {i} is a {type(c).__name__}, not megatron.core.distributed."
                 "DistributedDataParallel; wrap it with DistributedDataParallel(config, ddp_config, module) "
-                "or use InferenceMemoryManager for a model without an optimizer")
+                "or use InferenceMemoryManager for a model without an optimizer"
+            )
     return chunks
 
 
@@ -117,8 +142,16 @@ def ddp_buffers(chunk: torch.nn.Module, chunk_index: int = 0) -> list[BufferLayo
         for i, buf in enumerate(getattr(chunk, kind, None) or []):
             offsets = {p: (int(v[0]), int(v[1])) for p, v in buf.param_index_map.items()}
             label = f"chunk{chunk_index}.{kind}[{i}]({_dtype_name(buf.param_dtype)}/{_dtype_name(buf.grad_dtype)})"
-            out.append(BufferLayout(label, buf.param_data, buf.grad_data, offsets, buf,
-                                    list(getattr(buf, "extra_main_grads", None) or [])))
+            out.append(
+                BufferLayout(
+                    label,
+                    buf.param_data,
+                    buf.grad_data,
+                    offsets,
+                    buf,
+                    list(getattr(buf, "extra_main_grads", None) or []),
+                )
+            )
     return out
 
 
@@ -165,8 +198,10 @@ def bucket_groups(chunks: Iterable[torch.nn.Module], optimizer: Any = None) -> l
 def cached_shard_views(group: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(label, cached shard, bucket tensor it must view)`` for the cached shard lists (0.14+)."""
     out = []
-    for attr, kind in (("cached_param_buffer_shard_list", "param_data"),
-                       ("cached_grad_buffer_shard_list", "grad_data")):
+    for attr, kind in (
+        ("cached_param_buffer_shard_list", "param_data"),
+        ("cached_grad_buffer_shard_list", "grad_data"),
+    ):
         for bucket, shards in zip(group.buckets, getattr(group, attr, None) or []):
             for r, shard in enumerate(shards or []):
                 if shard is not None:
@@ -220,7 +255,8 @@ def leaf_optimizers(optimizer: Any) -> list[Any]:
     if not hasattr(optimizer, "optimizer") or not isinstance(optimizer.optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer is a {type(optimizer).__name__}, not a megatron-core optimizer; build it with "
-            "megatron.core.optimizer.get_megatron_optimizer(config, model_chunks)")
+            "megatron.core.optimizer.get_megatron_optimizer(config, model_chunks)"
+        )
     return [optimizer]
 
 
@@ -263,8 +299,9 @@ def shard_views(leaf: Any) -> list[ShardView]:
         return []
     out = []
     for kind, model_groups, shard_groups in (
-            ("shard_float16_groups", leaf.model_float16_groups, leaf.shard_float16_groups),
-            ("shard_fp32_groups", leaf.model_fp32_groups, leaf.shard_fp32_groups)):
+        ("shard_float16_groups", leaf.model_float16_groups, leaf.shard_float16_groups),
+        ("shard_fp32_groups", leaf.model_fp32_groups, leaf.shard_fp32_groups),
+    ):
         for gi, (params, shards) in enumerate(zip(model_groups, shard_groups)):
             for pi, (param, shard) in enumerate(zip(params, shards)):
                 gbuf_index, dtype, bucket_index = leaf.model_param_gbuf_map[param]
@@ -293,8 +330,14 @@ def clear_derived_grads(leaf: Any) -> None:
 
 def _grad_holders(leaf: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    for attr in ("shard_fp32_groups", "shard_fp32_from_float16_groups", "shard_float16_groups",
-                 "fp32_from_float16_groups", "fp32_from_fp32_groups", "float16_groups"):
+    for attr in (
+        "shard_fp32_groups",
+        "shard_fp32_from_float16_groups",
+        "shard_float16_groups",
+        "fp32_from_float16_groups",
+        "fp32_from_fp32_groups",
+        "float16_groups",
+    ):
         out += [t for g in getattr(leaf, attr, None) or [] for t in g]
     for group in torch_optimizer(leaf).param_groups:
         out += list(group["params"])

@@ -15,9 +15,15 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["clear_pipeline_input_tensors", "global_memory_buffer_tensors", "is_moe_token_dispatcher",
-           "is_transformer_engine_module", "pipeline_input_modules", "pipeline_input_tensors",
-           "transformer_engine_global_tensors"]
+__all__ = [
+    "clear_pipeline_input_tensors",
+    "global_memory_buffer_tensors",
+    "is_moe_token_dispatcher",
+    "is_transformer_engine_module",
+    "pipeline_input_modules",
+    "pipeline_input_tensors",
+    "transformer_engine_global_tensors",
+]
 
 
 def pipeline_input_modules(chunk: torch.nn.Module) -> list[torch.nn.Module]:
@@ -70,8 +76,11 @@ def is_moe_token_dispatcher(obj: Any) -> bool:
     return base is not None and isinstance(obj, base)
 
 
-_TE_MODULES = ("transformer_engine.pytorch.module.base", "transformer_engine.pytorch.fp8",
-               "transformer_engine.pytorch.quantization")
+_TE_MODULES = (
+    "transformer_engine.pytorch.module.base",
+    "transformer_engine.pytorch.fp8",
+    "transformer_engine.pytorch.quantization",
+)
 
 
 def is_transformer_engine_module(obj: Any) -> bool:

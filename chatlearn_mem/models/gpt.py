@@ -19,9 +19,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from chatlearn_mem import cpu_backend as _cpu_backend
 from chatlearn_mem.mcore.layout import INSTALL_HINT
 
-__all__ = ["GPTTrainerConfig", "GPTTrainer", "GPTPipelineTrainer", "GPTValueModel", "build_gpt_model",
-           "build_gpt_trainer", "build_gpt_pipeline_trainer", "init_distributed", "synthetic_batch"]
-
+__all__ = [
+    "GPTTrainerConfig",
+    "GPTTrainer",
+    "GPTPipelineTrainer",
+    "GPTValueModel",
+    "build_gpt_model",
+    "build_gpt_trainer",
+    "build_gpt_pipeline_trainer",
+    "init_distributed",
+    "synthetic_batch",
+]
 
 
 class GPTTrainerConfig(BaseModel):
@@ -84,8 +92,9 @@ class GPTTrainerConfig(BaseModel):
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTTrainerConfig":
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must divide "
-                             f"hidden_size ({self.hidden_size})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size ({self.hidden_size})"
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather needs use_distributed_optimizer=True")
         if self.model_class == "hybrid" and self.num_moe_experts is not None:
@@ -130,11 +139,18 @@ def _megatron():
         raise ImportError(f"megatron-core is required for GPT trainers; install it with: {INSTALL_HINT}") from e
 
 
-def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_size: int = 1,
-                     pipeline_model_parallel_size: int = 1, init_method: Optional[str] = None,
-                     seed: int = 1234, virtual_pipeline_model_parallel_size: Optional[int] = None,
-                     expert_model_parallel_size: int = 1, store: Optional[Any] = None,
-                     cpu_backend: bool = False) -> None:
+def init_distributed(
+    rank: int = 0,
+    world_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    init_method: Optional[str] = None,
+    seed: int = 1234,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    expert_model_parallel_size: int = 1,
+    store: Optional[Any] = None,
+    cpu_backend: bool = False,
+) -> None:
     """Join (or create) the default process group and megatron's model-parallel groups.
 
     Uses NCCL with CUDA and gloo without. Safe to call again in the same process with the same sizes.
@@ -160,7 +176,8 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
         if not cpu_backend:
             raise RuntimeError(
                 "CUDA is not available, and megatron-core needs CUDA or the CPU backend: call "
-                "chatlearn_mem.cpu_backend.install() first, or pass init_distributed(cpu_backend=True)")
+                "chatlearn_mem.cpu_backend.install() first, or pass init_distributed(cpu_backend=True)"
+            )
         _cpu_backend.install()
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -175,15 +192,18 @@ def init_distributed(rank: int = 0, world_size: int = 1, tensor_model_parallel_s
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if store is not None:  # the key prefix torch adds to a store it makes from tcp://
-            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                                    world_size=world_size)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size
+            )
         else:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size, pipeline_model_parallel_size,
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-            expert_model_parallel_size=expert_model_parallel_size)
+            expert_model_parallel_size=expert_model_parallel_size,
+        )
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -217,7 +237,9 @@ class GPTValueModel(torch.nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         self.trunk.set_input_tensor(input_tensor)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
         return _megatron_module().sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
@@ -253,8 +275,10 @@ def build_gpt_trainer(config: GPTTrainerConfig, value_head: bool = False) -> GPT
     from megatron.core import parallel_state
 
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("pipeline parallel size > 1: use build_gpt_pipeline_trainer (a list of model "
-                         "chunks stepped by megatron's pipeline schedule)")
+        raise ValueError(
+            "pipeline parallel size > 1: use build_gpt_pipeline_trainer (a list of model "
+            "chunks stepped by megatron's pipeline schedule)"
+        )
     chunks, optimizer = _build_chunks_and_optimizer(config, value_head)
     return GPTTrainer(chunks[0], optimizer, config)
 
@@ -284,17 +308,27 @@ def _transformer_config(config: GPTTrainerConfig):
     if vpp is not None:
         extra.update(virtual_pipeline_model_parallel_size=vpp)
     if config.num_moe_experts is not None:
-        extra.update(num_moe_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
-                     moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-                     moe_router_pre_softmax=config.moe_router_topk == 1,  # megatron requires it for top-1
-                     add_bias_linear=False,  # megatron's experts add a bias in place into an autograd view
-                     expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+        extra.update(
+            num_moe_experts=config.num_moe_experts,
+            moe_router_topk=config.moe_router_topk,
+            moe_token_dispatcher_type="allgather",
+            moe_aux_loss_coeff=0.0,
+            moe_router_pre_softmax=config.moe_router_topk == 1,  # megatron requires it for top-1
+            add_bias_linear=False,  # megatron's experts add a bias in place into an autograd view
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )
     return TransformerConfig(
-        num_layers=config.num_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, use_cpu_initialization=True,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(), **extra)
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        use_cpu_initialization=True,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        **extra,
+    )
 
 
 def _hybrid_model(config: GPTTrainerConfig, common: dict) -> torch.nn.Module:
@@ -310,26 +344,42 @@ def _hybrid_model(config: GPTTrainerConfig, common: dict) -> torch.nn.Module:
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     local = get_gpt_layer_local_spec().submodules
-    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=local.input_layernorm, self_attention=local.self_attention, self_attn_bda=local.self_attn_bda))
-    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda))
+    attention = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=local.input_layernorm,
+            self_attention=local.self_attention,
+            self_attn_bda=local.self_attn_bda,
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda
+        ),
+    )
     stack = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp))
-    pattern = ("*-" * config.num_layers)[:config.num_layers]
+    pattern = ("*-" * config.num_layers)[: config.num_layers]
     return HybridModel(hybrid_stack_spec=stack, hybrid_layer_pattern=pattern, **common)
+
+
 def _layer_spec(config: GPTTrainerConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if config.layer_spec == "local":
         return get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
     if not torch.cuda.is_available():
-        raise ValueError("layer_spec='transformer_engine' needs CUDA (Transformer Engine has no CPU kernels); "
-                         "use layer_spec='local' on this machine")
+        raise ValueError(
+            "layer_spec='transformer_engine' needs CUDA (Transformer Engine has no CPU kernels); "
+            "use layer_spec='local' on this machine"
+        )
     try:
         import transformer_engine  # noqa: F401
     except ImportError as e:
-        raise ImportError("layer_spec='transformer_engine' needs Transformer Engine: pip install "
-                          "transformer-engine[pytorch] (or use layer_spec='local')") from e
+        raise ImportError(
+            "layer_spec='transformer_engine' needs Transformer Engine: pip install "
+            "transformer-engine[pytorch] (or use layer_spec='local')"
+        ) from e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts)
@@ -343,10 +393,15 @@ def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_he
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if value_head and not last:
         raise ValueError("a value head needs the last pipeline stage; pipeline-parallel critics are not supported")
-    common = dict(config=tcfg, vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
-                  position_embedding_type="learned_absolute",
-                  pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                  post_process=last and not value_head, **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+    common = dict(
+        config=tcfg,
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.seq_length,
+        position_embedding_type="learned_absolute",
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=last and not value_head,
+        **({"vp_stage": vp_stage} if vp_stage is not None else {}),
+    )
     if config.model_class == "hybrid":
         model = _hybrid_model(config, common)
     else:
@@ -377,14 +432,22 @@ def _build_chunks_and_optimizer(config: GPTTrainerConfig, value_head: bool = Fal
     ddp_extra = {"bucket_size": config.ddp_bucket_size} if config.ddp_bucket_size is not None else {}
     if config.fp32_accumulation_params:
         ddp_extra["param_name_patterns_for_fp32_local_accumulation"] = config.fp32_accumulation_params
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=config.use_distributed_optimizer,
-                                               grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-                                               overlap_grad_reduce=config.overlap_grad_reduce,
-                                               overlap_param_gather=config.overlap_param_gather, **ddp_extra)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        overlap_param_gather=config.overlap_param_gather,
+        **ddp_extra,
+    )
     chunks = [DistributedDataParallel(tcfg, ddp_config, m, disable_bucketing=i > 0) for i, m in enumerate(models)]
-    opt_config = OptimizerConfig(optimizer="adam", lr=config.lr, bf16=tcfg.bf16, params_dtype=tcfg.params_dtype,
-                                 use_distributed_optimizer=config.use_distributed_optimizer,
-                                 clip_grad=config.clip_grad)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        bf16=tcfg.bf16,
+        params_dtype=tcfg.params_dtype,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        clip_grad=config.clip_grad,
+    )
     optimizer = get_megatron_optimizer(opt_config, chunks)
     return chunks, optimizer
 
@@ -420,8 +483,9 @@ class GPTPipelineTrainer:
         self.optimizer.zero_grad()
         micro = tokens.chunk(self.config.num_microbatches)
         if len({m.shape[0] for m in micro}) != 1 or len(micro) != self.config.num_microbatches:
-            raise ValueError(f"batch of {tokens.shape[0]} does not split into "
-                             f"{self.config.num_microbatches} equal micro batches")
+            raise ValueError(
+                f"batch of {tokens.shape[0]} does not split into {self.config.num_microbatches} equal micro batches"
+            )
         data = [iter(micro) for _ in self.model]
 
         def forward_step(data_iterator, model):
@@ -436,22 +500,34 @@ class GPTPipelineTrainer:
             return out, loss_func
 
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0],
+            forward_step_func=forward_step,
+            data_iterator=data if len(data) > 1 else data[0],
             model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(micro), seq_length=tokens.shape[1] - 1,
-            micro_batch_size=micro[0].shape[0], forward_only=False)
+            num_microbatches=len(micro),
+            seq_length=tokens.shape[1] - 1,
+            micro_batch_size=micro[0].shape[0],
+            forward_only=False,
+        )
         self.optimizer.step()
         loss = torch.zeros(1, dtype=torch.float32, device=tokens.device)
         if losses:
             loss += torch.stack([d["loss"] for d in losses]).mean()
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            torch.distributed.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                        group=parallel_state.get_pipeline_model_parallel_group())
+            torch.distributed.broadcast(
+                loss,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
         return loss.item()
 
 
-def estimate_part_bytes(config: GPTTrainerConfig, value_head: bool = False, tensor_parallel_size: int = 1,
-                        data_parallel_size: int = 1, trainer: bool = True) -> dict[str, int]:
+def estimate_part_bytes(
+    config: GPTTrainerConfig,
+    value_head: bool = False,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    trainer: bool = True,
+) -> dict[str, int]:
     """About how many device bytes each part of one rank of this model takes, from the config alone
     (no megatron, no device): for checking a device budget before anything starts.
 
@@ -494,4 +570,3 @@ def synthetic_batch(config: GPTTrainerConfig, step: int, batch_size: int = 4, ra
     g = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 101 + rank)
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.seq_length), generator=g)
     return tokens.cuda() if torch.cuda.is_available() else tokens
-

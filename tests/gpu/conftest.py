@@ -10,8 +10,10 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-REASON = ("GPU tier: needs CUDA (torch.cuda.is_available() is False on this machine); run it on a GPU "
-          "machine with `python -m pytest tests/gpu` or scripts/gpu_validate.sh")
+REASON = (
+    "GPU tier: needs CUDA (torch.cuda.is_available() is False on this machine); run it on a GPU "
+    "machine with `python -m pytest tests/gpu` or scripts/gpu_validate.sh"
+)
 
 # Reproducible GPU runs, so that "bit-identical to a run without offload" can be judged at all:
 # cuBLAS keeps its algorithm choice only with a fixed workspace config, and Transformer Engine

@@ -5,13 +5,12 @@ Skipped without CUDA (conftest); the same logic runs on CPU with the pinning stu
 tests/megatron/test_benchmarks.py."""
 
 import torch
-
 from trainer_runs import BATCH
+
 from chatlearn_mem import MemoryConfig, TrainerMemoryManager
 from chatlearn_mem.models import gpt
 
-CFG = gpt.GPTTrainerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000,
-                           seq_length=128)
+CFG = gpt.GPTTrainerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000, seq_length=128)
 MiB = 2**20
 
 

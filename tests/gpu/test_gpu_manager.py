@@ -5,15 +5,14 @@ import gc
 
 import pytest
 import torch
-
 from trainer_runs import BATCH, TRANSITIONS, assert_exact, bit_equal, full_cycle, snapshot, train
+
 from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager, device_report, swap
 from chatlearn_mem.models import gpt
 
 # Large enough that every DDP buffer and most optimizer tensors get their own allocator segments
 # (about 1.5 GB of managed state: 83 M parameters), small enough to build in seconds.
-CFG = gpt.GPTTrainerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000,
-                           seq_length=128)
+CFG = gpt.GPTTrainerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000, seq_length=128)
 STEPS = 4
 
 
@@ -106,10 +105,19 @@ def test_device_oom_during_onload_leaves_the_trainer_usable_and_exact(dist1):
 
 
 def test_transformer_engine_layer_spec_is_exact_under_cycles(dist1):
-    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed here "
-                        "(pip install transformer-engine[pytorch]); megatron-core's TE layer spec untested")
-    cfg = gpt.GPTTrainerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1024,
-                               seq_length=64, layer_spec="transformer_engine")
+    pytest.importorskip(
+        "transformer_engine",
+        reason="Transformer Engine is not installed here "
+        "(pip install transformer-engine[pytorch]); megatron-core's TE layer spec untested",
+    )
+    cfg = gpt.GPTTrainerConfig(
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        vocab_size=1024,
+        seq_length=64,
+        layer_spec="transformer_engine",
+    )
     _, _, mm, trainer = assert_exact(cfg, 3, full_cycle)
     assert any("transformer_engine" in type(m).__module__ for m in trainer.model.modules())
     assert mm.audit().ok

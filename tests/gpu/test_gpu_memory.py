@@ -7,13 +7,12 @@ import sys
 
 import pytest
 import torch
-
 from trainer_runs import BATCH
+
 from chatlearn_mem import MemoryConfig, TrainerMemoryManager, device_report
 from chatlearn_mem.models import gpt
 
-CFG = gpt.GPTTrainerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000,
-                           seq_length=128)
+CFG = gpt.GPTTrainerConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000, seq_length=128)
 EXPANDABLE = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
@@ -54,8 +53,13 @@ def test_full_offload_frees_allocated_and_reserved_with_expandable_segments():
         pytest.skip("already running with expandable segments (this is the child process)")
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     test = f"{__file__}::test_full_offload_frees_allocated_and_reserved"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "2 passed" in out.stdout, out.stdout[-2000:]
 

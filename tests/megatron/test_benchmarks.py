@@ -26,8 +26,9 @@ from chatlearn_mem_cli.app import app  # noqa: E402
 
 
 def test_benchmark_end_to_end(dist1, tmp_path):
-    result = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=smoke", "-q",
-                                      "revision=abc123"])
+    result = CliRunner().invoke(
+        app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=smoke", "-q", "revision=abc123"]
+    )
     assert result.exit_code == 0, result.output
     out = result.output
     assert out.startswith("command: chatlearn-mem bench --config tiny")
@@ -51,8 +52,11 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     full = res["model"]["bytes_per_part"]["full"]
     assert plan["ceiling host buffer (shared with release_bound)"]["bytes"] == full
     assert {x["host_bytes"] for x in res["memory"] if x["method"] == "ceiling"} == {full}  # every part: no re-pinning
-    assert res["host_memory_plan"]["peak_bytes"] == (res["host_memory_plan"]["pinned_bytes"]
-                                                     + res["host_memory_plan"]["pageable_bytes"]) > 0
+    assert (
+        res["host_memory_plan"]["peak_bytes"]
+        == (res["host_memory_plan"]["pinned_bytes"] + res["host_memory_plan"]["pageable_bytes"])
+        > 0
+    )
     assert not any(res["pays_empty_cache"].values())  # CPU: no CUDA cache to empty
     assert (tmp_path / "smoke.md").read_text().count("| manager |") >= 10
     assert (tmp_path / "smoke.png").stat().st_size > 0
@@ -90,9 +94,13 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     # both measured; which is longer is the machine's business (a wall-clock order flips under load)
     assert overlap["onload_then_forward"]["forward_alone_s"] > 0 and overlap["onload_then_forward"]["serial_s"] > 0
     assert overlap["swap"]["copy_bound_ratio"] > 0  # CPU: two host copies at once, against serial
-    assert overlap["swap"]["out_bytes"] == res["model"]["bytes_per_part"]["full"] + res["model"]["bytes_per_part"]["grads"]
-    assert {t["name"] for t in res["targets"]} >= {"overlap onload_then_forward: overlapped <= 0.85 of serial",
-                                                    "overlap swap: overlapped <= 0.85 of serial"}
+    assert (
+        overlap["swap"]["out_bytes"] == res["model"]["bytes_per_part"]["full"] + res["model"]["bytes_per_part"]["grads"]
+    )
+    assert {t["name"] for t in res["targets"]} >= {
+        "overlap onload_then_forward: overlapped <= 0.85 of serial",
+        "overlap swap: overlapped <= 0.85 of serial",
+    }
     assert "## Overlap" in (tmp_path / "smoke.md").read_text()
     assert any(i["what"].startswith("overlap rows") for i in res["host_memory_plan"]["items"])
 
@@ -160,9 +168,23 @@ def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_
     at the end, so a killed or timed-out run left nothing."""
     out = tmp_path / "bench"
     path = out / "k.json"
-    proc = subprocess.Popen([sys.executable, "-m", "chatlearn_mem_cli", "bench", "--config", "tiny",
-                             f"output_dir={out}", "name=k", "repeats=100", "plot=false", "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chatlearn_mem_cli",
+            "bench",
+            "--config",
+            "tiny",
+            f"output_dir={out}",
+            "name=k",
+            "repeats=100",
+            "plot=false",
+            "-q",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if path.exists() and json.loads(path.read_text())["part_seconds"]:  # written atomically
@@ -175,7 +197,7 @@ def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_
     res = json.loads(path.read_text())
     done = list(res["part_seconds"])
     missing = [p for p in PARTS if p not in done]
-    assert not res["complete"] and done == list(PARTS[:len(done)]) and missing and res["missing_parts"] == missing
+    assert not res["complete"] and done == list(PARTS[: len(done)]) and missing and res["missing_parts"] == missing
     assert "cycles" not in res and "integrity" not in res
     rows = {(r["part"], r["method"], r["direction"]) for r in res["timings"]}
     for part in done:
@@ -208,16 +230,28 @@ def test_bench_report_refuses_a_file_that_is_not_a_benchmark_results_json(tmp_pa
 def test_a_plan_that_does_not_fit_is_refused_before_anything_is_measured(dist1, tmp_path, monkeypatch):
     """The usable host memory forced low: one error line with the planned pinned and pageable bytes,
     the usable bytes and a preset that fits; no part timed, no file written."""
-    from chatlearn_mem import host_memory
     import chatlearn_mem_bench.run as run
+    from chatlearn_mem import host_memory
 
     usable = 2**30 + 50 * 2**20  # the default 1 GiB margin + 50 MiB
-    monkeypatch.setattr(host_memory, "usable_host_memory",
-                        lambda: host_memory.HostMemory(usable, (("MemAvailable", usable),)))
+    monkeypatch.setattr(
+        host_memory, "usable_host_memory", lambda: host_memory.HostMemory(usable, (("MemAvailable", usable),))
+    )
     timed = []
     monkeypatch.setattr(run, "_time_part", lambda *args: timed.append(args[0]) or [])
-    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "trainer.num_layers=8", "trainer.hidden_size=256",
-                                      f"output_dir={tmp_path}", "name=r", "-q"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--config",
+            "tiny",
+            "trainer.num_layers=8",
+            "trainer.hidden_size=256",
+            f"output_dir={tmp_path}",
+            "name=r",
+            "-q",
+        ],
+    )
     assert result.exit_code == 1, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
@@ -225,7 +259,9 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_is_measured(dist1, 
         r"error: the benchmark would hold up to 0\.0 MiB pinned \+ (\d+\.\d) MiB pageable = \1 MiB of host "
         r"memory, but the process can use 50\.0 MiB \(MemAvailable 1\.05 GiB; minus a 1\.00 GiB margin\); nothing "
         r"was measured\. Use a smaller preset: --config tiny \(plans \d+\.\d MiB\), or fewer alternatives "
-        r"\(methods=\[\]\)\.", errors[0]), errors[0]
+        r"\(methods=\[\]\)\.",
+        errors[0],
+    ), errors[0]
     assert float(re.search(r"\+ (\d+\.\d) MiB", errors[0]).group(1)) > 50
     assert result.output.index("host memory plan: peak") < result.output.index("error:")
     assert timed == [] and list(tmp_path.iterdir()) == []
@@ -287,11 +323,12 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
 
 def test_the_overlap_forward_batch(dist1):
     """onload_then_forward's forward: the bench batch, a given shape, or one sequence sized to the copy."""
+    import torch
+
     from chatlearn_mem import TrainerMemoryManager
     from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.config import load_config
     from chatlearn_mem_bench.overlap import forward_batch
-    import torch
 
     cfg = load_config("tiny")
     full = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
@@ -300,10 +337,11 @@ def test_the_overlap_forward_batch(dist1):
     trainer = gpt.build_gpt_trainer(cfg.trainer)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
     try:
-        batch = forward_batch(cfg.model_copy(update={"overlap_forward": "match_copy"}), trainer, mm,
-                              torch.device("cpu"))
+        batch = forward_batch(
+            cfg.model_copy(update={"overlap_forward": "match_copy"}), trainer, mm, torch.device("cpu")
+        )
         assert batch.shape[0] == 1 and 2 <= batch.shape[1] <= cfg.trainer.seq_length
-        assert torch.equal(batch, full[:1, :batch.shape[1]])
+        assert torch.equal(batch, full[:1, : batch.shape[1]])
         assert not mm.is_offloaded("weights")  # the calibration leaves the weights resident
     finally:
         mm.close()

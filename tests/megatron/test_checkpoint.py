@@ -10,11 +10,18 @@ import time
 
 import pytest
 import torch
-
 from trainer_runs import train
+
 from chatlearn_mem import Part, UnsupportedLayoutError
-from chatlearn_mem.checkpoint import (CheckpointError, METADATA_FILE, estimate_checkpoint_nbytes, latest_checkpoint,
-                                      list_checkpoints, load_checkpoint, save_checkpoint)
+from chatlearn_mem.checkpoint import (
+    METADATA_FILE,
+    CheckpointError,
+    estimate_checkpoint_nbytes,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from chatlearn_mem.mcore import layout
 from chatlearn_mem.models import gpt
 
@@ -42,8 +49,11 @@ def steps(trainer, cfg, first: int, n: int) -> list[float]:
     return [trainer.train_step(gpt.synthetic_batch(cfg, s, batch_size=BATCH)) for s in range(first, first + n)]
 
 
-@pytest.mark.parametrize("distopt,resharding", [(True, True), (True, False), (False, True)],
-                         ids=["distopt", "distopt-dp_reshardable", "float16opt"])
+@pytest.mark.parametrize(
+    "distopt,resharding",
+    [(True, True), (True, False), (False, True)],
+    ids=["distopt", "distopt-dp_reshardable", "float16opt"],
+)
 def test_save_asleep_reads_host_store_and_equals_awake_save(dist1, tmp_path, distopt, resharding):
     if not resharding and layout.megatron_core_version().startswith("0.13."):
         pytest.skip("resharding=False needs megatron-core 0.14+ (tested below that it says so)")
@@ -101,8 +111,11 @@ def test_async_save_makes_an_overwriting_offload_wait(dist1, tmp_path, monkeypat
     expected = full_state(trainer)
     release = threading.Event()
     # the writer's entry point: ..._multiproc up to 0.16, ..._multithread from 0.17
-    name = next(n for n in ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
-                if hasattr(FileSystemWriterAsync, n))
+    name = next(
+        n
+        for n in ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
+        if hasattr(FileSystemWriterAsync, n)
+    )
     original = getattr(FileSystemWriterAsync, name)
 
     def held_write(*args, **kwargs):
@@ -156,8 +169,9 @@ _KILLED_SAVE = textwrap.dedent("""
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(dist1, tmp_path):
     root = tmp_path / "ckpt"
-    script = _KILLED_SAVE.format(tests=os.path.dirname(os.path.dirname(__file__)), init=str(tmp_path / "init"),
-                                 root=str(root))
+    script = _KILLED_SAVE.format(
+        tests=os.path.dirname(os.path.dirname(__file__)), init=str(tmp_path / "init"), root=str(root)
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert os.path.isdir(root / ".tmp.step_00000002")  # the killed save's tensors are there ...
@@ -212,10 +226,12 @@ def test_no_writer_process_outlives_a_killed_trainer(dist1, tmp_path):
     SIGKILLed trainer, such a writer held every descriptor the trainer had (Ray's sockets: Ray saw
     the actor alive until the writer exited, a run waited for its phase timeout) and could block
     forever on a results queue nobody reads. It must die with the trainer."""
-    script = _KILLED_MID_WRITE.format(tests=os.path.dirname(os.path.dirname(__file__)),
-                                      init=str(tmp_path / "init"), root=str(tmp_path / "ckpt"))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+    script = _KILLED_MID_WRITE.format(
+        tests=os.path.dirname(os.path.dirname(__file__)), init=str(tmp_path / "init"), root=str(tmp_path / "ckpt")
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     writer = None
     try:
         line = proc.stdout.readline()  # the trainer (or its writer) is writing
@@ -238,8 +254,11 @@ def test_shape_mismatch_names_what_differs(dist1, tmp_path):
     _, _, mm, _ = train(gpt.GPTTrainerConfig(), steps=1)
     save_checkpoint(mm, tmp_path, step=1)
     _, _, other, _ = train(gpt.GPTTrainerConfig(hidden_size=32), steps=0)
-    with pytest.raises(CheckpointError, match=r"does not fit this model: .*decoder\.layers\.mlp\.linear_fc1\.weight: "
-                                              r"checkpoint \(2, 256, 64\) bfloat16, model \(2, 128, 32\) bfloat16"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not fit this model: .*decoder\.layers\.mlp\.linear_fc1\.weight: "
+        r"checkpoint \(2, 256, 64\) bfloat16, model \(2, 128, 32\) bfloat16",
+    ):
         load_checkpoint(other, latest_checkpoint(tmp_path))
 
 
@@ -336,10 +355,12 @@ def test_the_manifest_names_a_damaged_file_and_nothing_is_loaded(dist1, tmp_path
             f.seek(100)
             f.write(bytes([b[0] ^ 0xFF]))
 
-    cases = [("truncated", truncate, rf"{data} has {meta['files'][data]['bytes'] // 2} bytes, the manifest says "),
-             ("flipped", flip, rf"{data} has CRC-32 [0-9a-f]{{8}}, the manifest says"),
-             ("missing", lambda p: os.remove(p / data), rf"{data} is missing"),
-             ("metadata", lambda p: (p / METADATA_FILE).write_text('{"format": '), rf"{METADATA_FILE} cannot be read")]
+    cases = [
+        ("truncated", truncate, rf"{data} has {meta['files'][data]['bytes'] // 2} bytes, the manifest says "),
+        ("flipped", flip, rf"{data} has CRC-32 [0-9a-f]{{8}}, the manifest says"),
+        ("missing", lambda p: os.remove(p / data), rf"{data} is missing"),
+        ("metadata", lambda p: (p / METADATA_FILE).write_text('{"format": '), rf"{METADATA_FILE} cannot be read"),
+    ]
     for name, how, message in cases:
         broken = damaged(name, how)
         with pytest.raises(CheckpointDamagedError, match=message) as e:

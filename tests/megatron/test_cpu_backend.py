@@ -25,18 +25,31 @@ def test_install_is_idempotent():
     assert torch.empty(1, device="cuda").device.type == "cpu"
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.empty(3, device="cuda"),
-    lambda: torch.zeros(2, device=torch.cuda.current_device()),
-    lambda: torch.ones(2, device="cuda:0"),
-    lambda: torch.empty(2, device=torch.device("cuda", 0)),
-    lambda: torch.ones(2).cuda(),
-    lambda: torch.ones(2).cuda(torch.cuda.current_device()),
-    lambda: torch.ones(2).to("cuda"),
-    lambda: torch.ones(2).to(device=torch.cuda.current_device()),
-    lambda: torch.ones(2).new_zeros(3, device="cuda"),
-], ids=["empty-str", "zeros-index", "ones-cuda0", "empty-device", "cuda()", "cuda(index)",
-        "to-str", "to-index-kw", "new_zeros"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(3, device="cuda"),
+        lambda: torch.zeros(2, device=torch.cuda.current_device()),
+        lambda: torch.ones(2, device="cuda:0"),
+        lambda: torch.empty(2, device=torch.device("cuda", 0)),
+        lambda: torch.ones(2).cuda(),
+        lambda: torch.ones(2).cuda(torch.cuda.current_device()),
+        lambda: torch.ones(2).to("cuda"),
+        lambda: torch.ones(2).to(device=torch.cuda.current_device()),
+        lambda: torch.ones(2).new_zeros(3, device="cuda"),
+    ],
+    ids=[
+        "empty-str",
+        "zeros-index",
+        "ones-cuda0",
+        "empty-device",
+        "cuda()",
+        "cuda(index)",
+        "to-str",
+        "to-index-kw",
+        "new_zeros",
+    ],
+)
 def test_cuda_device_arguments_give_cpu_tensors(make):
     t = make()
     assert t.device.type == "cpu"
@@ -62,12 +75,15 @@ def test_pin_memory_is_dropped():
     assert pinned.data_ptr() != src.data_ptr()
 
 
-@pytest.mark.parametrize("dtype, name", [
-    (torch.bfloat16, "torch.cuda.BFloat16Tensor"),
-    (torch.float32, "torch.cuda.FloatTensor"),
-    (torch.float16, "torch.cuda.HalfTensor"),
-    (torch.int64, "torch.cuda.LongTensor"),
-])
+@pytest.mark.parametrize(
+    "dtype, name",
+    [
+        (torch.bfloat16, "torch.cuda.BFloat16Tensor"),
+        (torch.float32, "torch.cuda.FloatTensor"),
+        (torch.float16, "torch.cuda.HalfTensor"),
+        (torch.int64, "torch.cuda.LongTensor"),
+    ],
+)
 def test_type_reports_cuda_names(dtype, name):
     assert torch.ones(2, dtype=dtype).type() == name
 
@@ -191,11 +207,15 @@ class _AllocatesInBackward(torch.autograd.Function):
         return out.copy_(grad * 2)
 
 
-@pytest.mark.parametrize("run", [
-    lambda y, x: y.sum().backward(),
-    lambda y, x: torch.autograd.backward([y.sum()]),
-    lambda y, x: setattr(x, "grad", torch.autograd.grad(y.sum(), x)[0]),
-], ids=["Tensor.backward", "autograd.backward", "autograd.grad"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda y, x: y.sum().backward(),
+        lambda y, x: torch.autograd.backward([y.sum()]),
+        lambda y, x: setattr(x, "grad", torch.autograd.grad(y.sum(), x)[0]),
+    ],
+    ids=["Tensor.backward", "autograd.backward", "autograd.grad"],
+)
 def test_backward_passes_run_under_the_mode(run):
     # A torch function mode is switched off while its own handler runs, so a backward pass
     # started through the mode ran every Python backward without it (MoE's all-gather

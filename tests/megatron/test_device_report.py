@@ -2,8 +2,8 @@
 the walk of every tensor reachable from the model and optimizer, attributed to its holder."""
 
 import torch
-
 from trainer_runs import reachable_bytes, train
+
 from chatlearn_mem import DeviceReport, device_report
 from chatlearn_mem.models import gpt
 

@@ -55,8 +55,10 @@ def _wheelhouse(tmp_path: Path) -> Path:
     assert set(names) | {"chatlearn_mem"} == set(gv.WHEELS)
     for name in names.values():
         _wheel(wh / name)
-    _wheel(wh / f"chatlearn_mem-{version}-py3-none-any.whl",
-           {"chatlearn_mem_bench/presets/gpu.yaml": "", "chatlearn_mem_ray/presets/gpu.yaml": ""})
+    _wheel(
+        wh / f"chatlearn_mem-{version}-py3-none-any.whl",
+        {"chatlearn_mem_bench/presets/gpu.yaml": "", "chatlearn_mem_ray/presets/gpu.yaml": ""},
+    )
     with tarfile.open(wh / "ray-2.60.0-cp312-pruned.tar.xz", "w:xz") as tf:
         data = b"__version__ = '2.60.0'\n"
         info = tarfile.TarInfo("ray/_version.py")
@@ -68,9 +70,23 @@ def _wheelhouse(tmp_path: Path) -> Path:
 
 def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path):
     wh = _wheelhouse(tmp_path)
-    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--wheelhouse", str(wh), "--out",
-                          str(tmp_path / "results"), "--revision", "abc1234"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--dry-run",
+            "--wheelhouse",
+            str(wh),
+            "--out",
+            str(tmp_path / "results"),
+            "--revision",
+            "abc1234",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert f"wheelhouse {wh}: complete" in text and "revision: abc1234 (from --revision)" in text
@@ -91,8 +107,9 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
     assert "chatlearn_mem_cli ppo --config gpu parallel.world_size=1" in text
     assert "_gpu-<gpu name>_validation/bench.log" in text
     assert "_gpu-<gpu name>_validation.json" in text and "_gpu-<gpu name>_ppo/memory_timeline.png" in text
-    assert out.stdout.strip().splitlines()[-1] == ("[gpu-validate] dry run ok: stopping before the first CUDA call "
-                                             "(torch.cuda.is_available() comes next)")
+    assert out.stdout.strip().splitlines()[-1] == (
+        "[gpu-validate] dry run ok: stopping before the first CUDA call (torch.cuda.is_available() comes next)"
+    )
     assert not (tmp_path / "results").exists()  # a dry run writes nothing
 
 
@@ -103,11 +120,16 @@ def test_the_budgets_fit_one_call_and_the_ppo_step_is_last_and_optional():
     assert [e["step"] for e in entries] == ["tests", "ppo"] and [e["optional"] for e in entries] == [False, True]
 
 
-@pytest.mark.parametrize("bound, expected", [
-    ("HOST_BOUND_BYTES", "of host memory, over its bound of 1 GiB (half the GPU machine's 128 GiB): shrink "
-                         "configs/bench/gpu.yaml"),
-    ("BUDGET_S", "over 90% of its 10 s budget: shrink configs/bench/gpu.yaml (trainer, repeats, cycles)"),
-])
+@pytest.mark.parametrize(
+    "bound, expected",
+    [
+        (
+            "HOST_BOUND_BYTES",
+            "of host memory, over its bound of 1 GiB (half the GPU machine's 128 GiB): shrink configs/bench/gpu.yaml",
+        ),
+        ("BUDGET_S", "over 90% of its 10 s budget: shrink configs/bench/gpu.yaml (trainer, repeats, cycles)"),
+    ],
+)
 def test_dry_run_fails_when_the_bench_exceeds_its_bounds(monkeypatch, capsys, bound, expected):
     if bound == "HOST_BOUND_BYTES":
         monkeypatch.setattr(gv, "HOST_BOUND_BYTES", 2**30)
@@ -141,7 +163,8 @@ def test_wheelhouse_problems_are_named(tmp_path):
     _wheel(wh / "pydantic-2.13.0-py3-none-any.whl")
     _wheel(wh / "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl")
     (wh / f"megatron_core-{gv.MEGATRON_VERSION}-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl").rename(
-        wh / "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl")
+        wh / "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    )
     (wh / "REVISION").unlink()
     problems = "\n".join(gv.check_wheelhouse(wh))
     assert "no REVISION file (the source revision the wheel was built from)" in problems
@@ -183,8 +206,10 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     from chatlearn_mem.models import gpt
     from chatlearn_mem_cli.app import app
 
-    res = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=b", "-q",
-                                   "repeats=3", "cycles=2", "plot=false"])
+    res = CliRunner().invoke(
+        app,
+        ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=b", "-q", "repeats=3", "cycles=2", "plot=false"],
+    )
     assert res.exit_code == 0, res.output
     report = gv.measure_device_report(gpt.GPTTrainerConfig(), batch_size=2)
     assert report["after_offload"]["by_holder"]["manager_residue"] == 0 and report["audit_ok"]
@@ -192,24 +217,51 @@ def test_summary_files_from_real_results(dist1, tmp_path):
         '<testsuites><testsuite><testcase classname="tests.gpu.test_gpu_manager" name="test_a" time="1.5"/>'
         '<testcase classname="tests.gpu.test_gpu_manager" name="test_b" time="0.1"><skipped message="no TE"/>'
         '</testcase><testcase classname="tests.gpu.test_gpu_memory" name="test_c" time="2">'
-        '<failure message="boom">trace</failure></testcase></testsuite></testsuites>')
+        '<failure message="boom">trace</failure></testcase></testsuite></testsuites>'
+    )
     (tmp_path / "report.json").write_text(json.dumps(report))
     ppo_dir = tmp_path / "p_ppo"
     ppo_dir.mkdir()
-    summary = {"peak_colocated_bytes": 3 * 2**30, "peak_phase": "train_policy", "largest_phase_bytes": 3 * 2**30,
-               "largest_phase": "train_policy", "ratio": 1.0, "phases": 15}
-    (ppo_dir / "log.json").write_text(json.dumps({
-        "summary": {"memory_manager_on": summary, "memory_manager_off": dict(summary, ratio=2.1), "seconds": 90.0},
-        "iterations": [{}] * 4, "sync_checks": [{"iteration": 0, "equal": True}],
-        "audits": {"runs": 12, "checks_clean": 12}}))
-    results = {"date": "2026-11-23", "command": "scripts/gpu_validate.py", "environment": {"gpu_name": "Fake GPU"},
-               "steps": []}
-    for step, outputs in (("tests", []), ("report", []), ("bench", [str(tmp_path / "b.json")]),
-                          ("ppo", [str(ppo_dir / "log.json")])):
+    summary = {
+        "peak_colocated_bytes": 3 * 2**30,
+        "peak_phase": "train_policy",
+        "largest_phase_bytes": 3 * 2**30,
+        "largest_phase": "train_policy",
+        "ratio": 1.0,
+        "phases": 15,
+    }
+    (ppo_dir / "log.json").write_text(
+        json.dumps(
+            {
+                "summary": {
+                    "memory_manager_on": summary,
+                    "memory_manager_off": dict(summary, ratio=2.1),
+                    "seconds": 90.0,
+                },
+                "iterations": [{}] * 4,
+                "sync_checks": [{"iteration": 0, "equal": True}],
+                "audits": {"runs": 12, "checks_clean": 12},
+            }
+        )
+    )
+    results = {
+        "date": "2026-11-23",
+        "command": "scripts/gpu_validate.py",
+        "environment": {"gpu_name": "Fake GPU"},
+        "steps": [],
+    }
+    for step, outputs in (
+        ("tests", []),
+        ("report", []),
+        ("bench", [str(tmp_path / "b.json")]),
+        ("ppo", [str(ppo_dir / "log.json")]),
+    ):
         entry = {"step": step, "status": "ok", "seconds": 1.0, "outputs": outputs, "log": str(tmp_path / f"{step}.log")}
         gv._collect(step, results, tmp_path, entry)
         results["steps"].append(entry)
-    assert results["steps"][0]["status"] == "failed" and results["steps"][0]["detail"] == "1 passed, 1 failed, 1 skipped"
+    assert (
+        results["steps"][0]["status"] == "failed" and results["steps"][0]["detail"] == "1 passed, 1 failed, 1 skipped"
+    )
     assert [t["outcome"] for t in results["tests"]] == ["passed", "skipped", "failed"]
     assert results["bench_targets"] and results["ppo"]["sync_ok"] and results["ppo"]["audits_ok"]
     paths = gv.write_results(results, tmp_path / "out", "2026-11-23_gpu-fake")
@@ -225,24 +277,31 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     # markdown and plot from its JSON and says what is missing; tests without a junit file are
     # read from the streamed log.
     bench = json.loads((tmp_path / "b.json").read_text())
-    bench.update(complete=False, missing_parts=["grads", "main_weights", "optimizer_states", "full"],
-                 timings=[r for r in bench["timings"] if r["part"] == "weights"],
-                 memory=[x for x in bench["memory"] if x["part"] == "weights"],
-                 part_seconds={"weights": bench["part_seconds"]["weights"]})
+    bench.update(
+        complete=False,
+        missing_parts=["grads", "main_weights", "optimizer_states", "full"],
+        timings=[r for r in bench["timings"] if r["part"] == "weights"],
+        memory=[x for x in bench["memory"] if x["part"] == "weights"],
+        part_seconds={"weights": bench["part_seconds"]["weights"]},
+    )
     for key in ("cycles", "integrity", "targets"):
         del bench[key]
     (tmp_path / "c.json").write_text(json.dumps(bench))
     cut = tmp_path / "cut"
     cut.mkdir()
-    (cut / "tests.log").write_text("tests/gpu/test_gpu_manager.py::test_a PASSED                [ 10%]\n"
-                                   "tests/gpu/test_gpu_memory.py::test_c FAILED                 [ 20%]\n")
+    (cut / "tests.log").write_text(
+        "tests/gpu/test_gpu_manager.py::test_a PASSED                [ 10%]\n"
+        "tests/gpu/test_gpu_memory.py::test_c FAILED                 [ 20%]\n"
+    )
     partial = {"date": "2026-11-23", "command": "x", "steps": []}
     for step, outputs in (("tests", []), ("bench", [str(tmp_path / "c.json")])):
         entry = {"step": step, "status": "timed out after 10 s", "outputs": outputs, "log": str(cut / f"{step}.log")}
         gv._collect(step, partial, cut, entry)
         partial["steps"].append(entry)
-    assert [(t["test"], t["outcome"]) for t in partial["tests"]] == [("test_gpu_manager::test_a", "passed"),
-                                                                      ("test_gpu_memory::test_c", "failed")]
+    assert [(t["test"], t["outcome"]) for t in partial["tests"]] == [
+        ("test_gpu_manager::test_a", "passed"),
+        ("test_gpu_memory::test_c", "failed"),
+    ]
     assert "missing parts grads, main_weights, optimizer_states, full" in partial["steps"][1]["detail"]
     assert "Incomplete run" in (tmp_path / "c.md").read_text() and (tmp_path / "c.png").stat().st_size > 10_000
     assert {t["name"].split(":")[0] for t in partial["bench_targets"]} >= {"weights offload", "weights onload"}

@@ -37,7 +37,7 @@ def test_generate_then_logprobs_match_the_sampling_probabilities(model):
         tokens = modeling.generate(model, prompts, 5, 0.5, torch.Generator().manual_seed(2))
         lp = modeling.sequence_logprobs(model, tokens, 0.5)[:, 2:]  # (B, 5): the sampled tokens
         for t in range(5):
-            prefix = tokens[:, :3 + t]
+            prefix = tokens[:, : 3 + t]
             logits = model(prefix, torch.arange(prefix.shape[1]).expand_as(prefix), None)[:, -1, :].float()
             probs = torch.softmax(logits / 0.5, dim=-1)
             sampled = probs.gather(-1, tokens[:, 3 + t, None])[:, 0]

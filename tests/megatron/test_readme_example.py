@@ -38,8 +38,14 @@ def _free_port() -> int:
 def test_readme_example_is_the_marked_block():
     code = readme_example()
     compile(code, "README.md", "exec")
-    for name in ("TrainerMemoryManager", "cpu_backend.install()", "mm.offload()", "mm.onload()",
-                 "mm.audit().ok", "residency()"):
+    for name in (
+        "TrainerMemoryManager",
+        "cpu_backend.install()",
+        "mm.offload()",
+        "mm.onload()",
+        "mm.audit().ok",
+        "residency()",
+    ):
         assert name in code, f"the README example no longer shows {name}"
     assert 15 <= len(code.splitlines()) <= 30, "keep the README example about 20 lines"
 
@@ -48,8 +54,9 @@ def test_readme_example_runs_and_proves_its_outcome(tmp_path):
     # gpt.init_distributed() rendezvous through env:// (MASTER_PORT 29500 unless set): a port of
     # its own, so that tests running beside this one cannot collide with it.
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run([sys.executable, "-c", readme_example()], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", readme_example()], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
     steps = re.findall(r"^step (\d): loss [0-9.]+, ([0-9.]+) MiB awake, 0 B asleep$", proc.stdout, re.M)
     assert [s for s, _ in steps] == ["0", "1", "2"], proc.stdout

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from trainer_runs import train
-from chatlearn_mem.models import gpt
+
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.models import gpt
 
 
 @pytest.fixture(params=["distopt", "float16opt"])
@@ -124,7 +124,9 @@ def test_storage_restored_behind_the_managers_back_is_reported(trained):
     mm, trainer = trained
     mm.offload()
     grad_data = layout.ddp_buffers(trainer.model)[0].grad_data
-    (storage, size), = [(s, n) for s, n in mm._groups["grads"].released if s._cdata == grad_data.untyped_storage()._cdata]
+    ((storage, size),) = [
+        (s, n) for s, n in mm._groups["grads"].released if s._cdata == grad_data.untyped_storage()._cdata
+    ]
     storage.resize_(size)
     assert "although the part is offloaded" in _problems(mm)
     storage.resize_(0)

@@ -2,8 +2,8 @@
 the multi-rank runs are in tests/multirank/test_trainer_exactness_multirank.py)."""
 
 import pytest
-
 from trainer_runs import STEPS, TRANSITIONS, bit_equal, train
+
 from chatlearn_mem import Part
 from chatlearn_mem.models import gpt
 
@@ -93,8 +93,9 @@ def test_partial_offload_is_bit_exact(dist1, name, between, transitions):
     cfg = gpt.GPTTrainerConfig(**LAYOUTS[name])
     base_losses, base_state, _, _ = train(cfg)
     blocking = transitions == "blocking"
-    losses, state, mm, _ = train(cfg, between=lambda *a: between(*a, blocking=blocking),
-                                 config=TRANSITIONS[transitions][1])
+    losses, state, mm, _ = train(
+        cfg, between=lambda *a: between(*a, blocking=blocking), config=TRANSITIONS[transitions][1]
+    )
     assert losses == base_losses
     assert bit_equal(state, base_state)
     assert mm.audit().ok
@@ -107,6 +108,7 @@ def test_forward_only_phase_skips_copy_of_unchanged_weights(dist1):
     assert first["weights"].copied_bytes > 0
     mm.onload(["weights"])  # plain names work too
     import torch
+
     with torch.no_grad():
         trainer.loss(gpt.synthetic_batch(cfg, 99))  # forward only: weights unchanged
     second = mm.offload_weights()

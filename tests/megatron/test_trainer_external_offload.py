@@ -8,8 +8,8 @@ no-op (checked below) and its effect, ``p.data`` rebound off the device, is repr
 
 import pytest
 import torch
-
 from trainer_runs import BATCH, STEPS, bit_equal, full_cycle, train
+
 from chatlearn_mem import ExternalChangeError, OffloadedError, Part
 from chatlearn_mem.models import gpt
 
@@ -92,6 +92,7 @@ def test_param_buffer_released_by_megatron_is_named_and_refused(baseline):
 def test_stale_reload_by_megatron_into_offloaded_weights_is_refused(dist1):
     """megatron's reload_from_cpu() copies its own host copy into storages the manager released:
     the manager must not call that trainer onloaded, and must not mix its bytes with megatron's."""
+
     def scenario(mm, trainer):
         buffers = _buffers(trainer)
         for b in buffers:  # an earlier megatron cycle leaves a host copy behind (param_data_cpu) ...
@@ -128,8 +129,7 @@ def test_optimizer_states_moved_off_the_device_are_named_and_refused(baseline):
                 if v.numel() > 1:
                     s[k] = torch.empty_like(v, device="meta")
                     moved += 1
-        message = _refused(mm, mm.offload, "optimizer_states:", "MegatronOptimizer.offload_to_cpu",
-                           "restore_from_cpu")
+        message = _refused(mm, mm.offload, "optimizer_states:", "MegatronOptimizer.offload_to_cpu", "restore_from_cpu")
         assert f"{moved} tensor(s)" in message
         assert any("optimizer_states:" in p for p in mm.audit().problems)
         for s, original in saved:
@@ -144,6 +144,7 @@ def test_optimizer_states_moved_off_the_device_are_named_and_refused(baseline):
 def test_a_rebound_main_weight_is_recognised_by_its_slot():
     """``p.data = p.data.cpu()`` keeps the tensor object: its slot is the tensor, found off the device."""
     from chatlearn_mem import external
+
     w = [torch.ones(4), torch.ones(4)]
     placement = external.Placement.of(((id(t), t) for t in w), torch.device("cpu"))
     assert external.changes("main_weights", False, [], ((id(t), t) for t in w), torch.device("cpu"), placement) == []
@@ -157,6 +158,7 @@ def test_a_rebound_main_weight_is_recognised_by_its_slot():
 @pytest.mark.parametrize("move_params", [False, True], ids=["grads", "grads+params"])
 def test_megatron_builtin_offload_cycle_is_exact_on_cpu(baseline, move_params):
     """Measured for the README's comparison: megatron's own buffer offload between every step."""
+
     def between(mm, trainer, step):
         _needs_builtin_offload(trainer)
         for b in _buffers(trainer):
@@ -176,8 +178,11 @@ def test_megatron_optimizer_offload_while_the_manager_holds_the_states_is_refuse
     if not hasattr(trainer.optimizer, "offload_to_cpu"):
         pytest.skip("this megatron-core has no built-in optimizer offload (added in 0.16)")
     mm.offload()
-    for call in (trainer.optimizer.offload_to_cpu, trainer.optimizer.restore_from_cpu,
-                 trainer.optimizer.chained_optimizers[0].offload_to_cpu):
+    for call in (
+        trainer.optimizer.offload_to_cpu,
+        trainer.optimizer.restore_from_cpu,
+        trainer.optimizer.chained_optimizers[0].offload_to_cpu,
+    ):
         with pytest.raises(OffloadedError, match=r"offload_to_cpu\(\)|restore_from_cpu\(\)") as e:
             call()
         assert "main_weights" in str(e.value) or "optimizer_states" in str(e.value)

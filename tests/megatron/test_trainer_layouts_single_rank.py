@@ -3,20 +3,24 @@ parallelism, megatron's no-pipelining schedule, config checks."""
 
 import pytest
 import torch
-
 from trainer_runs import STEPS, TRANSITIONS, bit_equal, slow_lanes, train
+
 from chatlearn_mem import TrainerMemoryManager
-from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.models import gpt
 
 
 @pytest.mark.parametrize("transitions", list(TRANSITIONS))
-@pytest.mark.parametrize("cfg", [
-    dict(frozen_params=("embedding", "final_layernorm")),
-    dict(frozen_params=("layernorm",), precision="fp32", use_distributed_optimizer=False),
-    dict(num_moe_experts=4, moe_router_topk=2),
-    dict(num_moe_experts=2, moe_router_topk=1, overlap_grad_reduce=True, ddp_bucket_size=2000),
-], ids=["frozen-bf16-distopt", "frozen-fp32-fp32opt", "moe4-top2", "moe2-top1-overlap"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(frozen_params=("embedding", "final_layernorm")),
+        dict(frozen_params=("layernorm",), precision="fp32", use_distributed_optimizer=False),
+        dict(num_moe_experts=4, moe_router_topk=2),
+        dict(num_moe_experts=2, moe_router_topk=1, overlap_grad_reduce=True, ddp_bucket_size=2000),
+    ],
+    ids=["frozen-bf16-distopt", "frozen-fp32-fp32opt", "moe4-top2", "moe2-top1-overlap"],
+)
 def test_new_options_are_bit_exact_under_full_cycles(dist1, cfg, transitions):
     cfg = gpt.GPTTrainerConfig(**cfg)
     base_losses, base_state, _, _ = train(cfg)

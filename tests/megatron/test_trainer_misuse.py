@@ -29,6 +29,7 @@ CFG_FIELDS: dict = {}  # GPTTrainerConfig defaults: bf16 params, distributed opt
 # -- the cases (run in the child) ------------------------------------------------------------------
 def _batch(step):
     from trainer_runs import BATCH
+
     from chatlearn_mem.models import gpt
 
     return gpt.synthetic_batch(gpt.GPTTrainerConfig(**CFG_FIELDS), step, batch_size=BATCH)
@@ -224,8 +225,12 @@ def _dropped_with_model(results: list) -> None:
         warnings.simplefilter("always")
         del mm, trainer
         gc.collect()
-    results.append({"case": "manager_and_model_dropped_while_offloaded",
-                    "warnings": [str(w.message) for w in caught if "garbage collected" in str(w.message)]})
+    results.append(
+        {
+            "case": "manager_and_model_dropped_while_offloaded",
+            "warnings": [str(w.message) for w in caught if "garbage collected" in str(w.message)],
+        }
+    )
 
 
 def child(out_path: str, names: list[str], blocking: bool = True) -> None:
@@ -241,6 +246,7 @@ def child(out_path: str, names: list[str], blocking: bool = True) -> None:
     faulthandler.enable()
     warnings.simplefilter("ignore")
     from trainer_runs import NON_BLOCKING, bit_equal, slow_lanes, snapshot, train
+
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager, manager_of
     from chatlearn_mem.models import gpt
 
@@ -258,12 +264,18 @@ def child(out_path: str, names: list[str], blocking: bool = True) -> None:
 
     for name in names:
         trainer = gpt.build_gpt_trainer(cfg)
-        mm = TrainerMemoryManager(trainer.model, trainer.optimizer,
-                                  MemoryConfig(debug_guard=name.startswith("debug_guard"), **chunk))
+        mm = TrainerMemoryManager(
+            trainer.model, trainer.optimizer, MemoryConfig(debug_guard=name.startswith("debug_guard"), **chunk)
+        )
         losses = [trainer.train_step(_batch(s)) for s in range(2)]
-        ctx = {"trainer": trainer, "mm": mm, "tmp": tmp,
-               "state_dict": {k: v.clone() if isinstance(v, torch.Tensor) else v
-                              for k, v in trainer.model.state_dict().items()}}
+        ctx = {
+            "trainer": trainer,
+            "mm": mm,
+            "tmp": tmp,
+            "state_dict": {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in trainer.model.state_dict().items()
+            },
+        }
         del mm
         result = {"case": name, "error": None}
         with slow():
@@ -299,8 +311,12 @@ def misuse(request, tmp_path_factory):
     """Run every case in one child process; ``{case: result}`` plus the process outcome. Once with
     blocking transitions, once with the offload before the misuse (and the onload after it) in flight."""
     out = tmp_path_factory.mktemp("misuse") / "results.jsonl"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), request.param, *CASES],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(out), request.param, *CASES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     results = {}
     if out.exists():
         for line in out.read_text().splitlines():
@@ -315,8 +331,10 @@ def test_child_process_survives_every_misuse(misuse):
     assert proc.returncode == 0, f"exit status {proc.returncode} (negative: killed by that signal)\n{tail}"
     for marker in ("Segmentation fault", "Fatal Python error", "Traceback"):
         assert marker not in proc.stderr, tail
-    assert set(results) == set(CASES) | {"inference_backward_after_offload",
-                                          "manager_and_model_dropped_while_offloaded"}
+    assert set(results) == set(CASES) | {
+        "inference_backward_after_offload",
+        "manager_and_model_dropped_while_offloaded",
+    }
 
 
 def _result(misuse, name):
@@ -328,56 +346,109 @@ def _result(misuse, name):
     return r
 
 
-_ALL = r"main_weights, optimizer_states, weights, grads are offloaded: call " \
-       r"onload\(\['main_weights', 'optimizer_states', 'weights', 'grads'\]\) \(or onload\(\)\) first"
+_ALL = (
+    r"main_weights, optimizer_states, weights, grads are offloaded: call "
+    r"onload\(\['main_weights', 'optimizer_states', 'weights', 'grads'\]\) \(or onload\(\)\) first"
+)
 
 EXPECTED = {
     # the usual train step starts with zero_grad_buffer
-    "train_step_without_onload": ("OffloadedError", r"^DistributedDataParallel\.zero_grad_buffer\(\) while grads are "
-                                  r"offloaded: call onload\(\['grads'\]\) \(or onload\(\)\) first$"),
+    "train_step_without_onload": (
+        "OffloadedError",
+        r"^DistributedDataParallel\.zero_grad_buffer\(\) while grads are "
+        r"offloaded: call onload\(\['grads'\]\) \(or onload\(\)\) first$",
+    ),
     "zero_grad_buffer": ("OffloadedError", r"^DistributedDataParallel\.zero_grad_buffer\(\) while grads are offloaded"),
     "start_grad_sync": ("OffloadedError", r"^DistributedDataParallel\.start_grad_sync\(\) while grads are offloaded"),
     "finish_grad_sync": ("OffloadedError", r"^DistributedDataParallel\.finish_grad_sync\(\) while grads are offloaded"),
-    "start_param_sync": ("OffloadedError", r"^DistributedDataParallel\.start_param_sync\(\) while weights are "
-                         r"offloaded: call onload_weights\(\)"),
+    "start_param_sync": (
+        "OffloadedError",
+        r"^DistributedDataParallel\.start_param_sync\(\) while weights are "
+        r"offloaded: call onload_weights\(\)",
+    ),
     "training_forward": ("OffloadedError", r"^forward pass while the weights are offloaded: call onload_weights\(\)"),
     "no_grad_forward": ("OffloadedError", r"^forward pass while the weights are offloaded: call onload_weights\(\)"),
-    "backward_after_offload": ("OffloadedError", r"^backward pass while weights, grads are offloaded: call "
-                               r"onload\(\['weights', 'grads'\]\) \(or onload\(\)\) first$"),
+    "backward_after_offload": (
+        "OffloadedError",
+        r"^backward pass while weights, grads are offloaded: call "
+        r"onload\(\['weights', 'grads'\]\) \(or onload\(\)\) first$",
+    ),
     "megatron_optimizer_step": ("OffloadedError", r"^\w*Optimizer\.step\(\) while " + _ALL + "$"),
     "torch_optimizer_step": ("OffloadedError", r"^optimizer step while " + _ALL + "$"),
-    "model_state_dict": ("OffloadedError", r"^state_dict\(\) while weights are offloaded: call onload_weights\(\) "
-                         r"\(or onload\(\)\) first, or use the manager's weights_state_dict\(\)"),
-    "model_sharded_state_dict": ("OffloadedError", r"^DistributedDataParallel\.sharded_state_dict\(\) while weights "
-                                 r"are offloaded"),
-    "inner_module_sharded_state_dict": ("OffloadedError", r"^GPTModel\.sharded_state_dict\(\) while weights are "
-                                        r"offloaded"),
-    "model_load_state_dict": ("OffloadedError", r"^load_state_dict\(\) while weights are offloaded: call "
-                              r"onload_weights\(\)"),
-    "optimizer_state_dict": ("OffloadedError", r"^\w*Optimizer\.state_dict\(\) while main_weights, "
-                             r"optimizer_states are offloaded: call "
-                             r"onload\(\['main_weights', 'optimizer_states'\]\) \(or onload\(\)\) first$"),
-    "optimizer_sharded_state_dict": ("OffloadedError", r"^\w*Optimizer\.sharded_state_dict\(\) while main_weights, "
-                                     r"optimizer_states, weights are offloaded"),
-    "second_manager": ("ChatlearnMemError", r"^this model is already managed by TrainerMemoryManager \(created at "
-                       r".*test_trainer_misuse\.py:\d+\); .*chatlearn_mem\.manager_of\(model\) returns it\) or "
-                       r"call its close\(\) first$"),
-    "close_while_offloaded": ("ChatlearnMemError", r"^cannot close TrainerMemoryManager: weights, grads, main_weights, "
-                              r"optimizer_states are offloaded, .*Call onload\(\) first, then close\(\)$"),
+    "model_state_dict": (
+        "OffloadedError",
+        r"^state_dict\(\) while weights are offloaded: call onload_weights\(\) "
+        r"\(or onload\(\)\) first, or use the manager's weights_state_dict\(\)",
+    ),
+    "model_sharded_state_dict": (
+        "OffloadedError",
+        r"^DistributedDataParallel\.sharded_state_dict\(\) while weights "
+        r"are offloaded",
+    ),
+    "inner_module_sharded_state_dict": (
+        "OffloadedError",
+        r"^GPTModel\.sharded_state_dict\(\) while weights are "
+        r"offloaded",
+    ),
+    "model_load_state_dict": (
+        "OffloadedError",
+        r"^load_state_dict\(\) while weights are offloaded: call "
+        r"onload_weights\(\)",
+    ),
+    "optimizer_state_dict": (
+        "OffloadedError",
+        r"^\w*Optimizer\.state_dict\(\) while main_weights, "
+        r"optimizer_states are offloaded: call "
+        r"onload\(\['main_weights', 'optimizer_states'\]\) \(or onload\(\)\) first$",
+    ),
+    "optimizer_sharded_state_dict": (
+        "OffloadedError",
+        r"^\w*Optimizer\.sharded_state_dict\(\) while main_weights, "
+        r"optimizer_states, weights are offloaded",
+    ),
+    "second_manager": (
+        "ChatlearnMemError",
+        r"^this model is already managed by TrainerMemoryManager \(created at "
+        r".*test_trainer_misuse\.py:\d+\); .*chatlearn_mem\.manager_of\(model\) returns it\) or "
+        r"call its close\(\) first$",
+    ),
+    "close_while_offloaded": (
+        "ChatlearnMemError",
+        r"^cannot close TrainerMemoryManager: weights, grads, main_weights, "
+        r"optimizer_states are offloaded, .*Call onload\(\) first, then close\(\)$",
+    ),
     "manager_dropped_while_offloaded": ("OffloadedError", r"^DistributedDataParallel\.zero_grad_buffer\(\)"),
-    "debug_guard_norm": ("OffloadedError", r"^norm\(\) on param chunk0\.module\.decoder\.layers\.0\.mlp\.linear_fc1"
-                         r"\.weight while weights are offloaded: call onload_weights\(\) \(or onload\(\)\) first\. "
-                         r"Raised by the debug guard"),
-    "debug_guard_ema": ("OffloadedError", r"^add_\(\) on param chunk0\.module\.decoder\.layers\.0\.mlp\.linear_fc1"
-                        r"\.weight while weights are offloaded"),
-    "debug_guard_logging_hook": ("OffloadedError", r"^__repr__\(\) on param chunk0\.module\.embedding\."
-                                 r"word_embeddings\.weight while weights are offloaded"),
-    "debug_guard_optimizer_state": ("OffloadedError", r"^abs\(\) on optimizer state 'exp_avg' #0 of optimizer 0 "
-                                    r"while optimizer_states are offloaded: call onload\(\['optimizer_states'\]\)"),
-    "debug_guard_main_grad": ("OffloadedError", r"^sum\(\) on .* while grads are offloaded: call "
-                              r"onload\(\['grads'\]\)"),
-    "inference_backward_after_offload": ("OffloadedError", r"^backward pass while weights are offloaded: call "
-                                         r"onload_weights\(\) \(or onload\(\)\) first$"),
+    "debug_guard_norm": (
+        "OffloadedError",
+        r"^norm\(\) on param chunk0\.module\.decoder\.layers\.0\.mlp\.linear_fc1"
+        r"\.weight while weights are offloaded: call onload_weights\(\) \(or onload\(\)\) first\. "
+        r"Raised by the debug guard",
+    ),
+    "debug_guard_ema": (
+        "OffloadedError",
+        r"^add_\(\) on param chunk0\.module\.decoder\.layers\.0\.mlp\.linear_fc1"
+        r"\.weight while weights are offloaded",
+    ),
+    "debug_guard_logging_hook": (
+        "OffloadedError",
+        r"^__repr__\(\) on param chunk0\.module\.embedding\."
+        r"word_embeddings\.weight while weights are offloaded",
+    ),
+    "debug_guard_optimizer_state": (
+        "OffloadedError",
+        r"^abs\(\) on optimizer state 'exp_avg' #0 of optimizer 0 "
+        r"while optimizer_states are offloaded: call onload\(\['optimizer_states'\]\)",
+    ),
+    "debug_guard_main_grad": (
+        "OffloadedError",
+        r"^sum\(\) on .* while grads are offloaded: call "
+        r"onload\(\['grads'\]\)",
+    ),
+    "inference_backward_after_offload": (
+        "OffloadedError",
+        r"^backward pass while weights are offloaded: call "
+        r"onload_weights\(\) \(or onload\(\)\) first$",
+    ),
 }
 
 
@@ -400,8 +471,9 @@ def test_manager_dropped_with_its_model_warns(misuse):
     r = _result(misuse, "manager_and_model_dropped_while_offloaded")
     assert len(r["warnings"]) == 1, r
     assert r["warnings"][0].startswith("TrainerMemoryManager (created at ")
-    assert "was garbage collected while weights, grads, main_weights, optimizer_states were offloaded" \
-        in r["warnings"][0]
+    assert (
+        "was garbage collected while weights, grads, main_weights, optimizer_states were offloaded" in r["warnings"][0]
+    )
 
 
 # -- in process: what cannot crash ---------------------------------------------------------------------
@@ -471,10 +543,13 @@ def test_host_memory_refusal_changes_nothing(trained, monkeypatch):
     before = mm.residency()
     fake = host_memory.HostMemory(2**20, (("cgroup v2 /sys/fs/cgroup: limit 1.00 GiB, free", 2**20),))
     monkeypatch.setattr(host_memory, "usable_host_memory", lambda: fake)
-    with pytest.raises(HostMemoryError, match=r"^offload refused, nothing was changed: it would allocate "
-                       r"\d+\.\d\d GiB of host memory \(optimizer_states .*, main_weights .*, weights .*\) "
-                       r"but the process can use only 0\.00 GiB \(cgroup v2 /sys/fs/cgroup: limit 1\.00 GiB, "
-                       r"free 0\.00 GiB; minus host_memory_margin_mb=1024 MiB\)") as info:
+    with pytest.raises(
+        HostMemoryError,
+        match=r"^offload refused, nothing was changed: it would allocate "
+        r"\d+\.\d\d GiB of host memory \(optimizer_states .*, main_weights .*, weights .*\) "
+        r"but the process can use only 0\.00 GiB \(cgroup v2 /sys/fs/cgroup: limit 1\.00 GiB, "
+        r"free 0\.00 GiB; minus host_memory_margin_mb=1024 MiB\)",
+    ) as info:
         mm.offload()
     assert isinstance(info.value, MemoryError)
     assert mm.residency() == before and not any(mm.is_offloaded(p) for p in Part)

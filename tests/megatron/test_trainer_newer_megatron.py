@@ -4,11 +4,11 @@ recommends over GPTModel, and fp32 local gradient accumulation (0.17+), whose se
 
 import pytest
 import torch
-
 from trainer_runs import BATCH, STEPS, TRANSITIONS, bit_equal, train
+
 from chatlearn_mem import ChatlearnMemError, Part
-from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.models import gpt
 
 
 def _release() -> tuple[int, int]:
@@ -16,9 +16,11 @@ def _release() -> tuple[int, int]:
 
 
 needs_018 = pytest.mark.skipif(_release() < (0, 18), reason="HybridModel is in megatron-core 0.18 and newer")
-needs_017 = pytest.mark.skipif(_release() < (0, 17),
-                               reason="fp32 local accumulation (param_name_patterns_for_fp32_local_accumulation) "
-                                      "is in megatron-core 0.17 and newer")
+needs_017 = pytest.mark.skipif(
+    _release() < (0, 17),
+    reason="fp32 local accumulation (param_name_patterns_for_fp32_local_accumulation) "
+    "is in megatron-core 0.17 and newer",
+)
 
 
 @needs_018

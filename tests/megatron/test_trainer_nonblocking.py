@@ -10,12 +10,11 @@ import warnings
 
 import pytest
 import torch
-
 from trainer_runs import BATCH, NON_BLOCKING, bit_equal, slow_lanes, snapshot, train
-from chatlearn_mem import Part, TrainerMemoryManager, swap
-from chatlearn_mem import copy_engine
-from chatlearn_mem.storage import unique_storages
+
+from chatlearn_mem import Part, TrainerMemoryManager, copy_engine, swap
 from chatlearn_mem.models import gpt
+from chatlearn_mem.storage import unique_storages
 
 CFG = gpt.GPTTrainerConfig()
 
@@ -59,7 +58,8 @@ def test_overlapped_param_gather_waits_for_every_weight_before_the_forward(dist1
     mm.offload()
     seen = []
     hook = trainer.model.module.embedding.register_forward_pre_hook(
-        lambda m, a: seen.append(mm._pending[Part.WEIGHTS][1].batch.done() if Part.WEIGHTS in mm._pending else True))
+        lambda m, a: seen.append(mm._pending[Part.WEIGHTS][1].batch.done() if Part.WEIGHTS in mm._pending else True)
+    )
     with slow_lanes(1e-3):
         mm.onload(blocking=False)
         _step(trainer, cfg, 1)

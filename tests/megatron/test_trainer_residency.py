@@ -1,11 +1,11 @@
 """Guarantee 3: a full offload frees the device; cycles grow neither device nor host memory."""
 
 import pytest
-
 from trainer_runs import train
+
 from chatlearn_mem import Part
-from chatlearn_mem.models import gpt
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.models import gpt
 
 
 @pytest.mark.parametrize("distopt", [True, False], ids=["distopt", "float16opt"])
@@ -22,8 +22,9 @@ def test_full_offload_frees_the_device(dist1, distopt):
     mm.offload()
     after = mm.residency()
     assert after.device_bytes <= 0.01 * before.device_bytes, str(after)
-    assert after.host_bytes >= (before.by_category["weights"] + before.by_category["main_weights"]
-                                + before.by_category["optimizer_states"])
+    assert after.host_bytes >= (
+        before.by_category["weights"] + before.by_category["main_weights"] + before.by_category["optimizer_states"]
+    )
     assert after.host_by_category["grads"] == 0  # grads are dropped, never copied
     mm.onload()
     assert mm.residency().device_bytes == before.device_bytes
@@ -62,13 +63,26 @@ def test_resident_bytes_are_known_while_offloaded(dist1):
     mm.onload()
 
 
-@pytest.mark.parametrize("cfg,value_head", [
-    (dict(num_layers=2, hidden_size=64, vocab_size=64, seq_length=16), False),
-    (dict(num_layers=2, hidden_size=64, vocab_size=64, seq_length=16), True),
-    (dict(num_layers=3, hidden_size=128, vocab_size=512, seq_length=32, precision="fp32",
-          use_distributed_optimizer=False), True),
-    (dict(num_layers=2, hidden_size=64, grad_reduce_in_fp32=False), False),
-], ids=["policy", "critic", "critic-fp32", "bf16-grads"])
+@pytest.mark.parametrize(
+    "cfg,value_head",
+    [
+        (dict(num_layers=2, hidden_size=64, vocab_size=64, seq_length=16), False),
+        (dict(num_layers=2, hidden_size=64, vocab_size=64, seq_length=16), True),
+        (
+            dict(
+                num_layers=3,
+                hidden_size=128,
+                vocab_size=512,
+                seq_length=32,
+                precision="fp32",
+                use_distributed_optimizer=False,
+            ),
+            True,
+        ),
+        (dict(num_layers=2, hidden_size=64, grad_reduce_in_fp32=False), False),
+    ],
+    ids=["policy", "critic", "critic-fp32", "bf16-grads"],
+)
 def test_estimated_part_bytes_match_the_built_trainer(dist1, cfg, value_head):
     """The config-only estimate a budget is checked with before anything starts (PPO driver)."""
     from chatlearn_mem import TrainerMemoryManager

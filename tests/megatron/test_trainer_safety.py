@@ -6,12 +6,19 @@ import warnings
 
 import pytest
 import torch
-
 from trainer_runs import STEPS, bit_equal, train
-from chatlearn_mem import ChatlearnMemError, OffloadedError, Part, TrainerMemoryManager, UnsupportedLayoutError
-from chatlearn_mem.models import gpt
-from chatlearn_mem import host_store, storage
+
+from chatlearn_mem import (
+    ChatlearnMemError,
+    OffloadedError,
+    Part,
+    TrainerMemoryManager,
+    UnsupportedLayoutError,
+    host_store,
+    storage,
+)
 from chatlearn_mem.mcore import layout
+from chatlearn_mem.models import gpt
 
 CFG = gpt.GPTTrainerConfig()
 
@@ -23,8 +30,7 @@ def trained(dist1):
     return mm, trainer
 
 
-@pytest.mark.parametrize("offload,onload", [
-    ("offload_weights", "onload_weights"), ("offload", "onload")])
+@pytest.mark.parametrize("offload,onload", [("offload_weights", "onload_weights"), ("offload", "onload")])
 @pytest.mark.parametrize("part", [None, Part.GRADS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
 def test_repeated_calls_are_noops_with_a_warning(trained, offload, onload, part):
     if offload == "offload_weights" and part is not None:
@@ -137,6 +143,7 @@ def _cycle_then_continue(fail_patch, monkeypatch):
             mm.onload()
             assert mm.audit().ok
     from trainer_runs import snapshot
+
     assert losses == base_losses
     assert bit_equal(snapshot(trainer), base_state)
 
@@ -236,6 +243,7 @@ def test_version_ignores_the_git_hash_megatron_appends(monkeypatch):
     """megatron-core 0.19 appends ``git rev-parse --short HEAD`` of the current directory to its
     version ("0.19.2+41a04a1"): the repository the user runs from, not megatron's build."""
     from megatron.core import package_info
+
     monkeypatch.setattr(package_info, "__version__", "0.19.2+41a04a1")
     assert layout.megatron_core_version() == "0.19.2"
 

@@ -9,26 +9,44 @@ import warnings
 
 import pytest
 import torch
-
 from trainer_runs import bit_equal, snapshot, train
-from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, Part, TrainerMemoryManager
+
+from chatlearn_mem import ChatlearnMemError, InferenceMemoryManager, Part, TrainerMemoryManager, storage
 from chatlearn_mem.mcore import checks
 from chatlearn_mem.models import gpt
-from chatlearn_mem import storage
 
 CFG = gpt.GPTTrainerConfig()
 PARTS = tuple(Part)
 
 # Every public method, in an order in which each call is valid, with its arguments.
 TRAINER_CALLS = [
-    ("residency", ()), ("audit", ()), ("mark_weights_dirty", ()), ("weights_state_dict", ()),
-    ("offload_weights", ()), ("onload_weights", ()), ("offload", (Part.GRADS,)), ("onload", (Part.GRADS,)),
-    ("offload", (Part.MAIN_WEIGHTS,)), ("onload", (Part.MAIN_WEIGHTS,)),
-    ("offload", (Part.OPTIMIZER_STATES,)), ("onload", (Part.OPTIMIZER_STATES,)),
-    ("offload", ()), ("onload", ()), ("close", ()),
+    ("residency", ()),
+    ("audit", ()),
+    ("mark_weights_dirty", ()),
+    ("weights_state_dict", ()),
+    ("offload_weights", ()),
+    ("onload_weights", ()),
+    ("offload", (Part.GRADS,)),
+    ("onload", (Part.GRADS,)),
+    ("offload", (Part.MAIN_WEIGHTS,)),
+    ("onload", (Part.MAIN_WEIGHTS,)),
+    ("offload", (Part.OPTIMIZER_STATES,)),
+    ("onload", (Part.OPTIMIZER_STATES,)),
+    ("offload", ()),
+    ("onload", ()),
+    ("close", ()),
 ]
-INFERENCE_CALLS = [("residency", ()), ("audit", ()), ("mark_weights_dirty", ()), ("weights_state_dict", ()),
-                   ("offload_weights", ()), ("onload_weights", ()), ("offload", ()), ("onload", ()), ("close", ())]
+INFERENCE_CALLS = [
+    ("residency", ()),
+    ("audit", ()),
+    ("mark_weights_dirty", ()),
+    ("weights_state_dict", ()),
+    ("offload_weights", ()),
+    ("onload_weights", ()),
+    ("offload", ()),
+    ("onload", ()),
+    ("close", ()),
+]
 UNLOCKED = {"is_offloaded"}  # reads one flag
 
 
@@ -87,6 +105,7 @@ def test_concurrent_offload_onload_audit_residency_never_interleave(trained):
                         body()
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(e)
+
         return run
 
     def cycle():
@@ -97,8 +116,10 @@ def test_concurrent_offload_onload_audit_residency_never_interleave(trained):
         mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
         mm.onload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
 
-    threads = [threading.Thread(target=loop(f)) for f in (
-        cycle, partial_cycle, lambda: audits.append(mm.audit()), lambda: residencies.append(mm.residency()))]
+    threads = [
+        threading.Thread(target=loop(f))
+        for f in (cycle, partial_cycle, lambda: audits.append(mm.audit()), lambda: residencies.append(mm.residency()))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -155,8 +176,11 @@ def offload_in_progress(trained, monkeypatch):
 
 def test_forward_while_another_thread_offloads_is_refused(offload_in_progress):
     mm, trainer = offload_in_progress
-    with pytest.raises(ChatlearnMemError, match=r"forward pass while another thread is inside "
-                                                r"TrainerMemoryManager\.offload\(\)"):
+    with pytest.raises(
+        ChatlearnMemError,
+        match=r"forward pass while another thread is inside "
+        r"TrainerMemoryManager\.offload\(\)",
+    ):
         trainer.loss(gpt.synthetic_batch(CFG, 0))
     with pytest.raises(ChatlearnMemError, match="another thread"):
         with torch.no_grad():

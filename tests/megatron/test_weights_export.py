@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from trainer_runs import train
+
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig
 from chatlearn_mem.models import gpt
 from chatlearn_mem.storage import StorageGroup
@@ -18,8 +18,9 @@ def test_trainer_exports_from_host_store_without_onloading(dist1, distopt):
     cfg = gpt.GPTTrainerConfig(use_distributed_optimizer=distopt)
     _, _, mm, trainer = train(cfg, steps=2)
     resident = mm.weights_state_dict()
-    expected = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()
-                if isinstance(v, torch.Tensor)}
+    expected = {
+        k: v.detach().clone() for k, v in trainer.model.module.state_dict().items() if isinstance(v, torch.Tensor)
+    }
     assert _equal(resident, expected)
     mm.offload()
     from_host = mm.weights_state_dict()

@@ -1,7 +1,6 @@
 """A checkpoint saved under one parallel split, loaded and saved again under another, loads back bit-exactly."""
 
 import pytest
-
 from trainer_runs import spawn
 
 
@@ -11,8 +10,14 @@ def _spec(name, role, tp, d):
 
 def test_round_trip_through_another_tensor_parallel_split(tmp_path):
     # DP=2 (TP=1) -> TP=2 (DP=1) -> DP=2: weights, main weights, states, step counts all survive
-    out = spawn([_spec("save_dp2", "save", 1, tmp_path), _spec("reshard_tp2", "reshard", 2, tmp_path),
-                 _spec("check_dp2", "check", 1, tmp_path)], fn_name="checkpoint_reshard")
+    out = spawn(
+        [
+            _spec("save_dp2", "save", 1, tmp_path),
+            _spec("reshard_tp2", "reshard", 2, tmp_path),
+            _spec("check_dp2", "check", 1, tmp_path),
+        ],
+        fn_name="checkpoint_reshard",
+    )
     for name, results in out.items():
         for r in results:
             if "error" in r:

@@ -4,11 +4,12 @@ trainer, as in tests/megatron/test_trainer_exactness.py). Both layouts run in on
 process group (see trainer_runs.spawn)."""
 
 import pytest
-
 from trainer_runs import STEPS, layout_spec, spawn
 
-LAYOUTS = {name: layout_spec(name, world, tp=tp, steps=STEPS, precision="bf16", use_distributed_optimizer=True)
-           for name, world, tp in [("dp2-distopt", 2, 1), ("tp2-distopt", 2, 2)]}
+LAYOUTS = {
+    name: layout_spec(name, world, tp=tp, steps=STEPS, precision="bf16", use_distributed_optimizer=True)
+    for name, world, tp in [("dp2-distopt", 2, 1), ("tp2-distopt", 2, 2)]
+}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ start and megatron's import dominate on CPU.
 """
 
 import pytest
-
 from trainer_runs import layout_spec, spawn
 
 pytestmark = pytest.mark.multirank
@@ -23,21 +22,35 @@ WORLD2 = [
     layout_spec("tp2-fp32", 2, tp=2, precision="fp32"),
     layout_spec("pp2-bf16grads", 2, pp=2, num_microbatches=2, grad_reduce_in_fp32=False),
     layout_spec("vpp2", 2, pp=2, vpp=2, num_layers=4, num_microbatches=2, inject_bugs=True),
-    layout_spec("vpp2-float16opt", 2, pp=2, vpp=2, num_layers=4, num_microbatches=2,
-                use_distributed_optimizer=False),
-    layout_spec("dp2-overlap", 2, overlap_grad_reduce=True, overlap_param_gather=True,
-                ddp_bucket_size=4000, inject_bugs=True),
-    layout_spec("dp2-overlap-bf16grads", 2, overlap_grad_reduce=True, overlap_param_gather=True,
-                ddp_bucket_size=4000, grad_reduce_in_fp32=False),
+    layout_spec("vpp2-float16opt", 2, pp=2, vpp=2, num_layers=4, num_microbatches=2, use_distributed_optimizer=False),
+    layout_spec(
+        "dp2-overlap", 2, overlap_grad_reduce=True, overlap_param_gather=True, ddp_bucket_size=4000, inject_bugs=True
+    ),
+    layout_spec(
+        "dp2-overlap-bf16grads",
+        2,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        ddp_bucket_size=4000,
+        grad_reduce_in_fp32=False,
+    ),
     layout_spec("moe-ep2", 2, ep=2, num_moe_experts=4, inject_bugs=True),
     layout_spec("dp2-frozen", 2, frozen_params=("embedding", "final_layernorm")),
-    layout_spec("dp2-frozen-fp32-fp32opt", 2, precision="fp32", use_distributed_optimizer=False,
-                frozen_params=("layernorm",)),
+    layout_spec(
+        "dp2-frozen-fp32-fp32opt", 2, precision="fp32", use_distributed_optimizer=False, frozen_params=("layernorm",)
+    ),
 ]
 WORLD4 = [
     layout_spec("tp2pp2", 4, tp=2, pp=2, num_microbatches=2, inject_bugs=True),
-    layout_spec("dp2pp2-overlap", 4, pp=2, num_microbatches=2, overlap_grad_reduce=True,
-                overlap_param_gather=True, ddp_bucket_size=4000),
+    layout_spec(
+        "dp2pp2-overlap",
+        4,
+        pp=2,
+        num_microbatches=2,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        ddp_bucket_size=4000,
+    ),
 ]
 SPECS = {s["name"]: s for s in WORLD2 + WORLD4}
 
@@ -106,8 +119,13 @@ def test_layout_is_what_it_claims(request, name):
             assert r["chained"] and r["leaf_types"] == ["DistributedOptimizer", "DistributedOptimizer"]
         else:
             assert r["n_expert_buffers"] == 0
-        expected_leaf = ("DistributedOptimizer" if cfg.get("use_distributed_optimizer", True) else
-                         "FP32Optimizer" if cfg.get("precision") == "fp32" else "Float16OptimizerWithFloat16Params")
+        expected_leaf = (
+            "DistributedOptimizer"
+            if cfg.get("use_distributed_optimizer", True)
+            else "FP32Optimizer"
+            if cfg.get("precision") == "fp32"
+            else "Float16OptimizerWithFloat16Params"
+        )
         assert expected_leaf in r["leaf_types"]
         assert (r["n_frozen"] > 0) == bool(cfg.get("frozen_params"))
         if cfg.get("overlap_grad_reduce") and (spec["pp"] == 1 or r["rank"] < spec["world"] // 2):
@@ -136,8 +154,10 @@ def test_audit_names_each_classic_bug(request, name, bug):
         bugs = r["bugs"]
         if bug == "stale_cached_shard" and _mcore_version() < (0, 14):
             assert bug not in bugs
-            pytest.skip("megatron-core < 0.14 keeps no shard caches in bucket groups (it slices "
-                        "the bucket afresh for every collective), so there is no cache to go stale")
+            pytest.skip(
+                "megatron-core < 0.14 keeps no shard caches in bucket groups (it slices "
+                "the bucket afresh for every collective), so there is no cache to go stale"
+            )
         assert EXPECTED[bug] in bugs[bug], (r["rank"], bugs[bug])
         if bug.endswith("hook"):
             assert bugs["target_param"] in bugs[bug]

@@ -5,7 +5,6 @@ beyond a small bound, and the result is bit-identical to the same 200 steps with
 """
 
 import pytest
-
 from trainer_runs import layout_spec, spawn
 
 CYCLES = 200
@@ -14,9 +13,12 @@ CYCLES = 200
 # without offload (measured on one process, 400 steps). So: no growth beyond this bound over the
 # second half of the run; leaking one copy of this model's state per cycle would be ~100 MiB.
 RSS_GROWTH_BOUND = 8 * 2**20  # bytes, over cycles 100..199
-SPECS = [layout_spec("soak-dp2", 2, steps=CYCLES),
-         layout_spec("soak-dp2-overlap", 2, steps=CYCLES, overlap_grad_reduce=True, overlap_param_gather=True,
-                     ddp_bucket_size=4000)]
+SPECS = [
+    layout_spec("soak-dp2", 2, steps=CYCLES),
+    layout_spec(
+        "soak-dp2-overlap", 2, steps=CYCLES, overlap_grad_reduce=True, overlap_param_gather=True, ddp_bucket_size=4000
+    ),
+]
 
 
 @pytest.mark.slow
@@ -41,5 +43,7 @@ def test_two_hundred_cycles_grow_nothing_and_stay_exact():
                 assert s["reach_off"] < 0.01 * s["reach_on"], (where, s)
             warm = next(s["rss"] for s in samples if s["step"] >= CYCLES // 2)
             assert last["rss"] - warm < RSS_GROWTH_BOUND, (where, warm, last["rss"])
-            print(f"{where}: rss {warm / 2**20:.1f} -> {last['rss'] / 2**20:.1f} MiB, "
-                  f"device on {first['device_on']} bytes, host {first['host_off']} bytes")
+            print(
+                f"{where}: rss {warm / 2**20:.1f} -> {last['rss'] / 2**20:.1f} MiB, "
+                f"device on {first['device_on']} bytes, host {first['host_off']} bytes"
+            )

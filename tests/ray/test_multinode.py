@@ -14,8 +14,14 @@ from chatlearn_mem_ray import load_config, run_ppo
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
-BASE = ["parallel.world_size=2", "ppo.iterations=2", "ppo.prompts_per_iteration=16", "memory.compare_iterations=0",
-        "ray.cpus_per_rank=1", "ray.phase_timeout_s=300"]
+BASE = [
+    "parallel.world_size=2",
+    "ppo.iterations=2",
+    "ppo.prompts_per_iteration=16",
+    "memory.compare_iterations=0",
+    "ray.cpus_per_rank=1",
+    "ray.phase_timeout_s=300",
+]
 TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds")
 
 
@@ -33,9 +39,11 @@ def two_nodes():
 
 
 def outcome(log):
-    return {"iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
-            "syncs": [(c["iteration"], c["policy"], c["rollout"]) for c in log["sync_checks"]],
-            "final_weights": log["final_weights"]}
+    return {
+        "iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
+        "syncs": [(c["iteration"], c["policy"], c["rollout"]) for c in log["sync_checks"]],
+        "final_weights": log["final_weights"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +54,16 @@ def undisturbed():
 def test_dp2_spread_over_two_nodes_equals_dp2_on_one(two_nodes, tmp_path, undisturbed):
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     packed_lines, spread_lines = [], []
-    packed = run_ppo(load_config("cpu_tiny", [*BASE, "ray.placement=pack", f"output_dir={tmp_path / 'pack'}"]),
-                     progress=packed_lines.append)
-    spread = run_ppo(load_config("cpu_tiny", [*BASE, "ray.placement=spread", f"output_dir={tmp_path / 'spread'}",
-                                              "checkpoint.every=1"]), progress=spread_lines.append)
+    packed = run_ppo(
+        load_config("cpu_tiny", [*BASE, "ray.placement=pack", f"output_dir={tmp_path / 'pack'}"]),
+        progress=packed_lines.append,
+    )
+    spread = run_ppo(
+        load_config(
+            "cpu_tiny", [*BASE, "ray.placement=spread", f"output_dir={tmp_path / 'spread'}", "checkpoint.every=1"]
+        ),
+        progress=spread_lines.append,
+    )
     # pack: every actor on one node; spread: rank 1's policy and critic on the other one
     assert len(set(packed["nodes"].values())) == 1
     nodes = spread["nodes"]
@@ -77,14 +91,24 @@ def _lose_the_worker_node(cluster, replace: bool):
             lost.append(worker)
             if replace:
                 cluster.add_node(num_cpus=2)
+
     return hook, lost
 
 
 def test_a_lost_node_replaced_restarts_and_ends_bit_identical(two_nodes, tmp_path, undisturbed):
     lines = []
     hook, lost = _lose_the_worker_node(two_nodes, replace=True)
-    cfg = load_config("cpu_tiny", [*BASE, "ray.placement=spread", f"output_dir={tmp_path}", "checkpoint.every=1",
-                                   "checkpoint.max_restarts=1", "ray.node_wait_s=120"])
+    cfg = load_config(
+        "cpu_tiny",
+        [
+            *BASE,
+            "ray.placement=spread",
+            f"output_dir={tmp_path}",
+            "checkpoint.every=1",
+            "checkpoint.max_restarts=1",
+            "ray.node_wait_s=120",
+        ],
+    )
     log = run_ppo(cfg, progress=lines.append, on_phase=hook)
     assert lost and log["status"] == "completed"
     [restart] = log["restarts"]
@@ -97,10 +121,20 @@ def test_a_lost_node_without_replacement_goes_on_smaller_when_elastic(two_nodes,
     # two CPUs per rank: each node holds one rank, so the head alone holds only DP=1
     lines = []
     hook, lost = _lose_the_worker_node(two_nodes, replace=False)
-    cfg = load_config("cpu_tiny", [*BASE, "ppo.iterations=4", "ray.placement=spread", f"output_dir={tmp_path}",
-                                   "ray.cpus_per_rank=2",
-                                   "checkpoint.every=1", "checkpoint.max_restarts=1", "ray.node_wait_s=45",
-                                   "checkpoint.elastic=true"])
+    cfg = load_config(
+        "cpu_tiny",
+        [
+            *BASE,
+            "ppo.iterations=4",
+            "ray.placement=spread",
+            f"output_dir={tmp_path}",
+            "ray.cpus_per_rank=2",
+            "checkpoint.every=1",
+            "checkpoint.max_restarts=1",
+            "ray.node_wait_s=45",
+            "checkpoint.elastic=true",
+        ],
+    )
     log = run_ppo(cfg, progress=lines.append, on_phase=hook)
     assert lost and log["status"] == "completed" and log["config"]["parallel"]["world_size"] == 1
     # Ray may count the lost node until its health checks declare it dead: the wait is either for

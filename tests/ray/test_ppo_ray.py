@@ -46,8 +46,12 @@ def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_pat
     # Audits ran after every onload (5 phases x 3 iterations, one actor each) and were clean.
     assert log["audits"] == {"runs": 15, "checks_clean": 15}
     # The rollout model equalled the policy after every sync (SHA-256 of every tensor).
-    assert [(c["iteration"], c["manager_on"]) for c in log["sync_checks"]] == [(1, True), (2, True), (3, True),
-                                                                            (1, False)]
+    assert [(c["iteration"], c["manager_on"]) for c in log["sync_checks"]] == [
+        (1, True),
+        (2, True),
+        (3, True),
+        (1, False),
+    ]
     assert all(c["equal"] and c["policy"] == c["rollout"] for c in log["sync_checks"])
     assert len({c["policy"][0] for c in log["sync_checks"]}) == 4  # the policy really changed
 
@@ -57,8 +61,9 @@ def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_pat
 
 
 def test_a_dead_actor_stops_the_run_naming_actor_and_phase(local_ray, tmp_path):
-    cfg = load_config(CONFIG, ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}",
-                               "ray.phase_timeout_s=120"])
+    cfg = load_config(
+        CONFIG, ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}", "ray.phase_timeout_s=120"]
+    )
 
     def kill_critic(run, iteration):
         if iteration == 0:
@@ -102,8 +107,17 @@ def test_reward_rises_over_the_default_run(local_ray, tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_policy_syncs_merged_shards(local_ray, tmp_path):
-    cfg = load_config(CONFIG, ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2", "ppo.iterations=2",
-                               "memory.compare_iterations=0", "ray.cpus_per_rank=1", f"output_dir={tmp_path}"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "parallel.world_size=2",
+            "parallel.tensor_model_parallel_size=2",
+            "ppo.iterations=2",
+            "memory.compare_iterations=0",
+            "ray.cpus_per_rank=1",
+            f"output_dir={tmp_path}",
+        ],
+    )
     log = run_ppo(cfg, progress=lambda line: None)
     assert len(log["iterations"]) == 2
     assert all(c["equal"] and len(c["rollout"]) == 2 for c in log["sync_checks"])

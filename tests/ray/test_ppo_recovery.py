@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from chatlearn_mem_ray import (ActorFailedError, CheckpointSaveError, RunInterrupted, load_config, run_ppo)
+from chatlearn_mem_ray import ActorFailedError, CheckpointSaveError, RunInterrupted, load_config, run_ppo
 from chatlearn_mem_ray.checkpoints import RUN_FILE, latest_run_checkpoint, list_run_checkpoints
 
 pytestmark = pytest.mark.ray
@@ -36,10 +36,12 @@ def outcome(log: dict) -> dict:
     """What must not depend on how the run got there: every iteration's metrics (timings left
     out), the policy digests of every weight sync, the final weights of every trainer rank, and
     the memory each phase held."""
-    return {"iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
-            "syncs": [(c["iteration"], c["policy"], c["rollout"]) for c in log["sync_checks"]],
-            "final_weights": log["final_weights"],
-            "phase_bytes": [(p["iteration"], p["phase"], p["device_bytes"]) for p in log["memory_timeline"]]}
+    return {
+        "iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
+        "syncs": [(c["iteration"], c["policy"], c["rollout"]) for c in log["sync_checks"]],
+        "final_weights": log["final_weights"],
+        "phase_bytes": [(p["iteration"], p["phase"], p["device_bytes"]) for p in log["memory_timeline"]],
+    }
 
 
 def test_the_reference_run_is_deterministic_and_trains(uninterrupted):
@@ -67,8 +69,11 @@ def test_an_actor_killed_mid_iteration_is_restarted_and_the_run_ends_bit_identic
     [restart] = log["restarts"]
     assert (restart["actor"], restart["phase"], restart["iteration"]) == ("policy_0", "reference", 3)
     assert restart["resumed_from"].endswith("iter_00000001") and restart["iterations_redone"] == 1
-    assert any(line.startswith("restart 1 of 1: actor 'policy_0' failed during phase 'reference'") and
-               "continuing from the checkpoint after iteration 1" in line for line in lines), lines
+    assert any(
+        line.startswith("restart 1 of 1: actor 'policy_0' failed during phase 'reference'")
+        and "continuing from the checkpoint after iteration 1" in line
+        for line in lines
+    ), lines
     assert outcome(log) == outcome(uninterrupted)
     assert [c["iterations_done"] for c in log["checkpoints"]] == [1, 2, 3, 4]  # the first 2 never completed
     # keep_last=2: the two newest, complete; the killed save's leftovers were replaced
@@ -119,15 +124,25 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_older
 
     lines = []
     log = run_ppo(load_config("cpu_tiny", [*args, "checkpoint.resume=true"]), progress=lines.append)
-    assert (f"checkpoint iter_00000003 is damaged, skipped: policy/step_00000003/{data} has {size - 1} bytes, "
-            f"the manifest says {size}") in lines
+    assert (
+        f"checkpoint iter_00000003 is damaged, skipped: policy/step_00000003/{data} has {size - 1} bytes, "
+        f"the manifest says {size}"
+    ) in lines
     assert log["resumed_from"]["iterations_done"] == 2
     assert outcome(log) == outcome(uninterrupted)
 
 
 def test_a_failed_save_stops_the_run_cleanly_with_the_previous_checkpoint_intact(local_ray, tmp_path):
-    cfg = load_config("cpu_tiny", ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}",
-                                   "checkpoint.every=1", "checkpoint.max_restarts=2"])
+    cfg = load_config(
+        "cpu_tiny",
+        [
+            "ppo.iterations=3",
+            "memory.compare_iterations=0",
+            f"output_dir={tmp_path}",
+            "checkpoint.every=1",
+            "checkpoint.max_restarts=2",
+        ],
+    )
 
     def block_policy(tmp):
         if tmp.name.endswith("iter_00000002"):

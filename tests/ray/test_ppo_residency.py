@@ -10,8 +10,17 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 ITERATIONS = ["ppo.iterations=3", "memory.compare_iterations=0"]
-TIMING = {"seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "phase_colocated_bytes",
-          "moved_in_bytes", "moved_out_bytes", "peak_device_bytes", "budget_bytes"}
+TIMING = {
+    "seconds",
+    "phase_seconds",
+    "checkpoint_seconds",
+    "transition_seconds",
+    "phase_colocated_bytes",
+    "moved_in_bytes",
+    "moved_out_bytes",
+    "peak_device_bytes",
+    "budget_bytes",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +37,9 @@ def all_or_nothing(local_ray, tmp_path_factory):
 
 
 def _same_training(a: dict, b: dict) -> None:
-    assert [{k: v for k, v in m.items() if k not in TIMING} for m in a["iterations"]] == \
-        [{k: v for k, v in m.items() if k not in TIMING} for m in b["iterations"]]
+    assert [{k: v for k, v in m.items() if k not in TIMING} for m in a["iterations"]] == [
+        {k: v for k, v in m.items() if k not in TIMING} for m in b["iterations"]
+    ]
     assert [c["policy"] for c in a["sync_checks"]] == [c["policy"] for c in b["sync_checks"]]
     assert a["final_weights"] == b["final_weights"]
 
@@ -37,9 +47,14 @@ def _same_training(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "blocking"])
 def test_a_budget_moves_the_planned_bytes_within_budget_and_trains_the_same(all_or_nothing, tmp_path, prefetch):
     lines = []
-    log = run_ppo(load_config("cpu_tiny", ITERATIONS + [f"output_dir={tmp_path}", "memory.device_budget_mb=3",
-                                                        f"memory.prefetch={str(prefetch).lower()}"]),
-                  progress=lines.append)
+    log = run_ppo(
+        load_config(
+            "cpu_tiny",
+            ITERATIONS
+            + [f"output_dir={tmp_path}", "memory.device_budget_mb=3", f"memory.prefetch={str(prefetch).lower()}"],
+        ),
+        progress=lines.append,
+    )
     _same_training(log, all_or_nothing)
     plan = log["residency_plan"]["0"]
     budget = 3 * 2**20

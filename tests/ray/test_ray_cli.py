@@ -61,10 +61,22 @@ def ray_start_head():
     port = _free_port()
     try:
         ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
-        out = subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
-                              "--include-dashboard=false", "--disable-usage-stats"],
-                             env=_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)),
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                ray_cli,
+                "start",
+                "--head",
+                f"--port={port}",
+                f"--temp-dir={temp}",
+                "--num-cpus=2",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
+            env=_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         yield f"127.0.0.1:{port}", token
     finally:
@@ -93,21 +105,32 @@ def test_joining_a_ray_start_head_with_token_auth(ray_start_head):
     RAY_AUTH_MODE=token a bare traceback after retrying for minutes. The whole PPO run on a
     joined cluster is the same as on the local one (tests/ray/test_ppo_ray.py)."""
     address, token = ray_start_head
-    for args, env, source in (([], {"RAY_ADDRESS": address}, "RAY_ADDRESS"),
-                              ([f"ray.address={address}"], {}, "ray.address")):
-        out = subprocess.run([sys.executable, "-c", JOIN, *args], env=_env(RAY_AUTH_TOKEN_PATH=str(token), **env),
-                             capture_output=True, text=True, timeout=180)
+    for args, env, source in (
+        ([], {"RAY_ADDRESS": address}, "RAY_ADDRESS"),
+        ([f"ray.address={address}"], {}, "ray.address"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", JOIN, *args],
+            env=_env(RAY_AUTH_TOKEN_PATH=str(token), **env),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.splitlines() == [
             f"joined the Ray cluster at {address} (from {source}); ray.num_cpus=2 ignored (it sizes a local cluster)",
-            "cpus 2.0", "task 42", "connected after False"], out.stdout + out.stderr
+            "cpus 2.0",
+            "task 42",
+            "connected after False",
+        ], out.stdout + out.stderr
 
 
 def _signal_after_first_iteration(args: list, send) -> tuple[int, list, str, list]:
     """Run ``chatlearn-mem ppo`` in a new session; once iteration 1 is printed, call ``send(pid)``.
     Returns the exit code, the Ray processes the run had started, its stderr and its stdout lines."""
-    proc = subprocess.Popen([*RUN, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*RUN, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     lines: queue.Queue = queue.Queue()
     out: list[str] = []
     threading.Thread(target=lambda: [(lines.put(line), out.append(line)) for line in proc.stdout], daemon=True).start()
@@ -132,8 +155,8 @@ def test_ctrl_c_stops_the_run_keeps_the_log_and_shuts_ray_down(tmp_path):
     # A new session, signalled as a whole: what a terminal's Ctrl-C does to the foreground group.
     # Checkpoints every iteration: the Ctrl-C comes while one is being written in the background.
     returncode, ray_processes, err, _ = _signal_after_first_iteration(
-        ["ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=1"],
-        lambda pid: os.killpg(pid, signal.SIGINT))
+        ["ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=1"], lambda pid: os.killpg(pid, signal.SIGINT)
+    )
     assert returncode == 130, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("stopped by Ctrl-C after ") and last.endswith(f"; log: {tmp_path / 'log.json'}"), err
@@ -157,8 +180,8 @@ def test_sigterm_stops_at_the_end_of_the_iteration_saves_and_exits_143(tmp_path)
     every 3, so the one taken on SIGTERM is its own), Ray is shut down, exit 143 with one line
     saying how far the run got and how to go on."""
     returncode, ray_processes, err, out = _signal_after_first_iteration(
-        ["ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=3"],
-        lambda pid: os.kill(pid, signal.SIGTERM))  # the driver only, as Kubernetes signals a container's first process
+        ["ppo.iterations=50", f"output_dir={tmp_path}", "checkpoint.every=3"], lambda pid: os.kill(pid, signal.SIGTERM)
+    )  # the driver only, as Kubernetes signals a container's first process
     assert returncode == 143, err
     assert "SIGTERM received at time" not in err and "PC: @" not in err and "Traceback" not in err, err
     assert any(line.startswith("SIGTERM received: the run stops once this iteration ends") for line in out), out
@@ -168,8 +191,11 @@ def test_sigterm_stops_at_the_end_of_the_iteration_saves_and_exits_143(tmp_path)
     newest = list_run_checkpoints(tmp_path / "checkpoints")[-1]
     assert newest[0] == done and read_run_state(newest[1])["iterations_done"] == done
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"stopped by SIGTERM after {done} iteration") and \
-        f"newest checkpoint iter_{done:08d} (" in last and "continue with --resume" in last, err
+    assert (
+        last.startswith(f"stopped by SIGTERM after {done} iteration")
+        and f"newest checkpoint iter_{done:08d} (" in last
+        and "continue with --resume" in last
+    ), err
     if done % 3:  # not a save point of checkpoint.every: the checkpoint was taken on SIGTERM
         assert f"(saved on SIGTERM, it holds all {done} iterations)" in last, err
     _, alive = psutil.wait_procs(ray_processes, timeout=30)

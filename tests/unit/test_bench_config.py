@@ -9,10 +9,10 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("psutil")
 
 from chatlearn_mem import ConfigError  # noqa: E402
-from chatlearn_mem_cli.config_files import preset_names  # noqa: E402
 from chatlearn_mem.models.gpt import estimate_part_bytes  # noqa: E402
 from chatlearn_mem_bench import BenchConfig, load_config  # noqa: E402
 from chatlearn_mem_bench.config import PRESETS  # noqa: E402
+from chatlearn_mem_cli.config_files import preset_names  # noqa: E402
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs" / "bench"
 
@@ -58,6 +58,7 @@ def _stub_run(monkeypatch, calls):
         return res
 
     monkeypatch.setattr(run, "run_benchmark", run_benchmark)
+
     def write_outputs(res, out_dir, stem, plot, quiet):
         (out_dir / f"{stem}.json").write_text("new")
         return [out_dir / f"{stem}.json"]
@@ -84,8 +85,9 @@ def test_results_of_the_same_name_are_never_replaced_unless_asked(tmp_path, monk
     assert (tmp_path / f"{stem}.json").read_text() == "committed"
     assert f"{tmp_path / stem}.* exist (set overwrite=true to replace them); writing {stem}_3.* instead" in lines
 
-    paths = run_and_report(load_config("tiny", [f"output_dir={tmp_path}", f"name={stem}", "overwrite=true"]),
-                           echo=lines.append)
+    paths = run_and_report(
+        load_config("tiny", [f"output_dir={tmp_path}", f"name={stem}", "overwrite=true"]), echo=lines.append
+    )
     assert paths == [tmp_path / f"{stem}.json"] and paths[0].read_text() == "new"
 
 

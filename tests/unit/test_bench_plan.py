@@ -11,8 +11,14 @@ pytest.importorskip("psutil")
 from chatlearn_mem import Part  # noqa: E402
 from chatlearn_mem.host_memory import HostMemory  # noqa: E402
 from chatlearn_mem_bench import load_config  # noqa: E402
-from chatlearn_mem_bench.plan import (HostMemoryPlanError, estimate_part_sizes, estimate_seconds,  # noqa: E402
-                                      part_bytes, plan_host_memory, refuse_unless_fits)
+from chatlearn_mem_bench.plan import (  # noqa: E402
+    HostMemoryPlanError,
+    estimate_part_sizes,
+    estimate_seconds,
+    part_bytes,
+    plan_host_memory,
+    refuse_unless_fits,
+)
 
 CPU_RUN = Path(__file__).parents[2] / "benchmarks" / "results" / "2026-11-23_cpu-2core-xeon-24gib.json"
 ALL = ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]
@@ -33,11 +39,14 @@ def test_cuda_plan_pins_the_store_and_one_ceiling_buffer_for_the_run_and_nothing
     assert bigger_grads == plan  # grads are never copied: no host buffer for them
     bare = plan_host_memory(SIZES, methods=[], cuda=True, pin=True, bucket_size=2**20)
     assert (bare.pinned_bytes, bare.pageable_bytes) == (12288, 0)
-    mib = plan_host_memory({k: [n * 2**10 for n in v] for k, v in SIZES.items()}, methods=ALL, cuda=True, pin=True,
-                           bucket_size=2**30)  # the same in KiB units: 1 KiB -> 1 MiB
-    assert mib.summary().startswith("host memory plan: peak 21.5 MiB = 16.5 MiB pinned + 5.0 MiB pageable (manager "
-                                    "host store 6.0 MiB pinned; ceiling host buffer (shared with release_bound) 6.0 MiB "
-                                    "pinned; per_tensor_new_host host copies 3.5 MiB (while per_tensor_new_host runs)")
+    mib = plan_host_memory(
+        {k: [n * 2**10 for n in v] for k, v in SIZES.items()}, methods=ALL, cuda=True, pin=True, bucket_size=2**30
+    )  # the same in KiB units: 1 KiB -> 1 MiB
+    assert mib.summary().startswith(
+        "host memory plan: peak 21.5 MiB = 16.5 MiB pinned + 5.0 MiB pageable (manager "
+        "host store 6.0 MiB pinned; ceiling host buffer (shared with release_bound) 6.0 MiB "
+        "pinned; per_tensor_new_host host copies 3.5 MiB (while per_tensor_new_host runs)"
+    )
 
 
 def test_cpu_plan_counts_the_device_buffers_too():
@@ -47,8 +56,9 @@ def test_cpu_plan_counts_the_device_buffers_too():
     plan = plan_host_memory(SIZES, methods=ALL, cuda=False, pin=False, bucket_size=2**20)
     assert plan.pinned_bytes == 0
     assert plan.pageable_bytes == (6144 + 6144 + 2 * 6144 + 1024) + 2 * 3584
-    with_bigger_grads = plan_host_memory({**SIZES, "grads": [8192]}, methods=ALL, cuda=False, pin=False,
-                                         bucket_size=2**20)
+    with_bigger_grads = plan_host_memory(
+        {**SIZES, "grads": [8192]}, methods=ALL, cuda=False, pin=False, bucket_size=2**20
+    )
     assert with_bigger_grads.pageable_bytes == (6144 + 6144 + 2 * 8192 + 1024) + 2 * 3584
 
 
@@ -62,18 +72,33 @@ def test_estimated_sizes_are_the_committed_cpu_runs_bytes():
 
 def test_time_estimate_is_copies_over_bandwidth_plus_fresh_pages():
     sizes = {"weights": [int(5.5e9)], "grads": [0], "main_weights": [], "optimizer_states": []}
-    est = estimate_seconds(sizes, methods=["fresh_host_alloc", "per_tensor_new_host"], repeats=3, warmup=1, cycles=2,
-                           cuda=True, pin=True, fresh_gbps=5.5)
+    est = estimate_seconds(
+        sizes,
+        methods=["fresh_host_alloc", "per_tensor_new_host"],
+        repeats=3,
+        warmup=1,
+        cycles=2,
+        cuda=True,
+        pin=True,
+        fresh_gbps=5.5,
+    )
     pinned, pageable, fresh = 0.1, 5.5 / 16, 1.0  # seconds to copy the weights pinned, pageable; to touch them anew
-    per_round = (2 * 2 * pinned + 2 * pinned + 2 * pinned  # manager (untimed, then timed), ceiling, release_bound
-                 + 2 * pinned + 2 * fresh  # fresh_host_alloc: new pages, pinned (counted twice)
-                 + 2 * pageable + fresh  # per_tensor_new_host: new pageable pages
-                 + 12 * 0.005)  # 12 calls
+    per_round = (
+        2 * 2 * pinned
+        + 2 * pinned
+        + 2 * pinned  # manager (untimed, then timed), ceiling, release_bound
+        + 2 * pinned
+        + 2 * fresh  # fresh_host_alloc: new pages, pinned (counted twice)
+        + 2 * pageable
+        + fresh  # per_tensor_new_host: new pageable pages
+        + 12 * 0.005
+    )  # 12 calls
     assert est.parts_s["weights"] == pytest.approx(4 * per_round)
     assert est.cycles_s == pytest.approx(2 * (2 * pinned + 2 * 0.005))
     assert est.bandwidths_gbps == {"pinned": 55.0, "pageable": 16.0, "fill": 1000.0, "fresh pages": 5.5}
-    on_cpu = estimate_seconds(sizes, methods=[], repeats=3, warmup=1, cycles=2, cuda=False, pin=False,
-                              copy_gbps=11.0, fresh_gbps=5.5)
+    on_cpu = estimate_seconds(
+        sizes, methods=[], repeats=3, warmup=1, cycles=2, cuda=False, pin=False, copy_gbps=11.0, fresh_gbps=5.5
+    )
     # on CPU every regrow touches fresh pages: the manager's and the bound's onloads
     assert on_cpu.cycles_s == pytest.approx(2 * (2 * 0.5 + fresh + 2 * 0.005))
     with pytest.raises(ValueError, match="copy_gbps must be > 0 on CPU"):
@@ -81,17 +106,24 @@ def test_time_estimate_is_copies_over_bandwidth_plus_fresh_pages():
 
 
 def test_refusal_is_one_line_with_the_numbers_and_what_to_run_instead():
-    plan = plan_host_memory({k: [n * 2**10 for n in v] for k, v in SIZES.items()}, methods=ALL, cuda=False,
-                            pin=False, bucket_size=2**30)  # 32 MiB, all pageable on CPU
+    plan = plan_host_memory(
+        {k: [n * 2**10 for n in v] for k, v in SIZES.items()}, methods=ALL, cuda=False, pin=False, bucket_size=2**30
+    )  # 32 MiB, all pageable on CPU
     assert plan.peak_bytes == 32 * 2**20
     refuse_unless_fits(plan, HostMemory(plan.peak_bytes + 2**20, ()), 2**20, lambda room: "unused")  # just fits
     refuse_unless_fits(plan, HostMemory(None, ()), 2**20, lambda room: "unused")  # nothing readable: no check
     with pytest.raises(HostMemoryPlanError) as e:
-        refuse_unless_fits(plan, HostMemory(21 * 2**20, (("MemAvailable", 21 * 2**20),)), 2**20,
-                           lambda room: f"Run less ({room} bytes left).")
-    assert str(e.value) == ("the benchmark would hold up to 0.0 MiB pinned + 32.0 MiB pageable = 32.0 MiB of host "
-                            "memory, but the process can use 20.0 MiB (MemAvailable 0.02 GiB; minus a 1.0 MiB margin); "
-                            f"nothing was measured. Run less ({20 * 2**20} bytes left).")
+        refuse_unless_fits(
+            plan,
+            HostMemory(21 * 2**20, (("MemAvailable", 21 * 2**20),)),
+            2**20,
+            lambda room: f"Run less ({room} bytes left).",
+        )
+    assert str(e.value) == (
+        "the benchmark would hold up to 0.0 MiB pinned + 32.0 MiB pageable = 32.0 MiB of host "
+        "memory, but the process can use 20.0 MiB (MemAvailable 0.02 GiB; minus a 1.0 MiB margin); "
+        f"nothing was measured. Run less ({20 * 2**20} bytes left)."
+    )
 
 
 def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
@@ -99,14 +131,24 @@ def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
     asserted); the target names the bound when it is above the limit, and passes or fails on the
     measured ratio alone."""
     import math
+
     from chatlearn_mem_bench.overlap import copy_bound_ratio, overlap_targets
 
     ratio = copy_bound_ratio(2 * 2**20, 2**20, repeats=3, nbytes=2**20)
     assert ratio > 0 and math.isfinite(ratio)
-    row = {"name": "swap", "ratio": 0.9, "ratio_spread": [0.85, 0.95], "overlapped_s": 0.9, "serial_s": 1.0,
-           "threads": 1, "copy_bound_ratio": 0.97}
+    row = {
+        "name": "swap",
+        "ratio": 0.9,
+        "ratio_spread": [0.85, 0.95],
+        "overlapped_s": 0.9,
+        "serial_s": 1.0,
+        "threads": 1,
+        "copy_bound_ratio": 0.97,
+    }
     [target] = overlap_targets([row], gpu=False)
-    assert not target["passed"] and "out of reach on this machine: two host copies at once take 0.97" in target["detail"]
+    assert (
+        not target["passed"] and "out of reach on this machine: two host copies at once take 0.97" in target["detail"]
+    )
     [target] = overlap_targets([{**row, "copy_bound_ratio": 0.6, "ratio": 0.8}], gpu=False)
     assert target["passed"] and "out of reach" not in target["detail"]
 
@@ -116,12 +158,20 @@ def test_the_cpu_plan_counts_the_copy_bound_buffers():
 
     sizes = {p.value: [2**20] for p in Part}
     overlap = {p.value: 2**19 for p in Part}
-    cpu = {i.what: i.nbytes for i in plan_host_memory(sizes, methods=[], cuda=False, pin=False, bucket_size=2**20,
-                                                       overlap_bytes=overlap).items}
+    cpu = {
+        i.what: i.nbytes
+        for i in plan_host_memory(
+            sizes, methods=[], cuda=False, pin=False, bucket_size=2**20, overlap_bytes=overlap
+        ).items
+    }
     # a small trainer: the row's own sizes (4 MiB out, 2 MiB in), sources and destinations
     assert cpu["overlap rows: swap copy-bound buffers"] == 2 * (4 * 2**20 + 2 * 2**20)
     # a large one: scaled so that the larger copy is COPY_BOUND_BYTES
     assert copy_bound_sizes(4 * 2**30, 2**30) == (COPY_BOUND_BYTES, COPY_BOUND_BYTES // 4)
-    gpu = {i.what for i in plan_host_memory(sizes, methods=[], cuda=True, pin=True, bucket_size=2**20,
-                                            overlap_bytes=overlap).items}
+    gpu = {
+        i.what
+        for i in plan_host_memory(
+            sizes, methods=[], cuda=True, pin=True, bucket_size=2**20, overlap_bytes=overlap
+        ).items
+    }
     assert "overlap rows: swap copy-bound buffers" not in gpu

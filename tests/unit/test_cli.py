@@ -9,14 +9,18 @@ from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray import errors, supervisor
 
 
-@pytest.mark.parametrize("error", [
-    errors.WeightSyncError("iteration 3: tensor-parallel shard 0 differs"),
-    errors.AuditFailedError("audit of policy_0 after onload in phase 'train_policy' found 1 problem(s)"),
-    errors.ActorFailedError("critic_0", "values", "the actor process died (ActorDiedError)"),
-    errors.PhaseTimeoutError("phase 'generate' did not finish within 600 s"),
-    errors.ResourceError("not enough resources for this run"),
-    PermissionError(13, "Permission denied", "/readonly/log.json"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.WeightSyncError("iteration 3: tensor-parallel shard 0 differs"),
+        errors.AuditFailedError("audit of policy_0 after onload in phase 'train_policy' found 1 problem(s)"),
+        errors.ActorFailedError("critic_0", "values", "the actor process died (ActorDiedError)"),
+        errors.PhaseTimeoutError("phase 'generate' did not finish within 600 s"),
+        errors.ResourceError("not enough resources for this run"),
+        PermissionError(13, "Permission denied", "/readonly/log.json"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_a_run_failure_is_one_error_line_and_exit_1(monkeypatch, error):
     def fail(cfg, progress):
         raise error
@@ -31,8 +35,13 @@ def test_a_run_failure_is_one_error_line_and_exit_1(monkeypatch, error):
 def test_every_run_error_shares_one_base():
     from chatlearn_mem import ChatlearnMemError
 
-    for cls in (errors.WeightSyncError, errors.AuditFailedError, errors.ActorFailedError,
-                errors.PhaseTimeoutError, errors.ResourceError):
+    for cls in (
+        errors.WeightSyncError,
+        errors.AuditFailedError,
+        errors.ActorFailedError,
+        errors.PhaseTimeoutError,
+        errors.ResourceError,
+    ):
         assert issubclass(cls, errors.RunError) and issubclass(cls, ChatlearnMemError)
 
 
@@ -63,13 +72,15 @@ def test_ppo_does_not_need_the_benchmark_package(monkeypatch):
     the benchmark package, and with it psutil, when the command line started)."""
     import subprocess
 
-    code = ("import sys; sys.modules['psutil'] = None; sys.modules['chatlearn_mem_bench'] = None\n"
-            "from typer.testing import CliRunner\n"
-            "from chatlearn_mem_cli.app import app\n"
-            "r = CliRunner().invoke(app, ['ppo', '--print-config'])\n"
-            "assert r.exit_code == 0, r.output\n"
-            "r = CliRunner().invoke(app, ['bench'])\n"
-            "assert r.exit_code == 1 and 'the [bench] extra' in r.output, r.output\n")
+    code = (
+        "import sys; sys.modules['psutil'] = None; sys.modules['chatlearn_mem_bench'] = None\n"
+        "from typer.testing import CliRunner\n"
+        "from chatlearn_mem_cli.app import app\n"
+        "r = CliRunner().invoke(app, ['ppo', '--print-config'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "r = CliRunner().invoke(app, ['bench'])\n"
+        "assert r.exit_code == 1 and 'the [bench] extra' in r.output, r.output\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
@@ -85,11 +96,13 @@ def test_ppo_without_ray_installed_says_which_extra_to_install(tmp_path):
     """A `[bench]`-only install has the command but not Ray: `ppo` ends in one error line."""
     import subprocess
 
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from typer.testing import CliRunner\n"
-            "from chatlearn_mem_cli.app import app\n"
-            f"r = CliRunner().invoke(app, ['ppo', 'ppo.iterations=1', 'output_dir={tmp_path}'])\n"
-            "print(r.exit_code); print(r.output)\n")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from typer.testing import CliRunner\n"
+        "from chatlearn_mem_cli.app import app\n"
+        f"r = CliRunner().invoke(app, ['ppo', 'ppo.iterations=1', 'output_dir={tmp_path}'])\n"
+        "print(r.exit_code); print(r.output)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     code_line, *message = out.stdout.strip().splitlines()
@@ -142,7 +155,9 @@ def _ragged(text: str) -> list:
 
 
 @pytest.mark.parametrize("columns", [80, 100])
-@pytest.mark.parametrize("command", [[], ["ppo"], ["bench"], ["bench-report"], ["presets"]], ids=lambda c: " ".join(c) or "top")
+@pytest.mark.parametrize(
+    "command", [[], ["ppo"], ["bench"], ["bench-report"], ["presets"]], ids=lambda c: " ".join(c) or "top"
+)
 def test_help_wraps_cleanly(command, columns):
     """Before: typer's rich help kept the docstrings' line breaks, so `ppo --help` printed
     "continues from the" alone on a line of 80 columns."""

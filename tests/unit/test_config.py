@@ -30,14 +30,17 @@ def test_non_positive_bucket_size_rejected(size):
     assert info.value.errors()[0]["type"] == "greater_than"
 
 
-@pytest.mark.parametrize("mb, expected", [
-    (1.0, 2**20),
-    (0.5, 2**19),
-    (0.001, 1024),          # 1048.576 bytes rounds down to 2 * 512
-    (1000 / 2**20, 512),    # 1000 bytes rounds down to 512
-    (100 / 2**20, 512),     # below one alignment unit: clamped up to 512, never 0
-    (1e-12, 512),
-])
+@pytest.mark.parametrize(
+    "mb, expected",
+    [
+        (1.0, 2**20),
+        (0.5, 2**19),
+        (0.001, 1024),  # 1048.576 bytes rounds down to 2 * 512
+        (1000 / 2**20, 512),  # 1000 bytes rounds down to 512
+        (100 / 2**20, 512),  # below one alignment unit: clamped up to 512, never 0
+        (1e-12, 512),
+    ],
+)
 def test_bucket_size_bytes_rounding(mb, expected):
     assert MemoryConfig(bucket_size_mb=mb).bucket_size_bytes == expected
 

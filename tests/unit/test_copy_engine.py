@@ -128,8 +128,11 @@ def test_r3_regrows_run_on_the_submitting_thread_and_copies_on_the_lane(monkeypa
     group = StorageGroup("weights", True, CFG)
     group.offload(storages)
     where = {}
-    monkeypatch.setattr(engine_mod, "_before_step",
-                        lambda lane, label: where.setdefault(label.split()[0], set()).add(threading.get_ident()))
+    monkeypatch.setattr(
+        engine_mod,
+        "_before_step",
+        lambda lane, label: where.setdefault(label.split()[0], set()).add(threading.get_ident()),
+    )
     group.onload()
     assert where["regrow"] == {threading.get_ident()}
     assert threading.get_ident() not in where["copy"]
@@ -152,6 +155,7 @@ def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
     def probe(i):
         def hook(module, args):
             seen[i] = (gt.batch.completed, gt.user_fence(mm._weights_in_flight[1][id(module)]).index)
+
         return hook
 
     for i, layer in enumerate(model):
@@ -191,7 +195,7 @@ def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
     end = flat.numel()
     for p in params:  # first parameter at the end of the buffer
         end -= p.numel()
-        view = flat[end:end + p.numel()].view_as(p)
+        view = flat[end : end + p.numel()].view_as(p)
         view.copy_(p.data)
         p.data = view
     x = torch.randn(2, 64)

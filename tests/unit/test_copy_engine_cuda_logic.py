@@ -7,7 +7,6 @@ import contextlib
 import pytest
 import torch
 
-import chatlearn_mem.copy_engine as engine_mod
 from chatlearn_mem import TransferError
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Job
 

@@ -48,8 +48,16 @@ def child() -> dict:
             out[name] = None
         except Exception as e:  # noqa: BLE001 - recorded for the test
             out[name] = f"{type(e).__name__}: {e}"
-    out["metadata"] = [list(w.shape), str(w.dtype), w.requires_grad, w.grad is None, w.numel(), w.dim(),
-                       w.untyped_storage().nbytes(), w.detach().shape[0]]
+    out["metadata"] = [
+        list(w.shape),
+        str(w.dtype),
+        w.requires_grad,
+        w.grad is None,
+        w.numel(),
+        w.dim(),
+        w.untyped_storage().nbytes(),
+        w.detach().shape[0],
+    ]
     host = mm.weights_state_dict()  # the manager's own reads of released tensors pass
     mm.onload()
     out["after_onload_equal"] = bool(torch.equal(module(x), expected)) and bool(torch.equal(host["0.weight"], w))
@@ -69,16 +77,24 @@ def reads():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("read,what,tensor", [
-    ("norm", "norm()", "0.weight"), ("add", "add()", "0.weight"),
-    ("functional", "linear()", "0.weight"), ("list_argument", "torch.cat()", "2.bias"),
-    ("kwarg_out", "torch.add()", "2.bias"), ("print", "__repr__()", "2.bias"),
-    ("clone_of_view", "__getitem__()", "0.weight")])
+@pytest.mark.parametrize(
+    "read,what,tensor",
+    [
+        ("norm", "norm()", "0.weight"),
+        ("add", "add()", "0.weight"),
+        ("functional", "linear()", "0.weight"),
+        ("list_argument", "torch.cat()", "2.bias"),
+        ("kwarg_out", "torch.add()", "2.bias"),
+        ("print", "__repr__()", "2.bias"),
+        ("clone_of_view", "__getitem__()", "0.weight"),
+    ],
+)
 def test_any_read_of_a_released_tensor_raises_naming_it(reads, read, what, tensor):
     assert reads[read] == (
         f"OffloadedError: {what} on {tensor} while weights are offloaded: call onload_weights() (or onload()) "
         "first. Raised by the debug guard (MemoryConfig.debug_guard / CHATLEARN_MEM_DEBUG_GUARD=1); without it "
-        "this operation would read released memory (a crash on CPU, garbage on a GPU)")
+        "this operation would read released memory (a crash on CPU, garbage on a GPU)"
+    )
 
 
 def test_metadata_and_the_managers_own_reads_pass_and_onload_restores(reads):

@@ -100,7 +100,9 @@ def broken_links(path: Path, root: Path = REPO) -> list[str]:
         shown = dest.relative_to(root) if dest.is_relative_to(root) else dest
         if not dest.exists():
             problems.append(f"{where}: {shown} does not exist")
-        elif anchor and dest.suffix == ".md" and unquote(anchor).lower() not in anchors(dest.read_text(encoding="utf-8")):
+        elif (
+            anchor and dest.suffix == ".md" and unquote(anchor).lower() not in anchors(dest.read_text(encoding="utf-8"))
+        ):
             problems.append(f"{where}: no heading of {shown} has the anchor #{anchor}")
     return problems
 
@@ -119,17 +121,20 @@ def test_the_docs_have_links_to_check():
     assert len(readme) >= 10
     assert "docs/ppo_memory_timeline_cpu_tiny.png" in targets
     assert {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md") if p.name != "README.md"} <= {
-        t.partition("#")[0] for t in targets}, "the README's index must list every page of docs/"
+        t.partition("#")[0] for t in targets
+    }, "the README's index must list every page of docs/"
 
 
 def test_the_checker_finds_a_broken_file_and_anchor(tmp_path):
     tmp_path = tmp_path.resolve()
     (tmp_path / "other.md").write_text("# Other page\n\n## Some `code` heading: why?\n\n## Repeat\n\n## Repeat\n")
     page = tmp_path / "page.md"
-    page.write_text("# Title\n\n[ok](other.md#some-code-heading-why) [ok](other.md#repeat-1) [ok](#title)\n"
-                    "![gone](missing.png) [bad](other.md#nope) [web](https://example.com/x.md)\n"
-                    "```\n[in a fence](nowhere.md)\n```\n`[inline](nowhere.md)`\na [wrapped\nlink](gone.md)\n"
-                    "[ref]: also_missing.md\n")
+    page.write_text(
+        "# Title\n\n[ok](other.md#some-code-heading-why) [ok](other.md#repeat-1) [ok](#title)\n"
+        "![gone](missing.png) [bad](other.md#nope) [web](https://example.com/x.md)\n"
+        "```\n[in a fence](nowhere.md)\n```\n`[inline](nowhere.md)`\na [wrapped\nlink](gone.md)\n"
+        "[ref]: also_missing.md\n"
+    )
     problems = broken_links(page, root=tmp_path)
     assert len(problems) == 4, problems
     assert "missing.png" in problems[0] and "#nope" in problems[1]
@@ -137,14 +142,17 @@ def test_the_checker_finds_a_broken_file_and_anchor(tmp_path):
 
 
 def test_slugs_follow_github():
-    assert slug("Mixing with megatron-core's own offload is caught") == "mixing-with-megatron-cores-own-offload-is-caught"
+    assert (
+        slug("Mixing with megatron-core's own offload is caught") == "mixing-with-megatron-cores-own-offload-is-caught"
+    )
     assert slug("Colocated PPO through Ray (`ray_actors/`, installed as `chatlearn_mem_ray`)") == (
-        "colocated-ppo-through-ray-ray_actors-installed-as-chatlearn_mem_ray")
+        "colocated-ppo-through-ray-ray_actors-installed-as-chatlearn_mem_ray"
+    )
     assert slug("`policy`, `critic`") == "policy-critic"
 
 
 def test_readme_is_a_front_door():
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, (
-        f"README.md has {len(lines)} lines, over {README_MAX_LINES}: move the details to a page under docs/ "
-        "and link it")
+        f"README.md has {len(lines)} lines, over {README_MAX_LINES}: move the details to a page under docs/ and link it"
+    )

@@ -30,9 +30,15 @@ def fake_system(tmp_path, monkeypatch):
 
 
 def test_cgroup_v2_limit_counts_reclaimable_cache_as_free(fake_system):
-    fake_system("0::/job\n", meminfo_kb=20 * 2**20, files={
-        "job/memory.max": f"{8 * GiB}\n", "job/memory.current": f"{7 * GiB}\n",
-        "job/memory.stat": f"anon 100\ninactive_file {GiB}\n"})
+    fake_system(
+        "0::/job\n",
+        meminfo_kb=20 * 2**20,
+        files={
+            "job/memory.max": f"{8 * GiB}\n",
+            "job/memory.current": f"{7 * GiB}\n",
+            "job/memory.stat": f"anon 100\ninactive_file {GiB}\n",
+        },
+    )
     m = host_memory.usable_host_memory()
     assert m.nbytes == 2 * GiB  # 8 - (7 - 1): the page cache is reclaimable
     assert [n for _, n in m.sources] == [2 * GiB, 20 * GiB]
@@ -41,21 +47,35 @@ def test_cgroup_v2_limit_counts_reclaimable_cache_as_free(fake_system):
 
 
 def test_ancestor_limit_and_memavailable_take_the_smallest(fake_system):
-    fake_system("0::/a/b\n", meminfo_kb=3 * 2**20, files={
-        "a/b/memory.max": "max\n", "a/b/memory.current": "10\n",
-        "a/memory.max": f"{64 * GiB}\n", "a/memory.current": f"{GiB}\n"})
+    fake_system(
+        "0::/a/b\n",
+        meminfo_kb=3 * 2**20,
+        files={
+            "a/b/memory.max": "max\n",
+            "a/b/memory.current": "10\n",
+            "a/memory.max": f"{64 * GiB}\n",
+            "a/memory.current": f"{GiB}\n",
+        },
+    )
     m = host_memory.usable_host_memory()
     assert m.nbytes == 3 * GiB  # MemAvailable is smaller than the ancestor's room (63 GiB)
     assert len(m.sources) == 2
 
 
 def test_cgroup_v1_limit_and_unlimited(fake_system):
-    fake_system("4:memory:/docker/x\n", meminfo_kb=50 * 2**20, files={
-        "memory/memory.limit_in_bytes": f"{4 * GiB}\n", "memory/memory.usage_in_bytes": f"{3 * GiB}\n",
-        "memory/memory.stat": f"inactive_file 5\ntotal_inactive_file {GiB // 2}\n"})
+    fake_system(
+        "4:memory:/docker/x\n",
+        meminfo_kb=50 * 2**20,
+        files={
+            "memory/memory.limit_in_bytes": f"{4 * GiB}\n",
+            "memory/memory.usage_in_bytes": f"{3 * GiB}\n",
+            "memory/memory.stat": f"inactive_file 5\ntotal_inactive_file {GiB // 2}\n",
+        },
+    )
     assert host_memory.usable_host_memory().nbytes == GiB + GiB // 2
-    fake_system("4:memory:/docker/x\n", meminfo_kb=50 * 2**20, files={
-        "memory/memory.limit_in_bytes": "9223372036854771712\n"})  # v1 for "no limit"
+    fake_system(
+        "4:memory:/docker/x\n", meminfo_kb=50 * 2**20, files={"memory/memory.limit_in_bytes": "9223372036854771712\n"}
+    )  # v1 for "no limit"
     m = host_memory.usable_host_memory()
     assert m.nbytes == 50 * GiB and [w for w, _ in m.sources] == ["MemAvailable"]
 
@@ -80,11 +100,15 @@ def test_inference_offload_refused_before_anything_changes(monkeypatch):
     module = _module()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     mm = InferenceMemoryManager(module, MemoryConfig(host_memory_margin_mb=0.25))
-    monkeypatch.setattr(host_memory, "usable_host_memory",
-                        lambda: host_memory.HostMemory(300 * 1024, (("MemAvailable", 300 * 1024),)))
-    with pytest.raises(HostMemoryError, match=r"it would allocate 0\.00 GiB of host memory \(weights 0\.00 GiB\) "
-                       r"but the process can use only 0\.00 GiB \(MemAvailable 0\.00 GiB; minus "
-                       r"host_memory_margin_mb=0\.25 MiB\)\. Free host memory"):
+    monkeypatch.setattr(
+        host_memory, "usable_host_memory", lambda: host_memory.HostMemory(300 * 1024, (("MemAvailable", 300 * 1024),))
+    )
+    with pytest.raises(
+        HostMemoryError,
+        match=r"it would allocate 0\.00 GiB of host memory \(weights 0\.00 GiB\) "
+        r"but the process can use only 0\.00 GiB \(MemAvailable 0\.00 GiB; minus "
+        r"host_memory_margin_mb=0\.25 MiB\)\. Free host memory",
+    ):
         mm.offload()
     assert not mm.is_offloaded("weights") and mm.residency().host_bytes == 0
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())

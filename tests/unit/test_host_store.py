@@ -43,17 +43,20 @@ def check_plan(store: HostStore, sizes: list[int], bucket_size: int) -> None:
             assert end <= start, f"overlapping spans {intervals}"
 
 
-@pytest.mark.parametrize("sizes, bucket_size", [
-    ([100], 4096),
-    ([4096], 4096),
-    ([1, 1, 1, 1], 4096),
-    ([100, 1000, 3000], 2048),
-    ([10_000], 1024),                  # one storage over many buckets
-    ([513, 7000, 12, 4096, 1], 2048),
-    ([300, 300, 300], 1000),           # bucket size not a multiple of the alignment
-    ([5000, 5000], 100),               # bucket smaller than one alignment unit
-    ([2**20 + 3, 17, 2**19], 2**18),
-])
+@pytest.mark.parametrize(
+    "sizes, bucket_size",
+    [
+        ([100], 4096),
+        ([4096], 4096),
+        ([1, 1, 1, 1], 4096),
+        ([100, 1000, 3000], 2048),
+        ([10_000], 1024),  # one storage over many buckets
+        ([513, 7000, 12, 4096, 1], 2048),
+        ([300, 300, 300], 1000),  # bucket size not a multiple of the alignment
+        ([5000, 5000], 100),  # bucket smaller than one alignment unit
+        ([2**20 + 3, 17, 2**19], 2**18),
+    ],
+)
 def test_plan_invariants(sizes, bucket_size):
     check_plan(HostStore(sizes, bucket_size, pin=False), sizes, bucket_size)
 
@@ -95,13 +98,13 @@ def test_views_round_trip_bytes():
     # Write every storage first, then read every storage: overlapping spans would clobber.
     for i, src in enumerate(data):
         for view, off in store.views(i):
-            view.copy_(src[off:off + view.numel()])
+            view.copy_(src[off : off + view.numel()])
     for i, src in enumerate(data):
         back = torch.zeros_like(src)
         covered = 0
         for view, off in store.views(i):
             assert view.dtype == torch.uint8
-            back[off:off + view.numel()] = view
+            back[off : off + view.numel()] = view
             covered += view.numel()
         assert covered == sizes[i]
         assert torch.equal(back, src)

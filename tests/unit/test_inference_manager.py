@@ -35,8 +35,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         h = self.dec(torch.relu(self.enc(x)))
-        return (self.fc(h) * self.scale.float() + self.frozen + self.shift
-                + (self.ids - 2**40).float())
+        return self.fc(h) * self.scale.float() + self.frozen + self.shift + (self.ids - 2**40).float()
 
 
 def named(model):
@@ -197,8 +196,7 @@ def test_load_state_dict_is_copied(model, mm):
 
 
 def test_skip_unchanged_disabled_always_copies(model):
-    mm = InferenceMemoryManager(model, MemoryConfig(bucket_size_mb=1024 / 2**20,
-                                                    skip_unchanged_weights=False))
+    mm = InferenceMemoryManager(model, MemoryConfig(bucket_size_mb=1024 / 2**20, skip_unchanged_weights=False))
     snap = snapshot(model)
     for _ in range(3):
         assert mm.offload_weights().copied_bytes == MODEL_BYTES
@@ -300,8 +298,10 @@ def test_concurrent_offload_onload(model, mm, x):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # interleaved calls make some of them warned no-ops
-        threads = [threading.Thread(target=loop, args=(mm.offload_weights, mm.onload_weights)),
-                   threading.Thread(target=loop, args=(mm.onload_weights, mm.offload_weights))]
+        threads = [
+            threading.Thread(target=loop, args=(mm.offload_weights, mm.onload_weights)),
+            threading.Thread(target=loop, args=(mm.onload_weights, mm.offload_weights)),
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -43,9 +43,12 @@ def _same(model, snap):
 def test_second_manager_is_refused_naming_the_first(model):
     mm = InferenceMemoryManager(model)
     for target in (model, model.enc, model.dec):  # the whole model, a part, a part sharing a tied weight
-        with pytest.raises(ChatlearnMemError, match=r"^this module is already managed by InferenceMemoryManager "
-                           r"\(created at .*test_manager_lifecycle\.py:\d+\); .*manager_of\(model\) returns it\) "
-                           r"or call its close\(\) first$"):
+        with pytest.raises(
+            ChatlearnMemError,
+            match=r"^this module is already managed by InferenceMemoryManager "
+            r"\(created at .*test_manager_lifecycle\.py:\d+\); .*manager_of\(model\) returns it\) "
+            r"or call its close\(\) first$",
+        ):
             InferenceMemoryManager(target)
     assert manager_of(model) is mm and manager_of(model.dec) is mm and manager_of(model.enc.weight) is mm
     assert manager_of([nn.Linear(2, 2), model]) is mm
@@ -63,8 +66,11 @@ def test_close_while_offloaded_refuses_and_keeps_everything(model):
     snap = _bits(model)
     mm = InferenceMemoryManager(model)
     mm.offload()
-    with pytest.raises(ChatlearnMemError, match=r"^cannot close InferenceMemoryManager: weights are offloaded, "
-                       r"and closing would strand them .* Call onload\(\) first, then close\(\)$"):
+    with pytest.raises(
+        ChatlearnMemError,
+        match=r"^cannot close InferenceMemoryManager: weights are offloaded, "
+        r"and closing would strand them .* Call onload\(\) first, then close\(\)$",
+    ):
         mm.close()
     assert mm.is_offloaded("weights") and manager_of(model) is mm
     mm.onload()
@@ -105,8 +111,11 @@ def test_dropped_manager_survives_with_its_model_and_is_found_again(model):
 def test_manager_collected_with_its_sleeping_model_warns():
     mm = InferenceMemoryManager(Tied())
     mm.offload()
-    with pytest.warns(UserWarning, match=r"^InferenceMemoryManager \(created at .*test_manager_lifecycle\.py:\d+\) "
-                      r"was garbage collected while weights were offloaded: their host copies are freed"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^InferenceMemoryManager \(created at .*test_manager_lifecycle\.py:\d+\) "
+        r"was garbage collected while weights were offloaded: their host copies are freed",
+    ):
         del mm
         gc.collect()
 
@@ -126,8 +135,11 @@ def test_state_dict_and_load_state_dict_refuse_while_offloaded(model):
     snap = _bits(model)
     mm = InferenceMemoryManager(model)
     mm.offload()
-    with pytest.raises(OffloadedError, match=r"^state_dict\(\) while weights are offloaded: call onload_weights\(\) "
-                       r"\(or onload\(\)\) first, or use the manager's weights_state_dict\(\)"):
+    with pytest.raises(
+        OffloadedError,
+        match=r"^state_dict\(\) while weights are offloaded: call onload_weights\(\) "
+        r"\(or onload\(\)\) first, or use the manager's weights_state_dict\(\)",
+    ):
         model.state_dict()
     with pytest.raises(OffloadedError, match=r"^load_state_dict\(\) while weights are offloaded"):
         model.load_state_dict(snap)

@@ -35,14 +35,17 @@ def test_unit_tier_imports_are_read():
 
 def test_core_and_unit_tier_do_not_import_megatron():
     lines = ["import chatlearn_mem", *_unit_imports()]
-    code = "\n".join([
-        "import sys",
-        f"sys.path[:0] = {sys.path!r}",  # resolve the packages exactly as this process does
-        *lines,
-        "loaded = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))",
-        "print(repr(loaded[:5]))",
-    ])
+    code = "\n".join(
+        [
+            "import sys",
+            f"sys.path[:0] = {sys.path!r}",  # resolve the packages exactly as this process does
+            *lines,
+            "loaded = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))",
+            "print(repr(loaded[:5]))",
+        ]
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", (
-        f"megatron imported by one of:\n" + "\n".join(lines) + f"\nloaded: {out.stdout}")
+        "megatron imported by one of:\n" + "\n".join(lines) + f"\nloaded: {out.stdout}"
+    )

@@ -1,8 +1,15 @@
 """Where a run's actors go, without Ray: TP groups packed or spread over nodes, version skew named,
 and the shared checkpoint directory check seen from a node that cannot read it."""
 
-from chatlearn_mem_ray.nodes import (check_shared_from_node, group_targets, remove_check_files, shared_dir_check,
-                                     software_versions, unseen_nodes, version_skew)
+from chatlearn_mem_ray.nodes import (
+    check_shared_from_node,
+    group_targets,
+    remove_check_files,
+    shared_dir_check,
+    software_versions,
+    unseen_nodes,
+    version_skew,
+)
 
 
 def node(node_id, cpus, gpus=0, alive=True):
@@ -31,10 +38,13 @@ def test_version_skew_names_the_actor_its_node_and_both_versions():
     assert mine["chatlearn-mem"] and mine["torch"]
     same = {"policy_0": {"versions": dict(mine), "node": "10.0.0.1/abcd1234"}}
     assert version_skew(mine, same) == []
-    other = {**same, "critic_1": {"versions": {**mine, "torch": "2.5.0", "python": "3.10.0"},
-                                  "node": "10.0.0.2/ef567890"}}
-    assert version_skew(mine, other) == [f"critic_1 on node 10.0.0.2/ef567890 runs torch 2.5.0 (the driver: "
-                                         f"{mine['torch']})"]  # Python is reported, not compared
+    other = {
+        **same,
+        "critic_1": {"versions": {**mine, "torch": "2.5.0", "python": "3.10.0"}, "node": "10.0.0.2/ef567890"},
+    }
+    assert version_skew(mine, other) == [
+        f"critic_1 on node 10.0.0.2/ef567890 runs torch 2.5.0 (the driver: {mine['torch']})"
+    ]  # Python is reported, not compared
 
 
 def test_a_node_that_cannot_see_the_directory_is_named(tmp_path):

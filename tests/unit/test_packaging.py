@@ -25,10 +25,16 @@ def test_code_imports_the_installed_names_not_the_folder_names():
     for folder in ("chatlearn_mem", "ray_actors", "benchmarks", "cli", "configs", "tests", "examples", "scripts"):
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-                bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n!r}; use {FOLDER_NAMES[n.split('.')[0]]!r}"
-                        for n in names if n.split(".")[0] in FOLDER_NAMES]
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                )
+                bad += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports {n!r}; use {FOLDER_NAMES[n.split('.')[0]]!r}"
+                    for n in names
+                    if n.split(".")[0] in FOLDER_NAMES
+                ]
     assert not bad, "\n".join(bad)
 
 
@@ -44,10 +50,14 @@ def test_every_package_folder_ships_in_the_wheel():
     (an editable install would still find it, so only the wheel check would notice)."""
     table = _setuptools_table()
     shipped = {_folder(p, table["package-dir"]) for p in table["packages"]}
-    present = {str(init.parent.relative_to(ROOT)) for top in ("chatlearn_mem", "ray_actors", "benchmarks", "cli", "configs")
-               for init in (ROOT / top).rglob("__init__.py")}
-    assert present == shipped, (f"not shipped: {sorted(present - shipped)}; "
-                                f"listed but missing: {sorted(shipped - present)}")
+    present = {
+        str(init.parent.relative_to(ROOT))
+        for top in ("chatlearn_mem", "ray_actors", "benchmarks", "cli", "configs")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert present == shipped, (
+        f"not shipped: {sorted(present - shipped)}; listed but missing: {sorted(shipped - present)}"
+    )
 
 
 def test_the_core_imports_nothing_of_the_command_line():
@@ -57,7 +67,10 @@ def test_the_core_imports_nothing_of_the_command_line():
     bad = []
     for path in (ROOT / "chatlearn_mem").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            )
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n!r}" for n in names if n.split(".")[0] in edge]
     assert not bad, "\n".join(bad)

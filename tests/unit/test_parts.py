@@ -17,8 +17,10 @@ def test_parse_parts_orders_dedups_and_defaults_to_all():
     available = list(Part)
     assert parse_parts(None, available) == available
     assert parse_parts("grads", available) == [Part.GRADS]
-    assert parse_parts(["optimizer_states", Part.WEIGHTS, "weights"], available) == [Part.WEIGHTS,
-                                                                                     Part.OPTIMIZER_STATES]
+    assert parse_parts(["optimizer_states", Part.WEIGHTS, "weights"], available) == [
+        Part.WEIGHTS,
+        Part.OPTIMIZER_STATES,
+    ]
     assert parse_parts([], available) == []
 
 

@@ -9,11 +9,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from planner_oracle import optimum_bytes, schedule_bytes
 
 from chatlearn_mem import plan_residency
-from chatlearn_mem.planner import residency_bytes_moved
-from chatlearn_mem.planner import _MAX_WORK, _plan
-from planner_oracle import optimum_bytes, schedule_bytes
+from chatlearn_mem.planner import _MAX_WORK, _plan, residency_bytes_moved
 
 G = 2**30
 
@@ -59,8 +58,10 @@ def test_small_schedules_are_solved_exactly():
         if greedy.bytes_moved > best:
             greedy_off += 1
             worst_greedy = max(worst_greedy, (greedy.bytes_moved - best) / best)
-    print(f"{ORACLE_INSTANCES} instances: planner optimal in all; greedy alone above the optimum in "
-          f"{greedy_off}, by at most {worst_greedy:.1%}")
+    print(
+        f"{ORACLE_INSTANCES} instances: planner optimal in all; greedy alone above the optimum in "
+        f"{greedy_off}, by at most {worst_greedy:.1%}"
+    )
 
 
 def test_cost_function_matches_a_simulation_of_the_copies():
@@ -68,8 +69,9 @@ def test_cost_function_matches_a_simulation_of_the_copies():
     for _ in range(300):
         sizes, phases, _, written, scratch = random_instance(rng, max_items=6, max_phases=7)
         resident = [set(ph) | {x for x in sizes if rng.random() < 0.5} for ph in phases]
-        assert residency_bytes_moved(sizes, resident, written=written, scratch=scratch) == \
-            schedule_bytes(sizes, resident, written, scratch)
+        assert residency_bytes_moved(sizes, resident, written=written, scratch=scratch) == schedule_bytes(
+            sizes, resident, written, scratch
+        )
 
 
 # --- hand-checked examples ---------------------------------------------------------------------
@@ -78,13 +80,27 @@ def test_cost_function_matches_a_simulation_of_the_copies():
 def ppo_schedule():
     """generate, reference, values, train_critic, train_policy; the trainers' parts written when
     they train, grads and the KV cache scratch. Largest phase: a trainer's 16 GiB."""
-    sizes = {"policy/weights": 2 * G, "policy/grads": 2 * G, "policy/main_weights": 4 * G,
-             "policy/optimizer_states": 8 * G, "critic/weights": 2 * G, "critic/grads": 2 * G,
-             "critic/main_weights": 4 * G, "critic/optimizer_states": 8 * G, "reference/weights": 2 * G,
-             "rollout/weights": 2 * G, "rollout/kv_cache": 6 * G}
+    sizes = {
+        "policy/weights": 2 * G,
+        "policy/grads": 2 * G,
+        "policy/main_weights": 4 * G,
+        "policy/optimizer_states": 8 * G,
+        "critic/weights": 2 * G,
+        "critic/grads": 2 * G,
+        "critic/main_weights": 4 * G,
+        "critic/optimizer_states": 8 * G,
+        "reference/weights": 2 * G,
+        "rollout/weights": 2 * G,
+        "rollout/kv_cache": 6 * G,
+    }
     train = lambda m: {f"{m}/weights", f"{m}/grads", f"{m}/main_weights", f"{m}/optimizer_states"}  # noqa: E731
-    phases = [{"policy/weights", "rollout/weights", "rollout/kv_cache"}, {"reference/weights"},
-              {"critic/weights"}, train("critic"), train("policy")]
+    phases = [
+        {"policy/weights", "rollout/weights", "rollout/kv_cache"},
+        {"reference/weights"},
+        {"critic/weights"},
+        train("critic"),
+        train("policy"),
+    ]
     written = [set(), set(), set(), train("critic"), train("policy")]
     scratch = {"policy/grads", "critic/grads", "rollout/kv_cache"}
     return sizes, phases, written, scratch
@@ -238,8 +254,13 @@ def test_the_planner_runs_without_torch_and_plans_alike_in_every_process():
     """)
     outputs = []
     for hash_seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
         assert out.returncode == 0, out.stderr
         outputs.append(out.stdout.splitlines())
     assert outputs[0][0].split() == ["0", "12", "[]", "False"]
@@ -251,22 +272,31 @@ def test_the_planner_runs_without_torch_and_plans_alike_in_every_process():
 
 def test_a_phase_over_the_budget_is_named_with_its_bytes():
     sizes = {"a": 4 * G, "b": 8 * G, "c": 2 * G}
-    with pytest.raises(ValueError, match=r"phase 2 needs 12\.00 GiB \(12884901888 B\) but budget_bytes is "
-                                         r"10\.00 GiB \(10737418240 B\).*at least the largest phase, 12884901888 B"):
+    with pytest.raises(
+        ValueError,
+        match=r"phase 2 needs 12\.00 GiB \(12884901888 B\) but budget_bytes is "
+        r"10\.00 GiB \(10737418240 B\).*at least the largest phase, 12884901888 B",
+    ):
         plan_residency(sizes, [{"a"}, {"c"}, {"a", "b"}], 10 * G)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(phases=[{"a", "x"}]), r"phases\[0\] names 'x', which is not in sizes \(sizes has 2 items: 'a', 'b'\)"),
-    (dict(written=[{"y"}]), r"written\[0\] names 'y', which is not in sizes"),
-    (dict(scratch={"z"}), r"scratch names 'z', which is not in sizes"),
-    (dict(written=[{"a"}, set()]), r"written has 2 entries but phases has 1"),
-    (dict(written=[{"b"}]), r"written\[0\] names 'b', which phases\[0\] lacks; an item modified in a phase must be "
-                            r"resident in it"),
-    (dict(sizes={"a": 1, "b": -3}), r"sizes\['b'\] must be >= 0 bytes, got -3"),
-    (dict(budget_bytes=-1), r"budget_bytes must be >= 0 bytes, got -1"),
-    (dict(phases=[]), r"phases is empty; give at least one phase"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(phases=[{"a", "x"}]), r"phases\[0\] names 'x', which is not in sizes \(sizes has 2 items: 'a', 'b'\)"),
+        (dict(written=[{"y"}]), r"written\[0\] names 'y', which is not in sizes"),
+        (dict(scratch={"z"}), r"scratch names 'z', which is not in sizes"),
+        (dict(written=[{"a"}, set()]), r"written has 2 entries but phases has 1"),
+        (
+            dict(written=[{"b"}]),
+            r"written\[0\] names 'b', which phases\[0\] lacks; an item modified in a phase must be "
+            r"resident in it",
+        ),
+        (dict(sizes={"a": 1, "b": -3}), r"sizes\['b'\] must be >= 0 bytes, got -3"),
+        (dict(budget_bytes=-1), r"budget_bytes must be >= 0 bytes, got -1"),
+        (dict(phases=[]), r"phases is empty; give at least one phase"),
+    ],
+)
 def test_mistakes_raise_value_errors_that_name_them(kwargs, message):
     args = dict(sizes={"a": 1, "b": 2}, phases=[{"a"}], budget_bytes=10) | kwargs
     with pytest.raises(ValueError, match=message):
@@ -274,8 +304,11 @@ def test_mistakes_raise_value_errors_that_name_them(kwargs, message):
 
 
 def test_wrong_types_raise_type_errors():
-    with pytest.raises(TypeError, match=r"phases\[0\] is the string 'a'; give a collection of item names, "
-                                        r"e.g. \{'a'\}"):
+    with pytest.raises(
+        TypeError,
+        match=r"phases\[0\] is the string 'a'; give a collection of item names, "
+        r"e.g. \{'a'\}",
+    ):
         plan_residency({"a": 1}, ["a"], 1)
     with pytest.raises(TypeError, match=r"sizes\['a'\] must be an integer number of bytes, got 1.5 \(float\)"):
         plan_residency({"a": 1.5}, [{"a"}], 2)

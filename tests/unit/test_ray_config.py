@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 from chatlearn_mem import ConfigError
 from chatlearn_mem_cli.app import app
 from chatlearn_mem_cli.config_files import parse_overrides, preset_description, preset_names
-from chatlearn_mem_ray.connect import check_resources
 from chatlearn_mem_ray.config import DEFAULT_PRESET, PRESETS, RunConfig, load_config
+from chatlearn_mem_ray.connect import check_resources
 from chatlearn_mem_ray.errors import ResourceError
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs" / "ppo"
@@ -31,7 +31,11 @@ def test_every_shipped_config_validates(path):
 
 def test_overrides_are_typed_and_nested():
     assert parse_overrides(["ppo.iterations=5", "memory.enabled=false", "ray.address=auto", "a.b.c=0.5"]) == {
-        "ppo": {"iterations": 5}, "memory": {"enabled": False}, "ray": {"address": "auto"}, "a": {"b": {"c": 0.5}}}
+        "ppo": {"iterations": 5},
+        "memory": {"enabled": False},
+        "ray": {"address": "auto"},
+        "a": {"b": {"c": 0.5}},
+    }
     cfg = load_config(CONFIGS[0], ["ppo.iterations=5", "memory.enabled=false", "memory.manager.bucket_size_mb=8"])
     assert (cfg.ppo.iterations, cfg.memory.enabled, cfg.memory.manager.bucket_size_mb) == (5, False, 8)
 
@@ -49,8 +53,15 @@ def test_every_problem_is_listed_with_its_key():
 
 def test_cross_field_problems_name_the_values():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["ppo.response_length=20", "critic.vocab_size=32", "parallel.world_size=3",
-                           "parallel.tensor_model_parallel_size=2"])
+        load_config(
+            None,
+            [
+                "ppo.response_length=20",
+                "critic.vocab_size=32",
+                "parallel.world_size=3",
+                "parallel.tensor_model_parallel_size=2",
+            ],
+        )
     assert "tensor_model_parallel_size (2) must divide world_size (3)" in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config(None, ["ppo.response_length=20", "critic.vocab_size=32"])
@@ -59,12 +70,15 @@ def test_cross_field_problems_name_the_values():
     assert "critic.vocab_size (32) must equal policy.vocab_size (64)" in msg
 
 
-@pytest.mark.parametrize("bad, match", [
-    (["ppo.iterations"], "is not key=value"),
-    (["=3"], "is not key=value"),
-    (["ppo..x=1"], "is not key=value"),
-    (["ppo=1", "ppo.iterations=2"], "ppo was already given a value"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (["ppo.iterations"], "is not key=value"),
+        (["=3"], "is not key=value"),
+        (["ppo..x=1"], "is not key=value"),
+        (["ppo=1", "ppo.iterations=2"], "ppo was already given a value"),
+    ],
+)
 def test_malformed_overrides(bad, match):
     with pytest.raises(ConfigError, match=match):
         parse_overrides(bad)
@@ -109,8 +123,9 @@ def test_cli_refuses_more_ranks_than_cpus_before_starting_ray():
     import ray
 
     n = (os.cpu_count() or 1) + 1
-    result = CliRunner().invoke(app, ["ppo", f"parallel.world_size={n}", f"ppo.prompts_per_iteration={8 * n}",
-                                      "ray.num_cpus=null"])
+    result = CliRunner().invoke(
+        app, ["ppo", f"parallel.world_size={n}", f"ppo.prompts_per_iteration={8 * n}", "ray.num_cpus=null"]
+    )
     assert result.exit_code == 1
     assert f"need {n} CPUs but this machine has {n - 1}" in result.output
     assert not ray.is_initialized()

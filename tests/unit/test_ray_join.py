@@ -13,8 +13,8 @@ import pytest
 
 from chatlearn_mem_ray import connect
 from chatlearn_mem_ray.colocation import Colocation
-from chatlearn_mem_ray.connect import ClusterTarget, init_kwargs, join_environment, probe_address, resolve_address
 from chatlearn_mem_ray.config import load_config
+from chatlearn_mem_ray.connect import ClusterTarget, init_kwargs, join_environment, probe_address, resolve_address
 from chatlearn_mem_ray.errors import ClusterConnectionError
 
 LIVE = "10.0.0.7:6379"
@@ -28,18 +28,21 @@ def recorded(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("address, env, expected, source", [
-    (None, {}, None, "default"),
-    (None, {"RAY_ADDRESS": "1.2.3.4:6379"}, "1.2.3.4:6379", "RAY_ADDRESS"),  # as `ray job submit` sets it
-    (None, {"RAY_ADDRESS": "local"}, None, "RAY_ADDRESS=local"),
-    (None, {"RAY_ADDRESS": "  "}, None, "default"),
-    ("local", {"RAY_ADDRESS": "1.2.3.4:6379"}, None, "ray.address=local"),
-    ("auto", {"RAY_ADDRESS": "1.2.3.4:6379"}, "1.2.3.4:6379", "RAY_ADDRESS"),
-    ("auto", {}, LIVE, "the latest `ray start`"),
-    (None, {"RAY_ADDRESS": "auto"}, LIVE, "the latest `ray start`"),
-    ("5.6.7.8:6379", {"RAY_ADDRESS": "1.2.3.4:6379"}, "5.6.7.8:6379", "ray.address"),
-    ("ray://5.6.7.8:10001", {}, "ray://5.6.7.8:10001", "ray.address"),
-])
+@pytest.mark.parametrize(
+    "address, env, expected, source",
+    [
+        (None, {}, None, "default"),
+        (None, {"RAY_ADDRESS": "1.2.3.4:6379"}, "1.2.3.4:6379", "RAY_ADDRESS"),  # as `ray job submit` sets it
+        (None, {"RAY_ADDRESS": "local"}, None, "RAY_ADDRESS=local"),
+        (None, {"RAY_ADDRESS": "  "}, None, "default"),
+        ("local", {"RAY_ADDRESS": "1.2.3.4:6379"}, None, "ray.address=local"),
+        ("auto", {"RAY_ADDRESS": "1.2.3.4:6379"}, "1.2.3.4:6379", "RAY_ADDRESS"),
+        ("auto", {}, LIVE, "the latest `ray start`"),
+        (None, {"RAY_ADDRESS": "auto"}, LIVE, "the latest `ray start`"),
+        ("5.6.7.8:6379", {"RAY_ADDRESS": "1.2.3.4:6379"}, "5.6.7.8:6379", "ray.address"),
+        ("ray://5.6.7.8:10001", {}, "ray://5.6.7.8:10001", "ray.address"),
+    ],
+)
 def test_address_resolution(recorded, address, env, expected, source):
     target = resolve_address(address, env, recorded)
     assert target.address == expected
@@ -74,11 +77,14 @@ def test_joining_never_passes_resource_counts():
         assert not {"num_cpus", "num_gpus", "resources", "object_store_memory"} & set(kwargs), kwargs
 
 
-@pytest.mark.parametrize("address, host_port", [
-    ("10.0.0.1:6379", ("10.0.0.1", 6379)),
-    ("ray://head:10001", ("head", 10001)),
-    ("[::1]:6379", ("::1", 6379)),
-])
+@pytest.mark.parametrize(
+    "address, host_port",
+    [
+        ("10.0.0.1:6379", ("10.0.0.1", 6379)),
+        ("ray://head:10001", ("head", 10001)),
+        ("[::1]:6379", ("::1", 6379)),
+    ],
+)
 def test_host_port(address, host_port):
     assert ClusterTarget(address, "ray.address").host_port == host_port
 
@@ -107,8 +113,11 @@ def test_probe_answers_for_a_listening_port_and_says_why_not_otherwise():
 def test_join_environment_bounds_ray_and_keeps_what_the_user_set():
     target = ClusterTarget("203.0.113.5:6379", "ray.address")  # TEST-NET-3: never this machine
     env = join_environment(target, 20.0, {"RAY_AUTH_TOKEN_PATH": "/nonexistent"})
-    assert env == {"RAY_gcs_rpc_server_connect_timeout_s": "7", "RAY_py_gcs_connect_timeout_s": "7",
-                   "RAY_gcs_server_port_wait_time_s": "1"}
+    assert env == {
+        "RAY_gcs_rpc_server_connect_timeout_s": "7",
+        "RAY_py_gcs_connect_timeout_s": "7",
+        "RAY_gcs_server_port_wait_time_s": "1",
+    }
     env = join_environment(target, 20.0, {"RAY_py_gcs_connect_timeout_s": "60", "RAY_AUTH_TOKEN_PATH": "/nonexistent"})
     assert "RAY_py_gcs_connect_timeout_s" not in env
 
@@ -174,8 +183,9 @@ def test_ray_address_from_the_environment_is_joined_without_resource_counts(monk
     fake = FakeRay()
     colo, lines = _start(monkeypatch, fake, [], {"RAY_ADDRESS": listening, "RAY_AUTH_TOKEN": "t"})
     assert fake.calls == [{"address": listening, "logging_level": "WARNING"}]
-    assert lines == [f"joined the Ray cluster at {listening} (from RAY_ADDRESS); ray.num_cpus=2 ignored "
-                     "(it sizes a local cluster)"]
+    assert lines == [
+        f"joined the Ray cluster at {listening} (from RAY_ADDRESS); ray.num_cpus=2 ignored (it sizes a local cluster)"
+    ]
     assert fake.env_during_init["RAY_AUTH_MODE"] == "token"  # a head on this machine, a token exists
     assert fake.env_during_init["RAY_gcs_server_port_wait_time_s"] == "1"
     assert "RAY_AUTH_MODE" not in os.environ and "RAY_gcs_server_port_wait_time_s" not in os.environ  # restored
@@ -205,8 +215,10 @@ def test_a_stale_ray_start_head_is_named(monkeypatch, tmp_path):
 
 
 def test_a_refused_token_says_what_to_set(monkeypatch, listening):
-    cause = RuntimeError("Failed to connect to GCS. Last connection error: ray.exceptions.AuthenticationError: "
-                         "RPC error: InvalidAuthToken: Authentication token is missing or incorrect.")
+    cause = RuntimeError(
+        "Failed to connect to GCS. Last connection error: ray.exceptions.AuthenticationError: "
+        "RPC error: InvalidAuthToken: Authentication token is missing or incorrect."
+    )
     fail = ConnectionError(f"Failed to connect to Ray cluster at {listening}")
     fail.__cause__ = cause
     with pytest.raises(ClusterConnectionError) as e:
@@ -229,8 +241,15 @@ def test_a_local_cluster_is_started_even_with_a_ray_start_head_recorded(monkeypa
     monkeypatch.setattr(connect, "current_cluster_file", lambda: recorded)
     fake = FakeRay()
     _, lines = _start(monkeypatch, fake, [])
-    assert fake.calls == [{"address": "local", "num_cpus": 2, "include_dashboard": False, "logging_level": "WARNING",
-                           "log_to_driver": True}]
+    assert fake.calls == [
+        {
+            "address": "local",
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "logging_level": "WARNING",
+            "log_to_driver": True,
+        }
+    ]
     assert lines == ["starting a local Ray cluster (2 CPUs) ..."]
 
 
@@ -243,11 +262,17 @@ def test_a_start_says_what_it_starts_before_each_wait(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     lines = []
-    Colocation(load_config("cpu_tiny", ["parallel.world_size=2", "ppo.prompts_per_iteration=16"]),
-               progress=lines.append)._start()
-    assert lines == ["starting a local Ray cluster (2 CPUs) ...",
-                     "starting 6 actors (policy x2, critic x2, rollout, reference) ...",
-                     "_make_placement_groups", "_start_actors", "building the models ...", "_setup_actors"]
+    Colocation(
+        load_config("cpu_tiny", ["parallel.world_size=2", "ppo.prompts_per_iteration=16"]), progress=lines.append
+    )._start()
+    assert lines == [
+        "starting a local Ray cluster (2 CPUs) ...",
+        "starting 6 actors (policy x2, critic x2, rollout, reference) ...",
+        "_make_placement_groups",
+        "_start_actors",
+        "building the models ...",
+        "_setup_actors",
+    ]
 
 
 def test_unreachable_address_through_the_command_line_is_one_line_and_quick(tmp_path):
@@ -256,9 +281,17 @@ def test_unreachable_address_through_the_command_line_is_one_line_and_quick(tmp_
 
     address = f"127.0.0.1:{_closed_port()}"
     env = {**os.environ, "RAY_ADDRESS": address}
-    out = subprocess.run([sys.executable, "-m", "chatlearn_mem_cli", "ppo", f"output_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "chatlearn_mem_cli", "ppo", f"output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 1, out
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        f"error: cannot reach the Ray cluster at {address} (from RAY_ADDRESS): Connection refused"), out.stderr
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: cannot reach the Ray cluster at {address} (from RAY_ADDRESS): Connection refused")
+    ), out.stderr
     assert "Traceback" not in out.stderr + out.stdout

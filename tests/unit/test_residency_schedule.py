@@ -3,14 +3,13 @@ needs and writes of the five phases, the optimum at the issue's budgets, one pla
 prefetch room, re-planning, and the budget checks."""
 
 import pytest
+from planner_oracle import optimum_bytes
 
 from chatlearn_mem import Part
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import BudgetError
+from chatlearn_mem_ray.residency import PHASES, ResidencySchedule, bundle_of, estimate_sizes, phase_needs, phase_writes
 from chatlearn_mem_ray.supervisor import check_budget
-from chatlearn_mem_ray.residency import (PHASES, ResidencySchedule, bundle_of, estimate_sizes, phase_needs,
-                                         phase_writes)
-from planner_oracle import optimum_bytes
 
 NAMES = ["policy_0", "critic_0", "rollout", "reference"]
 MiB = 2**20
@@ -57,8 +56,9 @@ def test_the_plan_moves_exactly_the_optimum_at_the_issues_budgets(factor):
 def test_bytes_moved_fall_from_all_or_nothing_to_nothing_as_the_budget_grows():
     sizes = sizes_of()
     total = sum(b for parts in sizes.values() for b in parts.values())
-    moved = [ResidencySchedule(sizes, int(largest(sizes) * f)).plans[0].bytes_moved
-             for f in (1.0, 1.25, 1.5, 1.75, 2.0)] + [ResidencySchedule(sizes, total).plans[0].bytes_moved]
+    moved = [
+        ResidencySchedule(sizes, int(largest(sizes) * f)).plans[0].bytes_moved for f in (1.0, 1.25, 1.5, 1.75, 2.0)
+    ] + [ResidencySchedule(sizes, total).plans[0].bytes_moved]
     assert moved == sorted(moved, reverse=True) and moved[0] > moved[-1] == 0
 
 
@@ -124,9 +124,11 @@ def test_check_before_ray_starts():
 def test_the_config_names_bad_budgets():
     from chatlearn_mem import ConfigError
 
-    for overrides, message in ((["memory.device_budget_mb=-2"], "must be > 0 MiB, got -2"),
-                               (["memory.device_budget_mb=lots"], "must be a number of MiB, 'auto' or null"),
-                               (["memory.device_budget_mb=3", "memory.enabled=false"], "needs memory.enabled=true")):
+    for overrides, message in (
+        (["memory.device_budget_mb=-2"], "must be > 0 MiB, got -2"),
+        (["memory.device_budget_mb=lots"], "must be a number of MiB, 'auto' or null"),
+        (["memory.device_budget_mb=3", "memory.enabled=false"], "needs memory.enabled=true"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config("cpu_tiny", overrides)
 

@@ -6,8 +6,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from chatlearn_mem_ray import checkpoints as ck
 from chatlearn_mem_cli.app import app
+from chatlearn_mem_ray import checkpoints as ck
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import CheckpointDirError, ResumeError
 from chatlearn_mem_ray.supervisor import _prepare_checkpoints, find_resume_point, prepare_output_dir
@@ -32,10 +32,19 @@ def fake_checkpoint(cfg, iterations: int, complete: bool = True):
         files = {f: _digest(str(step / f)) for f in ("__0_0.distcp", ".metadata")}
         (step / METADATA_FILE).write_text(json.dumps({"format": _FORMAT, "step": iterations, "files": files}))
     if complete:
-        (path / ck.RUN_FILE).write_text(json.dumps({
-            "format": ck._FORMAT, "iterations_done": iterations, "config": json.loads(cfg.model_dump_json()),
-            "iterations": [{"iteration": i} for i in range(iterations)], "memory_timeline": [], "sync_checks": [],
-            "audits": {"runs": 0, "checks_clean": 0}}))
+        (path / ck.RUN_FILE).write_text(
+            json.dumps(
+                {
+                    "format": ck._FORMAT,
+                    "iterations_done": iterations,
+                    "config": json.loads(cfg.model_dump_json()),
+                    "iterations": [{"iteration": i} for i in range(iterations)],
+                    "memory_timeline": [],
+                    "sync_checks": [],
+                    "audits": {"runs": 0, "checks_clean": 0},
+                }
+            )
+        )
     return path
 
 
@@ -62,24 +71,38 @@ def test_a_checkpoint_of_another_format_is_refused(tmp_path):
 
 def test_config_differences_split_model_shape_from_other_settings(tmp_path):
     saved = json.loads(_cfg(tmp_path).model_dump_json())
-    blocking, changed = ck.config_differences(saved, _cfg(tmp_path, "policy.hidden_size=128", "critic.num_layers=3",
-                                                          "policy.lr=0.01", "ppo.kl_coef=0.1", "ppo.iterations=40",
-                                                          "checkpoint.every=5", "ray.num_cpus=4"))
+    blocking, changed = ck.config_differences(
+        saved,
+        _cfg(
+            tmp_path,
+            "policy.hidden_size=128",
+            "critic.num_layers=3",
+            "policy.lr=0.01",
+            "ppo.kl_coef=0.1",
+            "ppo.iterations=40",
+            "checkpoint.every=5",
+            "ray.num_cpus=4",
+        ),
+    )
     assert blocking == ["critic.num_layers: checkpoint 2, config 3", "policy.hidden_size: checkpoint 64, config 128"]
     assert changed == ["policy.lr: checkpoint 0.001, config 0.01", "ppo.kl_coef: checkpoint 0.05, config 0.1"]
 
 
 def test_resume_true_without_a_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(ResumeError, match=r"nothing to resume: no complete checkpoint in .*checkpoints\. Run without "
-                                          r"--resume"):
+    with pytest.raises(
+        ResumeError,
+        match=r"nothing to resume: no complete checkpoint in .*checkpoints\. Run without "
+        r"--resume",
+    ):
         find_resume_point(_cfg(tmp_path, "checkpoint.resume=true"))
 
 
 def test_resume_auto_without_a_checkpoint_starts_fresh_and_says_so(tmp_path):
     lines = []
     assert find_resume_point(_cfg(tmp_path, "checkpoint.resume=auto"), lines.append) is None
-    assert lines == [f"checkpoint.resume=auto: no complete checkpoint in {tmp_path / 'checkpoints'}; "
-                     "starting from the beginning"]
+    assert lines == [
+        f"checkpoint.resume=auto: no complete checkpoint in {tmp_path / 'checkpoints'}; starting from the beginning"
+    ]
     assert find_resume_point(_cfg(tmp_path)) is None  # resume=false never looks
 
 
@@ -92,10 +115,13 @@ def test_resume_finds_the_newest_complete_checkpoint_and_reports_changed_setting
     path, state = find_resume_point(_cfg(tmp_path, "checkpoint.resume=auto", "ppo.iterations=10"), lines.append)
     assert path == newest and state["iterations_done"] == 2
     assert lines == []  # more iterations is what a resumed run is for
-    find_resume_point(_cfg(tmp_path, "checkpoint.resume=true", "ppo.temperature=0.5", "parallel.world_size=2"),
-                      lines.append)
-    assert len(lines) == 1 and lines[0].startswith("resuming with settings that differ from the checkpoint's: "
-                                                   "parallel.world_size: checkpoint 1, config 2; ppo.temperature")
+    find_resume_point(
+        _cfg(tmp_path, "checkpoint.resume=true", "ppo.temperature=0.5", "parallel.world_size=2"), lines.append
+    )
+    assert len(lines) == 1 and lines[0].startswith(
+        "resuming with settings that differ from the checkpoint's: "
+        "parallel.world_size: checkpoint 1, config 2; ppo.temperature"
+    )
     assert "megatron reshards the trainers to the new split" in lines[0]
 
 
@@ -103,18 +129,23 @@ def test_resume_with_another_model_shape_names_every_difference(tmp_path):
     fake_checkpoint(_cfg(tmp_path), 2)
     with pytest.raises(ResumeError) as e:
         find_resume_point(_cfg(tmp_path, "checkpoint.resume=true", "policy.num_layers=4", "critic.precision=fp32"))
-    assert str(e.value) == (f"cannot resume from {tmp_path / 'checkpoints' / 'iter_00000002'}: the config's model "
-                            "differs from the checkpoint's: critic.precision: checkpoint 'bf16', config 'fp32'; "
-                            "policy.num_layers: checkpoint 2, config 4. Resume with the checkpoint's model settings, "
-                            "or start a new run in another output_dir / checkpoint.directory")
+    assert str(e.value) == (
+        f"cannot resume from {tmp_path / 'checkpoints' / 'iter_00000002'}: the config's model "
+        "differs from the checkpoint's: critic.precision: checkpoint 'bf16', config 'fp32'; "
+        "policy.num_layers: checkpoint 2, config 4. Resume with the checkpoint's model settings, "
+        "or start a new run in another output_dir / checkpoint.directory"
+    )
 
 
 def test_a_resumed_run_continues_its_own_log(tmp_path):
     cfg = _cfg(tmp_path)
     (tmp_path / "log.json").write_text(json.dumps({"status": "failed", "pid": 1, "iterations": [{}, {}]}))
     fake_checkpoint(cfg, 1)
-    with pytest.raises(Exception, match=r"already holds the log of another run \(2 iteration\(s\), failed\); "
-                                        r"choose another output_dir, resume it \(--resume\)"):
+    with pytest.raises(
+        Exception,
+        match=r"already holds the log of another run \(2 iteration\(s\), failed\); "
+        r"choose another output_dir, resume it \(--resume\)",
+    ):
         prepare_output_dir(cfg)
     assert prepare_output_dir(cfg, resuming=True) == tmp_path / "log.json"
 
@@ -123,20 +154,29 @@ def test_a_fresh_start_refuses_an_earlier_runs_checkpoints_unless_overwrite(tmp_
     cfg = _cfg(tmp_path, "checkpoint.every=1")
     fake_checkpoint(cfg, 2)
     (cfg.checkpoint_dir / ".tmp.iter_00000003").mkdir()
-    with pytest.raises(CheckpointDirError, match=r"holds checkpoints of an earlier run \(newest: iter_00000002\); "
-                                                 r"resume it \(--resume or checkpoint.resume=auto\)"):
+    with pytest.raises(
+        CheckpointDirError,
+        match=r"holds checkpoints of an earlier run \(newest: iter_00000002\); "
+        r"resume it \(--resume or checkpoint.resume=auto\)",
+    ):
         _prepare_checkpoints(cfg, None, lambda line: None)
     lines = []
     _prepare_checkpoints(_cfg(tmp_path, "checkpoint.every=1", "output_dir_exists=overwrite"), None, lines.append)
     assert list(cfg.checkpoint_dir.iterdir()) == []
-    assert lines[-1] == f"deleted 1 checkpoint(s) of an earlier run from {cfg.checkpoint_dir} (output_dir_exists=overwrite)"
+    assert (
+        lines[-1]
+        == f"deleted 1 checkpoint(s) of an earlier run from {cfg.checkpoint_dir} (output_dir_exists=overwrite)"
+    )
 
 
 def test_an_unwritable_checkpoint_directory_fails_before_anything_starts(tmp_path):
     (tmp_path / "a-file").write_text("x")
     cfg = _cfg(tmp_path / "out", "checkpoint.every=1", f"checkpoint.directory={tmp_path / 'a-file' / 'ckpt'}")
-    with pytest.raises(CheckpointDirError, match=r"cannot write checkpoints to .*a-file/ckpt: .*set "
-                                                 r"checkpoint.directory to a writable directory"):
+    with pytest.raises(
+        CheckpointDirError,
+        match=r"cannot write checkpoints to .*a-file/ckpt: .*set "
+        r"checkpoint.directory to a writable directory",
+    ):
         _prepare_checkpoints(cfg, None, lambda line: None)
     _prepare_checkpoints(_cfg(tmp_path / "out"), None, lambda line: None)  # no checkpoints: not checked
 
@@ -178,14 +218,19 @@ def test_resume_skips_a_damaged_newest_checkpoint_naming_the_file(tmp_path):
     lines = []
     path, state = find_resume_point(cfg, lines.append)
     assert path.name == "iter_00000002" and state["iterations_done"] == 2
-    assert lines == [f"checkpoint iter_00000003 is damaged, skipped: critic/step_00000003/__0_0.distcp has "
-                     f"{size // 2} bytes, the manifest says {size}"]
+    assert lines == [
+        f"checkpoint iter_00000003 is damaged, skipped: critic/step_00000003/__0_0.distcp has "
+        f"{size // 2} bytes, the manifest says {size}"
+    ]
 
     older = cfg.checkpoint_dir / "iter_00000002" / "policy" / "step_00000002" / ".metadata"
     older.write_bytes(b"megatron's metadatA")  # same size, one byte changed
     for mode in ("true", "auto"):
-        with pytest.raises(ResumeError, match=r"no intact checkpoint in .* to resume from \(iter_00000003: .*"
-                                              r"__0_0.distcp has .*; iter_00000002: .*\.metadata has CRC-32 "):
+        with pytest.raises(
+            ResumeError,
+            match=r"no intact checkpoint in .* to resume from \(iter_00000003: .*"
+            r"__0_0.distcp has .*; iter_00000002: .*\.metadata has CRC-32 ",
+        ):
             find_resume_point(_cfg(tmp_path, f"checkpoint.resume={mode}"), lambda line: None)
 
 

@@ -18,8 +18,13 @@ from chatlearn_mem_cli.app import app
 from chatlearn_mem_ray import supervisor
 from chatlearn_mem_ray.checkpoints import write_json_atomic
 from chatlearn_mem_ray.config import load_config
-from chatlearn_mem_ray.errors import (ActorFailedError, NonFiniteLossError, OutputDirError, PhaseTimeoutError,
-                                      RunInterrupted)
+from chatlearn_mem_ray.errors import (
+    ActorFailedError,
+    NonFiniteLossError,
+    OutputDirError,
+    PhaseTimeoutError,
+    RunInterrupted,
+)
 from chatlearn_mem_ray.ppo import PPORun, check_finite
 from chatlearn_mem_ray.supervisor import prepare_output_dir, run_ppo
 
@@ -60,9 +65,18 @@ def fake_run(monkeypatch):
             action(self, it)
         elif action is not None:
             raise action
-        m = {"iteration": self.number(it)[0], "manager_on": self.manager_on, "reward": 0.25 + it / 100, "kl": 0.0,
-             "policy_loss": -0.1, "value_loss": 0.5, "phase_seconds": {}, "phase_colocated_bytes": {},
-             "seconds": 0.0, "checkpoint_seconds": 0.0}
+        m = {
+            "iteration": self.number(it)[0],
+            "manager_on": self.manager_on,
+            "reward": 0.25 + it / 100,
+            "kl": 0.0,
+            "policy_loss": -0.1,
+            "value_loss": 0.5,
+            "phase_seconds": {},
+            "phase_colocated_bytes": {},
+            "seconds": 0.0,
+            "checkpoint_seconds": 0.0,
+        }
         self.iterations.append(m)
         return m
 
@@ -73,8 +87,9 @@ def fake_run(monkeypatch):
 
 
 def _cfg(tmp_path, *overrides):
-    return load_config("cpu_tiny", ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}",
-                                    *overrides])
+    return load_config(
+        "cpu_tiny", ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}", *overrides]
+    )
 
 
 def _log(tmp_path) -> dict:
@@ -99,8 +114,9 @@ def test_console_and_log_number_iterations_alike_and_the_comparison_apart(fake_r
     """One numbering: iterations 1..N of ppo.iterations=N on the console (i/N) and in log.json,
     the manager-off comparison iterations from 1 again (manager off 1/C); iter_<K> holds 1..K."""
     lines = []
-    log = run_ppo(_cfg(tmp_path, "ppo.iterations=2", "memory.compare_iterations=1", "checkpoint.every=1"),
-                  progress=lines.append)
+    log = run_ppo(
+        _cfg(tmp_path, "ppo.iterations=2", "memory.compare_iterations=1", "checkpoint.every=1"), progress=lines.append
+    )
     heads = [line.split(" reward ")[0] for line in lines if line.startswith("iter ")]
     assert heads == ["iter   1/2", "iter   2/2", "iter manager off 1/1"]
     assert [(m["iteration"], m["manager_on"]) for m in log["iterations"]] == [(1, True), (2, True), (1, False)]
@@ -126,15 +142,20 @@ def test_the_progress_line_is_explained_once_before_the_first_iteration(fake_run
     legend = [i for i, line in enumerate(lines) if line.startswith("reward: ")]
     assert legend and legend[0] < min(i for i, line in enumerate(lines) if line.startswith("iter "))
     assert len(legend) == 1 and len(FakeColocation.made) == 2
-    assert lines[legend[0]] == ("reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
-                                "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
-                                "seconds/MiB held on the devices")
+    assert lines[legend[0]] == (
+        "reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
+        "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
+        "seconds/MiB held on the devices"
+    )
 
 
-@pytest.mark.parametrize("error, status", [
-    (ActorFailedError("critic_0", "generate", "the actor process died (RayActorError)"), "failed"),
-    (NonFiniteLossError(3, "train_policy", {"loss": math.nan}), "failed"),
-])
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (ActorFailedError("critic_0", "generate", "the actor process died (RayActorError)"), "failed"),
+        (NonFiniteLossError(3, "train_policy", {"loss": math.nan}), "failed"),
+    ],
+)
 def test_a_failed_run_keeps_the_iterations_it_completed(fake_run, tmp_path, error, status):
     fake_run[2] = error
     lines = []
@@ -161,10 +182,13 @@ def test_ctrl_c_writes_the_log_and_says_where(fake_run, tmp_path):
 
 def test_ctrl_c_through_the_command_exits_130_with_one_line(fake_run, tmp_path):
     fake_run[1] = KeyboardInterrupt()
-    result = CliRunner().invoke(app, ["ppo", "ppo.iterations=3", "memory.compare_iterations=0",
-                                      f"output_dir={tmp_path}"])
+    result = CliRunner().invoke(
+        app, ["ppo", "ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}"]
+    )
     assert result.exit_code == 130, result.output
-    assert result.output.strip().splitlines()[-1] == f"stopped by Ctrl-C after 1 iteration; log: {tmp_path / 'log.json'}"
+    assert (
+        result.output.strip().splitlines()[-1] == f"stopped by Ctrl-C after 1 iteration; log: {tmp_path / 'log.json'}"
+    )
     assert "Traceback" not in result.output
 
 
@@ -174,8 +198,10 @@ def test_another_runs_results_are_not_overwritten_unless_asked(fake_run, tmp_pat
     before = (tmp_path / "log.json").read_text()
     with pytest.raises(OutputDirError) as e:
         run_ppo(_cfg(tmp_path), progress=lambda line: None)
-    assert str(e.value) == (f"output_dir {tmp_path} already holds the log of another run (3 iteration(s), "
-                            "completed); choose another output_dir, or set output_dir_exists=overwrite to replace it")
+    assert str(e.value) == (
+        f"output_dir {tmp_path} already holds the log of another run (3 iteration(s), "
+        "completed); choose another output_dir, or set output_dir_exists=overwrite to replace it"
+    )
     assert (tmp_path / "log.json").read_text() == before
     assert len(FakeColocation.made) == 1  # refused before Ray
 
@@ -213,8 +239,9 @@ def test_an_output_dir_that_cannot_be_created_fails_before_ray_with_one_line(fak
     (tmp_path / "file").write_text("")
     result = CliRunner().invoke(app, ["ppo", f"output_dir={tmp_path / 'file' / 'run'}"])
     assert result.exit_code == 1
-    assert result.output.strip() == (f"error: cannot create output_dir {tmp_path / 'file' / 'run'}: Not a directory; "
-                                      "choose another output_dir")
+    assert result.output.strip() == (
+        f"error: cannot create output_dir {tmp_path / 'file' / 'run'}: Not a directory; choose another output_dir"
+    )
     assert FakeColocation.made == []
 
 
@@ -223,7 +250,9 @@ def test_an_output_dir_that_cannot_be_written_fails_before_ray(tmp_path, monkeyp
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(supervisor, "write_json_atomic", read_only)  # root ignores chmod: fail the write itself
-    with pytest.raises(OutputDirError, match="cannot write .*log.json: Permission denied; choose a writable output_dir"):
+    with pytest.raises(
+        OutputDirError, match="cannot write .*log.json: Permission denied; choose a writable output_dir"
+    ):
         prepare_output_dir(_cfg(tmp_path))
 
 
@@ -246,9 +275,12 @@ def test_a_non_finite_loss_names_iteration_and_phase():
 
 
 # -- config --------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides", [
-    ["ppo.prompts_per_iteration=1", "ppo.minibatch_size=1", "ppo.response_length=1"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["ppo.prompts_per_iteration=1", "ppo.minibatch_size=1", "ppo.response_length=1"],
+    ],
+)
 def test_a_config_whose_advantage_whitening_is_undefined_is_rejected(overrides):
     with pytest.raises(ConfigError) as e:
         load_config("cpu_tiny", overrides)
@@ -276,12 +308,18 @@ def _dies_once(error):
         if not fired:
             fired.append(it)
             raise error
+
     return action
 
 
-@pytest.mark.parametrize("error", [ActorFailedError("critic_0", "values", "the actor process died", died=True),
-                                   PhaseTimeoutError("phase 'values' did not finish within 600 s")],
-                         ids=["died", "timeout"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ActorFailedError("critic_0", "values", "the actor process died", died=True),
+        PhaseTimeoutError("phase 'values' did not finish within 600 s"),
+    ],
+    ids=["died", "timeout"],
+)
 def test_a_dead_actor_or_hung_phase_restarts_every_actor_within_max_restarts(fake_run, tmp_path, error):
     fake_run[1] = _dies_once(error)
     lines = []
@@ -290,8 +328,11 @@ def test_a_dead_actor_or_hung_phase_restarts_every_actor_within_max_restarts(fak
     assert len(FakeColocation.made) == 2 and all(c.closed for c in FakeColocation.made)  # torn down, started again
     [restart] = log["restarts"]
     assert restart["number"] == 1 and restart["resumed_from"] is None and restart["iterations_redone"] == 1
-    assert any(line.startswith("restart 1 of 1: ") and "continuing from the beginning: 1 completed iteration(s) "
-               "lost and redone" in line for line in lines), lines
+    assert any(
+        line.startswith("restart 1 of 1: ")
+        and "continuing from the beginning: 1 completed iteration(s) lost and redone" in line
+        for line in lines
+    ), lines
     assert _log(tmp_path)["restarts"] == log["restarts"]
 
 
@@ -315,8 +356,9 @@ def test_an_exception_in_an_actors_code_is_not_retried(fake_run, tmp_path):
     assert len(FakeColocation.made) == 1 and _log(tmp_path)["restarts"] == []
 
 
-def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_elastic(fake_run, tmp_path,
-                                                                                       monkeypatch):
+def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_elastic(
+    fake_run, tmp_path, monkeypatch
+):
     """A rank's node is lost in iteration 2: the restart's Colocation may wait ray.node_wait_s for
     room (the first one does not wait); when the room never comes back, checkpoint.elastic goes on
     with the data-parallel size the live nodes hold, says that results now differ, and logs it;
@@ -331,22 +373,27 @@ def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_
 
     monkeypatch.setattr(supervisor, "Colocation", ShrunkCluster)
     monkeypatch.setattr(supervisor, "_cluster_resources", lambda: {"CPU": 1.0})
+
     def lose_a_node(run, it):
         if len(FakeColocation.made) == 1:  # the first attempt only
             raise ActorFailedError("policy_1", "generate", "the actor process died", died=True)
 
     fake_run[1] = lose_a_node
-    base = ["parallel.world_size=2", "ppo.prompts_per_iteration=16", "checkpoint.max_restarts=1",
-            "ray.node_wait_s=7"]
+    base = ["parallel.world_size=2", "ppo.prompts_per_iteration=16", "checkpoint.max_restarts=1", "ray.node_wait_s=7"]
     lines = []
     log = run_ppo(_cfg(tmp_path, *base, "checkpoint.elastic=true"), progress=lines.append)
     made = FakeColocation.made
     assert [(c.wait_s, c.cfg.parallel.world_size) for c in made] == [(0.0, 2), (7.0, 2), (7.0, 1)]
     assert log["status"] == "completed" and log["config"]["parallel"]["world_size"] == 1
     assert log["restarts"][0]["world_size"] == 1
-    assert any(line.startswith("checkpoint.elastic: the cluster holds 1 of 2 rank(s) after waiting "
-                               "ray.node_wait_s=7 s; going on with data-parallel size 1 (was 2)") and
-               line.endswith("From here the results differ from those of the original layout") for line in lines)
+    assert any(
+        line.startswith(
+            "checkpoint.elastic: the cluster holds 1 of 2 rank(s) after waiting "
+            "ray.node_wait_s=7 s; going on with data-parallel size 1 (was 2)"
+        )
+        and line.endswith("From here the results differ from those of the original layout")
+        for line in lines
+    )
 
     FakeColocation.made = []
     with pytest.raises(ResourceError):

@@ -20,7 +20,8 @@ def test_first_sigterm_is_noted_a_second_stops_and_the_handler_is_restored():
     try:
         signal.raise_signal(signal.SIGTERM)
         assert watch.at is not None and lines == [
-            "SIGTERM received: the run stops once this iteration ends (a second SIGTERM stops it now)"]
+            "SIGTERM received: the run stops once this iteration ends (a second SIGTERM stops it now)"
+        ]
         with pytest.raises(_Terminate):
             signal.raise_signal(signal.SIGTERM)
     finally:

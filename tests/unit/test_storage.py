@@ -29,10 +29,16 @@ def make_tensors():
     base[0] = -0.0
     base[1] = float("inf")
     base[2] = torch.tensor(0x7FC00123, dtype=torch.int32).view(torch.float32)  # NaN with payload
-    views = [base[3:19], base.view(8, 8), base[10:42].view(4, 8), base.view(torch.int32)[::2],
-             base[::3], base.view(8, 8).t()]
+    views = [
+        base[3:19],
+        base.view(8, 8),
+        base[10:42].view(4, 8),
+        base.view(torch.int32)[::2],
+        base[::3],
+        base.view(8, 8).t(),
+    ]
     bf16 = torch.randn(33, generator=gen).to(torch.bfloat16)
-    i64 = torch.randint(-2**40, 2**40, (17,), dtype=torch.int64, generator=gen)
+    i64 = torch.randint(-(2**40), 2**40, (17,), dtype=torch.int64, generator=gen)
     big = torch.randn(1000, generator=gen)
     return [base, *views, bf16, i64, big]
 
@@ -55,8 +61,7 @@ def storages(tensors):
 
 
 def snapshot(tensors):
-    return [(storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), bits(t))
-            for t in tensors]
+    return [(storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), bits(t)) for t in tensors]
 
 
 def assert_restored(tensors, snap):
@@ -347,8 +352,9 @@ def test_advise_huge_pages_skips_non_linux(monkeypatch, madvise_calls):
     assert madvise_calls == []
 
 
-@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
-                    reason="kernel without transparent huge pages")
+@pytest.mark.skipif(
+    not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="kernel without transparent huge pages"
+)
 def test_advise_huge_pages_real_madvise_succeeds():
     t = torch.empty(8 * MiB, dtype=torch.uint8)
     assert storage_mod.advise_huge_pages(t.untyped_storage())

@@ -5,7 +5,14 @@ import json
 import matplotlib.image
 import pytest
 
-from chatlearn_mem_ray.timeline import TRAIN_PARTS, MemoryTimeline, PhaseRecord, _holders, _iteration_stats, plot_timeline
+from chatlearn_mem_ray.timeline import (
+    TRAIN_PARTS,
+    MemoryTimeline,
+    PhaseRecord,
+    _holders,
+    _iteration_stats,
+    plot_timeline,
+)
 
 MiB = 2**20
 # Per actor, the device bytes of each part when fully resident (a tiny policy/critic, bf16 weights).
@@ -16,9 +23,13 @@ SIZES = {
     "reference": {"weights": 218624},
 }
 TRAIN = TRAIN_PARTS[:-1]
-PHASES = [("generate", {"rollout": ("weights",)}), ("reference", {"reference": ("weights",)}),
-          ("values", {"critic_0": ("weights",)}), ("train_critic", {"critic_0": TRAIN}),
-          ("train_policy", {"policy_0": TRAIN})]
+PHASES = [
+    ("generate", {"rollout": ("weights",)}),
+    ("reference", {"reference": ("weights",)}),
+    ("values", {"critic_0": ("weights",)}),
+    ("train_critic", {"critic_0": TRAIN}),
+    ("train_policy", {"policy_0": TRAIN}),
+]
 MAX_PX = (1400, 1000)  # width, height
 
 
@@ -27,8 +38,12 @@ def residency(parts_on_device: dict[str, tuple[str, ...]]) -> dict[str, dict]:
     out = {}
     for actor, sizes in SIZES.items():
         by_part = {p: (b if p in parts_on_device.get(actor, ()) else 0) for p, b in sizes.items()}
-        out[actor] = {"device_bytes": sum(by_part.values()), "host_bytes": sum(sizes.values()) - sum(by_part.values()),
-                      "by_part": by_part, "host_by_part": {}}
+        out[actor] = {
+            "device_bytes": sum(by_part.values()),
+            "host_bytes": sum(sizes.values()) - sum(by_part.values()),
+            "by_part": by_part,
+            "host_by_part": {},
+        }
     return out
 
 
@@ -41,8 +56,14 @@ def make_timeline(on_iterations: int, off_iterations: int) -> MemoryTimeline:
         on = it < on_iterations
         number = it + 1 if on else it - on_iterations + 1
         for phase, active in PHASES:
-            t.add(number, phase, on, 0.1 + 0.01 * it, {a: list(p) for a, p in active.items()},
-                  residency(active if on else everything))
+            t.add(
+                number,
+                phase,
+                on,
+                0.1 + 0.01 * it,
+                {a: list(p) for a, p in active.items()},
+                residency(active if on else everything),
+            )
     return t
 
 
@@ -66,14 +87,30 @@ def test_add_keeps_parts_and_the_existing_fields():
 
     everything = sum(sum(s.values()) for s in SIZES.values())
     on, off = t.summary(True), t.summary(False)
-    assert on == {"peak_colocated_bytes": policy_train, "peak_phase": "train_policy",
-                  "largest_phase_bytes": policy_train, "largest_phase": "train_policy", "ratio": 1.0, "phases": 10}
+    assert on == {
+        "peak_colocated_bytes": policy_train,
+        "peak_phase": "train_policy",
+        "largest_phase_bytes": policy_train,
+        "largest_phase": "train_policy",
+        "ratio": 1.0,
+        "phases": 10,
+    }
     assert off["peak_colocated_bytes"] == everything and off["largest_phase_bytes"] == policy_train
     assert off["ratio"] == pytest.approx(everything / policy_train) and off["phases"] == 5
 
     rec = t.to_json()[-1]
-    for key in ("iteration", "phase", "manager_on", "seconds", "active", "device_bytes", "need_bytes",
-                "cuda_allocated_bytes", "colocated_bytes", "device_by_part"):
+    for key in (
+        "iteration",
+        "phase",
+        "manager_on",
+        "seconds",
+        "active",
+        "device_bytes",
+        "need_bytes",
+        "cuda_allocated_bytes",
+        "colocated_bytes",
+        "device_by_part",
+    ):
         assert key in rec
     assert rec["colocated_bytes"] == everything
 
@@ -97,8 +134,13 @@ def test_from_json_loads_logs_without_parts():
 def test_iteration_stats_feed_the_peak_panel():
     """Panel 2's points: per iteration, all actors at the worst phase and the largest need."""
     stats = _iteration_stats(make_timeline(3, 2))
-    assert [(s["iteration"], s["manager_on"]) for s in stats] == [(1, True), (2, True), (3, True), (1, False),
-                                                                  (2, False)]
+    assert [(s["iteration"], s["manager_on"]) for s in stats] == [
+        (1, True),
+        (2, True),
+        (3, True),
+        (1, False),
+        (2, False),
+    ]
     policy_train = sum(SIZES["policy_0"][p] for p in TRAIN)
     everything = sum(sum(s.values()) for s in SIZES.values())
     for s in stats:
@@ -115,8 +157,11 @@ def test_the_picture_numbers_iterations_as_the_console_does():
     """Iterations 1..N in the order run, then the comparison iterations (numbered from 1 again)
     after them, labelled as on the console; a run without the manager numbers its own from 1."""
     stats = _iteration_stats(make_timeline(2, 1))
-    assert [(s["x"], s["label"]) for s in stats] == [(1, "iteration 1"), (2, "iteration 2"),
-                                                     (3, "manager-off iteration 1")]
+    assert [(s["x"], s["label"]) for s in stats] == [
+        (1, "iteration 1"),
+        (2, "iteration 2"),
+        (3, "manager-off iteration 1"),
+    ]
     assert [s["comparison"] for s in stats] == [False, False, True]
     assert [s["label"] for s in _iteration_stats(make_timeline(0, 2))] == ["iteration 1", "iteration 2"]
 
@@ -130,8 +175,11 @@ def test_holders_label():
     assert _holders(rec, ["critic_0"]) == "nothing resident"
 
 
-@pytest.mark.parametrize("on_its, off_its", [(20, 1), (3, 0), (0, 2), (1, 1)],
-                         ids=["on_and_off", "no_off_iterations", "no_on_iterations", "one_each"])
+@pytest.mark.parametrize(
+    "on_its, off_its",
+    [(20, 1), (3, 0), (0, 2), (1, 1)],
+    ids=["on_and_off", "no_off_iterations", "no_on_iterations", "one_each"],
+)
 def test_plot_has_a_bounded_size_whatever_the_run_length(tmp_path, on_its, off_its):
     path = plot_timeline(make_timeline(on_its, off_its), tmp_path / "sub" / "timeline.png", "test run")
     assert path == tmp_path / "sub" / "timeline.png"
@@ -159,9 +207,13 @@ def test_plot_with_more_actors_and_a_zero_need(tmp_path):
     t = MemoryTimeline()
     for it, on in ((0, True), (1, False)):
         for phase in ("generate", "train_policy"):
-            res = {f"policy_{i}": {"device_bytes": 0 if on else 3 * MiB,
-                                   "by_part": {"weights": 0 if on else MiB, "grads": 0 if on else 2 * MiB}}
-                   for i in range(12)}
+            res = {
+                f"policy_{i}": {
+                    "device_bytes": 0 if on else 3 * MiB,
+                    "by_part": {"weights": 0 if on else MiB, "grads": 0 if on else 2 * MiB},
+                }
+                for i in range(12)
+            }
             active = {} if phase == "generate" else {"policy_0": ["weights", "grads"]}
             if on and active:
                 res["policy_0"] = {"device_bytes": 3 * MiB, "by_part": {"weights": MiB, "grads": 2 * MiB}}
