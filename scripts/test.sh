@@ -10,8 +10,10 @@
 # One leg, RAY_LEG (default 0.19, the newest megatron-core, what a new user installs; the first leg of LEGS when
 # RAY_LEG is not among them), runs every tier. The other legs run what depends on the megatron-core version:
 # tests/megatron, tests/multirank and tests/gpu (the unit tier imports no megatron and the Ray tier runs the same
-# code on every version). Legs 0.16 and 0.13 run at the same time, beside the Python 3.12 install, each into its
-# own log printed when it ends (PARALLEL=0 runs them one after the other).
+# code on every version). With every leg and PARALLEL=1 (the default), two streams share the machine: legs 0.16
+# then 0.13 in one, the Python 3.12 install then the Ray tier (on 0.19) in the other (a Ray run keeps about one
+# core busy: its phases run one after the other); then the 0.19 leg's other tiers beside the wheel check. Each
+# stream writes its own log, printed when it ends. PARALLEL=0 runs everything one step after the other.
 #
 # Environment: LEGS (default "0.16 0.13 0.19") picks legs; RAY_LEG (above); PARALLEL (above); PYTHON312 names the
 # Python 3.12 to use (else it is looked up on PATH and under ~/.pyenv/versions/3.12*); SKIP_WHEEL_CHECK=1 skips the
@@ -27,21 +29,30 @@ case " $LEGS " in *" $RAY_LEG "*) ;; *) RAY_LEG="$(echo $LEGS | cut -d' ' -f1)" 
 pip_quiet() { "$1" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
 summary=()
 
-run_leg() {  # run_leg NAME PYTHON PYTHONPATH [PYTEST ARGS]: the suite on one interpreter / megatron-core
-  local name="$1" py="$2" path="${3:-}" start=$SECONDS
-  local version
+leg_python() { case "$1" in 0.19) echo .venv312/bin/python ;; *) echo python ;; esac; }
+leg_path() { case "$1" in 0.13) echo "$PWD/.mcore013" ;; *) echo "" ;; esac; }
+
+run_tiers() {  # run_tiers LEG WHAT PYTEST-ARGS...: pytest on one leg's interpreter / megatron-core, one summary line
+  local leg="$1" what="$2" py path version start=$SECONDS
+  py="$(leg_python "$leg")"; path="$(leg_path "$leg")"
   version="$(PYTHONPATH="$path" "$py" -c 'import sys; from chatlearn_mem.mcore.layout import megatron_core_version as v; print(f"Python {sys.version.split()[0]} + megatron-core {v()}")')"
-  local args=("${@:4}") what="every tier"
-  if [ "$name" != "$RAY_LEG" ]; then
-    if [ ${#args[@]} -eq 0 ]; then
-      args=("${VERSIONED_TIERS[@]}"); what="the megatron-core tiers (unit and Ray run on the $RAY_LEG leg)"
-    else
-      args=(-m "not ray" "${args[@]}"); what="what was asked, but the Ray tier (it runs on the $RAY_LEG leg)"
-    fi
+  echo "== leg $leg ($version): $what"
+  # explicit: `set -e` does not apply inside a function run as part of `a && b`
+  if ! PYTHONPATH="$path" "$py" -m pytest -q -p no:cacheprovider --durations=10 "${@:3}"; then
+    echo "== leg $leg ($version), $what: FAILED after $((SECONDS - start)) s"
+    return 1
   fi
-  echo "== test suite on $version: $what"
-  PYTHONPATH="$path" "$py" -m pytest -q -p no:cacheprovider "${args[@]}"
-  echo "== leg $name ($version, $what): passed in $((SECONDS - start)) s"
+  echo "== leg $leg ($version), $what: passed in $((SECONDS - start)) s"
+}
+
+run_leg() {  # run_leg LEG [PYTEST ARGS]: what one leg runs when the legs run one after the other
+  if [ "$1" = "$RAY_LEG" ]; then
+    run_tiers "$1" "every tier" "${@:2}"
+  elif [ $# -gt 1 ]; then
+    run_tiers "$1" "what was asked but the Ray tier (it runs on the $RAY_LEG leg)" -m "not ray" "${@:2}"
+  else
+    run_tiers "$1" "the megatron-core tiers (unit and Ray run on the $RAY_LEG leg)" "${VERSIONED_TIERS[@]}"
+  fi
 }
 
 wait_logged() {  # wait_logged NAME PID LOG: wait, print the log, fail when the command failed
@@ -68,10 +79,11 @@ find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run 
 
 install_312() {  # the Python 3.12 venv with megatron-core 0.19
   local start=$SECONDS
-  [ -x .venv312/bin/python ] || "$py312" -m venv .venv312
+  [ -x .venv312/bin/python ] || "$py312" -m venv .venv312 || return 1
   pip_quiet .venv312/bin/python torch==2.13.0
   pip_quiet .venv312/bin/python -e '.[test]' megatron-core==0.19.2
-  .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core"
+  .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" \
+    || return 1
   echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
 }
 
@@ -83,7 +95,7 @@ lint() {  # lint PYTHON: the formatter and the linter, as configured in pyprojec
 
 has_leg() { case " $LEGS " in *" $1 "*) return 0 ;; esac; return 1; }
 logs="$(mktemp -d)"
-trap 'rm -rf "$logs"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT  # a failed step stops the other stream too
 
 if has_leg 0.19 && ! py312="$(find_python312)"; then
   echo "error: the Python 3.12 leg needs a Python 3.12 interpreter and none was found (looked at \$PYTHON312," \
@@ -103,32 +115,36 @@ if has_leg 0.16 || has_leg 0.13; then
     pip_quiet python --no-deps --target .mcore013 megatron-core==0.13.1
   fi
 fi
-install_pid=""  # after the 3.11 install: two editable installs of one checkout at once would race
-if has_leg 0.19 && [ "$PARALLEL" = 1 ]; then
-  echo "== installing for Python 3.12 in the background"
-  install_312 > "$logs/install312" 2>&1 &
-  install_pid=$!
-fi
-if has_leg 0.16 && has_leg 0.13 && [ "$PARALLEL" = 1 ]; then
-  echo "== legs 0.16 and 0.13 run at the same time; each one's output follows when it ends"
-  run_leg 0.16 python "" "$@" > "$logs/leg016" 2>&1 &
-  pid16=$!
-  run_leg 0.13 python "$PWD/.mcore013" "$@" > "$logs/leg013" 2>&1 &
-  pid13=$!
-  wait_logged "leg 0.16" "$pid16" "$logs/leg016"
-  wait_logged "leg 0.13" "$pid13" "$logs/leg013"
-  summary+=("$(grep '^== leg 0.16' "$logs/leg016")" "$(grep '^== leg 0.13' "$logs/leg013")")
+if [ "$PARALLEL" = 1 ] && [ $# -eq 0 ] && [ "$RAY_LEG" = 0.19 ] && has_leg 0.16 && has_leg 0.13 && has_leg 0.19; then
+  # after the 3.11 install: two editable installs of one checkout at once would race
+  echo "== two streams: legs 0.16 then 0.13 | the Python 3.12 install then the Ray tier; each log follows when it ends"
+  { run_leg 0.16 && run_leg 0.13; } > "$logs/legs311" 2>&1 &
+  pid_a=$!
+  { install_312 && run_tiers 0.19 "the Ray tier" tests/ray; } > "$logs/ray" 2>&1 &
+  pid_b=$!
+  wait_logged "legs 0.16 and 0.13" "$pid_a" "$logs/legs311"
+  wait_logged "the Python 3.12 install or the Ray tier" "$pid_b" "$logs/ray"
+  pid_w=""
+  if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then
+    echo "== the wheel check runs beside the 0.19 leg's other tiers; its log follows when it ends"
+    bash scripts/wheel_check.sh > "$logs/wheel" 2>&1 &
+    pid_w=$!
+  fi
+  run_tiers 0.19 "every tier but Ray (it ran above)" tests/unit "${VERSIONED_TIERS[@]}" | tee "$logs/leg019"
+  if [ -n "$pid_w" ]; then wait_logged "the wheel check" "$pid_w" "$logs/wheel"; fi
+  summary+=("$(grep -h '^== leg .*passed in' "$logs/legs311" "$logs/ray" "$logs/leg019")")
 else
-  if has_leg 0.16; then run_leg 0.16 python "" "$@" | tee "$logs/leg016"; summary+=("$(grep '^== leg 0.16' "$logs/leg016")"); fi
-  if has_leg 0.13; then run_leg 0.13 python "$PWD/.mcore013" "$@" | tee "$logs/leg013"; summary+=("$(grep '^== leg 0.13' "$logs/leg013")"); fi
-fi
-if has_leg 0.19; then
-  if [ -n "$install_pid" ]; then wait_logged "the Python 3.12 install" "$install_pid" "$logs/install312"; else install_312; fi
-  if ! has_leg 0.16 && ! has_leg 0.13; then lint .venv312/bin/python; fi
-  run_leg 0.19 .venv312/bin/python "" "$@" | tee "$logs/leg019"
-  summary+=("$(grep '^== leg 0.19' "$logs/leg019")")
-fi
-if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then
-  bash scripts/wheel_check.sh
+  for leg in 0.16 0.13; do
+    if has_leg "$leg"; then run_leg "$leg" "$@" | tee "$logs/leg"; summary+=("$(grep '^== leg .*passed in' "$logs/leg")"); fi
+  done
+  if has_leg 0.19; then
+    install_312
+    if ! has_leg 0.16 && ! has_leg 0.13; then lint .venv312/bin/python; fi
+    run_leg 0.19 "$@" | tee "$logs/leg"
+    summary+=("$(grep '^== leg .*passed in' "$logs/leg")")
+  fi
+  if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then
+    bash scripts/wheel_check.sh
+  fi
 fi
 printf '%s\n' "${summary[@]}"
