@@ -10,10 +10,10 @@
 # One leg, RAY_LEG (default 0.19, the newest megatron-core, what a new user installs; the first leg of LEGS when
 # RAY_LEG is not among them), runs every tier. The other legs run what depends on the megatron-core version:
 # tests/megatron, tests/multirank and tests/gpu (the unit tier imports no megatron and the Ray tier runs the same
-# code on every version). With every leg and PARALLEL=1 (the default), two streams share the machine: legs 0.16
-# then 0.13 in one, the Python 3.12 install then the Ray tier (on 0.19) in the other (a Ray run keeps about one
-# core busy: its phases run one after the other); then the 0.19 leg's other tiers beside the wheel check. Each
-# stream writes its own log, printed when it ends. PARALLEL=0 runs everything one step after the other.
+# code on every version). With every leg and PARALLEL=1 (the default), two streams share the machine: legs 0.16,
+# 0.13, then the 0.19 leg's other tiers and the wheel check in one; the Python 3.12 install then the Ray tier (on
+# 0.19) in the other (a Ray run keeps about one core busy: its phases run one after the other). Each stream writes
+# its own log, printed when it ends. PARALLEL=0 runs everything one step after the other.
 #
 # Environment: LEGS (default "0.16 0.13 0.19") picks legs; RAY_LEG (above); PARALLEL (above); PYTHON312 names the
 # Python 3.12 to use (else it is looked up on PATH and under ~/.pyenv/versions/3.12*); SKIP_WHEEL_CHECK=1 skips the
@@ -79,12 +79,14 @@ find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run 
 
 install_312() {  # the Python 3.12 venv with megatron-core 0.19
   local start=$SECONDS
+  rm -f .venv312/ready .venv312/failed
   [ -x .venv312/bin/python ] || "$py312" -m venv .venv312 || return 1
   pip_quiet .venv312/bin/python torch==2.13.0
   pip_quiet .venv312/bin/python -e '.[test]' megatron-core==0.19.2
   .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" \
     || return 1
   echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
+  touch .venv312/ready
 }
 
 lint() {  # lint PYTHON: the formatter and the linter, as configured in pyproject.toml (ruff, pinned in [test])
@@ -93,9 +95,18 @@ lint() {  # lint PYTHON: the formatter and the linter, as configured in pyprojec
   echo "== ruff: formatted and lint-clean"
 }
 
+wait_for_file() {  # wait_for_file DONE FAILED: until another stream creates DONE; fail if it creates FAILED
+  local waited=0
+  until [ -e "$1" ]; do
+    if [ -e "$2" ]; then echo "error: the other stream failed ($2)" >&2; return 1; fi
+    sleep 5; waited=$((waited + 5))
+    if [ "$waited" -ge 3600 ]; then echo "error: $1 did not appear within an hour" >&2; return 1; fi
+  done
+}
+
 has_leg() { case " $LEGS " in *" $1 "*) return 0 ;; esac; return 1; }
 logs="$(mktemp -d)"
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT  # a failed step stops the other stream too
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT  # a failed step stops the other stream too
 
 if has_leg 0.19 && ! py312="$(find_python312)"; then
   echo "error: the Python 3.12 leg needs a Python 3.12 interpreter and none was found (looked at \$PYTHON312," \
@@ -117,22 +128,21 @@ if has_leg 0.16 || has_leg 0.13; then
 fi
 if [ "$PARALLEL" = 1 ] && [ $# -eq 0 ] && [ "$RAY_LEG" = 0.19 ] && has_leg 0.16 && has_leg 0.13 && has_leg 0.19; then
   # after the 3.11 install: two editable installs of one checkout at once would race
-  echo "== two streams: legs 0.16 then 0.13 | the Python 3.12 install then the Ray tier; each log follows when it ends"
-  { run_leg 0.16 && run_leg 0.13; } > "$logs/legs311" 2>&1 &
-  pid_a=$!
-  { install_312 && run_tiers 0.19 "the Ray tier" tests/ray; } > "$logs/ray" 2>&1 &
+  echo "== two streams: legs 0.16, 0.13, then 0.19's other tiers and the wheel check | the Python 3.12 install, then"\
+       "the Ray tier; each stream's log follows when it ends"
+  { install_312 || { mkdir -p .venv312 && touch .venv312/failed; exit 1; }; run_tiers 0.19 "the Ray tier" tests/ray; } \
+    > "$logs/ray" 2>&1 &
   pid_b=$!
-  wait_logged "legs 0.16 and 0.13" "$pid_a" "$logs/legs311"
+  {
+    run_leg 0.16 && run_leg 0.13 || exit 1
+    wait_for_file .venv312/ready .venv312/failed || exit 1  # the other stream's install
+    run_tiers 0.19 "every tier but Ray (the other stream runs it)" tests/unit "${VERSIONED_TIERS[@]}" || exit 1
+    if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then bash scripts/wheel_check.sh || exit 1; fi
+  } > "$logs/legs" 2>&1 &
+  pid_a=$!
+  wait_logged "the legs or the wheel check" "$pid_a" "$logs/legs"
   wait_logged "the Python 3.12 install or the Ray tier" "$pid_b" "$logs/ray"
-  pid_w=""
-  if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then
-    echo "== the wheel check runs beside the 0.19 leg's other tiers; its log follows when it ends"
-    bash scripts/wheel_check.sh > "$logs/wheel" 2>&1 &
-    pid_w=$!
-  fi
-  run_tiers 0.19 "every tier but Ray (it ran above)" tests/unit "${VERSIONED_TIERS[@]}" | tee "$logs/leg019"
-  if [ -n "$pid_w" ]; then wait_logged "the wheel check" "$pid_w" "$logs/wheel"; fi
-  summary+=("$(grep -h '^== leg .*passed in' "$logs/legs311" "$logs/ray" "$logs/leg019")")
+  summary+=("$(grep -h '^== leg .*passed in' "$logs/legs" "$logs/ray")")
 else
   for leg in 0.16 0.13; do
     if has_leg "$leg"; then run_leg "$leg" "$@" | tee "$logs/leg"; summary+=("$(grep '^== leg .*passed in' "$logs/leg")"); fi
