@@ -57,7 +57,8 @@ def test_an_actor_killed_mid_iteration_is_restarted_and_the_run_ends_bit_identic
 
     def kill_policy(run, iteration, phase):
         # Iteration 3: the checkpoint after iteration 2 is still being written in the background,
-        # so the newest complete one is after iteration 1: two iterations' work is lost.
+        # so the newest complete one is after iteration 1: iteration 2 is redone (iterations_redone
+        # counts it) and iteration 3 starts again.
         if (iteration, phase) == (2, "reference") and not killed:
             pid = ray.get(run.colo.policy[0].pid.remote())
             os.kill(pid, signal.SIGKILL)
