@@ -40,10 +40,7 @@ def serialized(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
-            if self._closed:
-                raise ChatlearnMemError(
-                    f"{type(self).__name__}.{method.__name__}() after close(): the manager is closed; create a new one"
-                )
+            self._check_open(method.__name__)
             outer = self._active_call is None
             if outer:
                 self._active_call = (method.__name__, threading.get_ident())
@@ -86,7 +83,9 @@ class ModelGuards:
 
     def _check_weights_resident(self, what: str) -> None:
         if self._groups[Part.WEIGHTS].offloaded:  # also while an offload is in flight
-            raise OffloadedError(f"{what} while the weights are offloaded: call onload_weights() (or onload()) first")
+            raise OffloadedError(
+                f"{what} while the weights are offloaded: call {onload_call([Part.WEIGHTS])} (or onload()) first"
+            )
         if not self._weight_users_of:  # no per-module fences (megatron's overlapped param gather)
             self._await_parts((Part.WEIGHTS,))
 

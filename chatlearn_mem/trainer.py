@@ -201,8 +201,8 @@ class TrainerMemoryManager(MemoryManagerBase):
         if torch.is_grad_enabled():
             if self._groups[Part.GRADS].offloaded:
                 raise OffloadedError(
-                    "training forward pass while the grad buffers are released: call "
-                    "onload(['grads']) (or onload()) first, or run forward-only passes under "
+                    f"training forward pass while the grad buffers are released: call "
+                    f"{guards.onload_call([Part.GRADS])} (or onload()) first, or run forward-only passes under "
                     "torch.no_grad()"
                 )
             self._forward_since_step = True
