@@ -88,6 +88,29 @@ class GPTTrainerConfig(BaseModel):
     """megatron-core's layer spec: ``local`` (megatron's own modules, runs on the CPU backend) or
     ``transformer_engine`` (``get_gpt_layer_with_transformer_engine_spec``: TE's fused modules;
     needs CUDA and ``transformer_engine``)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Every norm of the model: ``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only; Llama, Qwen2)."""
+    norm_epsilon: float = Field(1e-5, gt=0)
+    """Epsilon of every norm (megatron's ``layernorm_epsilon``, Hugging Face's ``rms_norm_eps``)."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP: ``gelu`` (fc1, GELU, fc2) or ``swiglu`` (a gated fc1 of twice the width, SiLU(gate) x up, fc2)."""
+    ffn_hidden_size: Optional[int] = Field(None, ge=1)
+    """MLP width (per half of the gated fc1 with ``swiglu``); None: 4 x hidden_size."""
+    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """``learned_absolute`` (a learned table of seq_length rows) or ``rope`` (rotary embeddings on
+    queries and keys, no parameters)."""
+    rotary_base: Optional[float] = Field(None, gt=0)
+    """RoPE base (Hugging Face's ``rope_theta``); None: 10000. Only with ``position_embedding="rope"``."""
+    num_query_groups: Optional[int] = Field(None, ge=1)
+    """Key/value heads of grouped-query attention (must divide num_attention_heads); None: one per
+    attention head (multi-head attention)."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (the GPT); False for Llama and Qwen2."""
+    add_qkv_bias: Optional[bool] = None
+    """Biases on the fused query/key/value projection alone (Qwen2); None: as ``add_bias_linear``."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the output layer to the input embedding (one vocab x hidden matrix, Hugging Face's
+    ``tie_word_embeddings``)."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTTrainerConfig":
@@ -103,7 +126,41 @@ class GPTTrainerConfig(BaseModel):
             raise ValueError("the hybrid GPT model is built from the local layer spec only: drop layer_spec")
         if self.fp32_accumulation_params and self.grad_reduce_in_fp32:
             raise ValueError("fp32_accumulation_params needs grad_reduce_in_fp32=False (megatron's rule)")
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) must divide num_attention_heads "
+                f"({self.num_attention_heads}): each key/value head serves a whole group of query heads"
+            )
+        if self.rotary_base is not None and self.position_embedding != "rope":
+            raise ValueError(
+                f"rotary_base ({self.rotary_base}) is set but position_embedding is "
+                f"{self.position_embedding!r}: set position_embedding='rope' or drop rotary_base"
+            )
+        if self.model_class == "hybrid" and not self.is_gpt_architecture:
+            raise ValueError(
+                "the hybrid model is built with the GPT architecture only (LayerNorm, GELU, learned "
+                "positions, biases, one key/value head per query head, untied embeddings): drop the "
+                "architecture fields or use model_class='gpt'"
+            )
         return self
+
+    @property
+    def is_gpt_architecture(self) -> bool:
+        """Whether every architecture field has its GPT default (the model this module has always built)."""
+        arch = (
+            "normalization",
+            "norm_epsilon",
+            "activation",
+            "ffn_hidden_size",
+            "position_embedding",
+            "rotary_base",
+            "num_query_groups",
+            "add_bias_linear",
+            "add_qkv_bias",
+            "share_embeddings_and_output_weights",
+        )
+        defaults = type(self).model_fields
+        return all(getattr(self, f) == defaults[f].default for f in arch)
 
 
 @dataclass
@@ -307,6 +364,8 @@ def _transformer_config(config: GPTTrainerConfig):
         extra.update(pipeline_model_parallel_size=pp, pipeline_dtype=torch.bfloat16 if bf16 else torch.float32)
     if vpp is not None:
         extra.update(virtual_pipeline_model_parallel_size=vpp)
+    # megatron's experts add a bias in place into an autograd view: MoE layers have none
+    add_bias_linear = config.add_bias_linear and config.num_moe_experts is None
     if config.num_moe_experts is not None:
         extra.update(
             num_moe_experts=config.num_moe_experts,
@@ -314,13 +373,22 @@ def _transformer_config(config: GPTTrainerConfig):
             moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
             moe_router_pre_softmax=config.moe_router_topk == 1,  # megatron requires it for top-1
-            add_bias_linear=False,  # megatron's experts add a bias in place into an autograd view
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         )
+    if config.activation == "swiglu":
+        extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if config.ffn_hidden_size is not None:
+        extra.update(ffn_hidden_size=config.ffn_hidden_size)
+    if config.num_query_groups is not None:
+        extra.update(num_query_groups=config.num_query_groups)
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
+        normalization=config.normalization,
+        layernorm_epsilon=config.norm_epsilon,
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=add_bias_linear if config.add_qkv_bias is None else config.add_qkv_bias,
         use_cpu_initialization=True,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -367,7 +435,7 @@ def _layer_spec(config: GPTTrainerConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if config.layer_spec == "local":
-        return get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
+        return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization)
     if not torch.cuda.is_available():
         raise ValueError(
             "layer_spec='transformer_engine' needs CUDA (Transformer Engine has no CPU kernels); "
@@ -397,7 +465,7 @@ def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_he
         config=tcfg,
         vocab_size=config.vocab_size,
         max_sequence_length=config.seq_length,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=config.position_embedding,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=last and not value_head,
         **({"vp_stage": vp_stage} if vp_stage is not None else {}),
@@ -405,7 +473,13 @@ def _gpt_chunk(config: GPTTrainerConfig, tcfg, vp_stage: Optional[int], value_he
     if config.model_class == "hybrid":
         model = _hybrid_model(config, common)
     else:
-        model = GPTModel(transformer_layer_spec=_layer_spec(config), **common)
+        rope = {"rotary_base": config.rotary_base} if config.rotary_base is not None else {}
+        model = GPTModel(
+            transformer_layer_spec=_layer_spec(config),
+            share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
+            **rope,
+            **common,
+        )
     if value_head:
         model = GPTValueModel(model, config.hidden_size, tcfg.params_dtype)
     if torch.cuda.is_available():
@@ -531,8 +605,9 @@ def estimate_part_bytes(
     """About how many device bytes each part of one rank of this model takes, from the config alone
     (no megatron, no device): for checking a device budget before anything starts.
 
-    Exact for the dense GPT of the local layer spec without tensor parallelism, up to megatron's
-    padding of its DDP buffers (a few % on tiny models, nothing on real ones); tensor-parallel
+    Exact for the dense models of the local layer spec (GPT, Llama, Qwen2) without tensor
+    parallelism, up to megatron's padding of its DDP buffers (a few % on tiny models, nothing on
+    real ones); tensor-parallel
     splits are divided evenly (layer norms and row-parallel biases are in fact replicated). MoE,
     hybrid and frozen-parameter configs are estimated as the dense model.
 
@@ -547,13 +622,23 @@ def estimate_part_bytes(
     """
     h, v, s, n = config.hidden_size, config.vocab_size, config.seq_length, config.num_layers
     tp, dp = tensor_parallel_size, data_parallel_size
-    split = v * h // tp + n * (12 * h * h + 7 * h) // tp  # embedding, QKV / proj / fc1 / fc2, QKV and fc1 biases
-    replicated = s * h + n * 4 * h + n * 2 * h  # position embedding, layer norms, row-parallel biases (proj, fc2)
+    kv = (config.num_query_groups or config.num_attention_heads) * (h // config.num_attention_heads)
+    ffn = config.ffn_hidden_size or 4 * h
+    fc1 = 2 * ffn if config.activation == "swiglu" else ffn  # the gated fc1 holds gate and up
+    bias = config.add_bias_linear and config.num_moe_experts is None
+    qkv_bias = bias if config.add_qkv_bias is None else config.add_qkv_bias
+    norm = h if config.normalization == "RMSNorm" else 2 * h  # weight (and bias)
+    # QKV, proj, fc1, fc2 weights; QKV and fc1 biases
+    layer_split = h * (h + 2 * kv) + h * h + fc1 * h + ffn * h + (h + 2 * kv) * qkv_bias + fc1 * bias
+    split = v * h // tp + n * layer_split // tp  # + embedding
+    # layer norms, row-parallel biases (proj, fc2), the learned position table
+    replicated = n * 2 * norm + n * 2 * h * bias + s * h * (config.position_embedding == "learned_absolute")
     if value_head:
         replicated += 2 * h + h + 1  # the head's norm and linear layer
     else:
-        replicated += 2 * h  # final norm
-        split += v * h // tp  # output layer (not shared with the embedding)
+        replicated += norm  # final norm
+        if not config.share_embeddings_and_output_weights:
+            split += v * h // tp  # output layer
     params = split + replicated
     width = 2 if config.precision == "bf16" else 4
     out = {"weights": params * width, "grads": 0, "main_weights": 0, "optimizer_states": 0}

@@ -1,0 +1,148 @@
+"""The Hugging Face adapter without megatron: the architecture fields of GPTTrainerConfig, the
+config.json mapping, and every bad input refused in one line that names the fix."""
+
+import json
+
+import pydantic
+import pytest
+import torch
+
+from chatlearn_mem.models.gpt import GPTTrainerConfig
+
+hf = pytest.importorskip("chatlearn_mem.models.hf")
+pytest.importorskip("safetensors", reason="the [hf] extra (safetensors) is not installed")
+
+LLAMA = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=128,
+    seq_length=64,
+    normalization="RMSNorm",
+    norm_epsilon=1e-6,
+    activation="swiglu",
+    position_embedding="rope",
+    rotary_base=10000.0,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    precision="fp32",
+)
+
+
+def _megatron_state_dict(cfg: GPTTrainerConfig, tp: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Distinct values in every megatron tensor of one of ``tp`` ranks (each element tells its place)."""
+    family = hf.QWEN2 if cfg.add_qkv_bias else hf.LLAMA
+    out = {}
+    for i, e in enumerate(hf._entries(cfg, family)):
+        shape = e.shard_shape(tp)
+        n = torch.tensor(shape).prod().item()
+        out[e.megatron] = (torch.arange(n, dtype=torch.float32) + 1000 * i + 100_000 * rank).view(shape)
+    return out
+
+
+def _checkpoint(tmp_path, **fields) -> tuple[str, GPTTrainerConfig]:
+    cfg = GPTTrainerConfig(**{**LLAMA, **fields})
+    path = tmp_path / "ckpt"
+    hf.save_hf(hf.to_hf_state_dict(_megatron_state_dict(cfg), cfg), cfg, path)
+    return str(path), cfg
+
+
+def test_architecture_fields_default_to_the_gpt_and_are_validated():
+    assert GPTTrainerConfig().is_gpt_architecture
+    assert not GPTTrainerConfig(**LLAMA).is_gpt_architecture
+    with pytest.raises(pydantic.ValidationError, match=r"num_query_groups \(3\) must divide num_attention_heads"):
+        GPTTrainerConfig(num_query_groups=3)
+    with pytest.raises(pydantic.ValidationError, match="set position_embedding='rope' or drop rotary_base"):
+        GPTTrainerConfig(rotary_base=1e6)
+    with pytest.raises(pydantic.ValidationError, match="hybrid model is built with the GPT architecture only"):
+        GPTTrainerConfig(model_class="hybrid", normalization="RMSNorm")
+    with pytest.raises(pydantic.ValidationError, match="Input should be 'gelu' or 'swiglu'"):
+        GPTTrainerConfig(activation="relu")
+    with pytest.raises(pydantic.ValidationError, match="greater than 0"):
+        GPTTrainerConfig(norm_epsilon=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
+def test_config_round_trips_through_config_json(tmp_path, tied, qkv_bias):
+    path, cfg = _checkpoint(tmp_path, share_embeddings_and_output_weights=tied, add_qkv_bias=qkv_bias)
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert written["architectures"] == ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"]
+    assert written["tie_word_embeddings"] is tied and written["num_key_value_heads"] == 2
+    assert hf.config_from_hf(path) == cfg
+    assert hf.config_from_hf(path, lr=0.5, seq_length=16).seq_length == 16
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_export_merges_tensor_parallel_shards_by_query_group(kv, tp):
+    """The merged q/k/v rows of each rank's group come back in Hugging Face's order: every q head,
+    then every k head, then every v head; a single rank's export of the same weights agrees."""
+    if kv % tp:
+        pytest.skip("the tensor-parallel size must divide the key/value heads")
+    cfg = GPTTrainerConfig(**{**LLAMA, "num_query_groups": kv, "add_qkv_bias": True})
+    shards = [_megatron_state_dict(cfg, tp, r) for r in range(tp)]
+    out = hf.to_hf_state_dict(shards, cfg)
+    d, n = 16, 4 // kv  # head dim, query heads per group
+    name = "decoder.layers.0.self_attention.linear_qkv.bias"
+    q, k = out["model.layers.0.self_attn.q_proj.bias"], out["model.layers.0.self_attn.k_proj.bias"]
+    for g in range(kv):  # group g lives on rank g // (kv // tp) at local group g % (kv // tp)
+        r, local = divmod(g, kv // tp)
+        rows = shards[r][name].view(kv // tp, (n + 2) * d)[local]
+        assert torch.equal(q[g * n * d : (g + 1) * n * d], rows[: n * d])
+        assert torch.equal(k[g * d : (g + 1) * d], rows[n * d : (n + 1) * d])
+    fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    gate = out["model.layers.1.mlp.gate_proj.weight"]
+    assert torch.equal(gate[: 128 // tp], shards[0][fc1][: 128 // tp])  # rank 0: its gate rows, then its up rows
+
+
+def test_checkpoint_directory_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="looks like a Hugging Face Hub name.*download it first"):
+        hf.config_from_hf("meta-llama/Llama-3.2-1B")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hf.config_from_hf(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        hf.config_from_hf(str(tmp_path))
+    path, _ = _checkpoint(tmp_path)
+    config = tmp_path / "ckpt" / "config.json"
+    body = json.loads(config.read_text())
+    config.write_text(json.dumps({**body, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ValueError, match="'MistralForCausalLM'; supported: LlamaForCausalLM, Qwen2ForCausalLM"):
+        hf.config_from_hf(path)
+    for key, value, match in [
+        ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+        ("attention_bias", True, "attention_bias=True is not supported"),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5}, "rope_type 'llama3' is not supported"),
+        ("head_dim", 32, "only head_dim = hidden_size / num_attention_heads"),
+    ]:
+        config.write_text(json.dumps({**body, key: value}))
+        with pytest.raises(ValueError, match=match):
+            hf.config_from_hf(path)
+    config.write_text(json.dumps(body))
+    with pytest.raises(ValueError, match="num_query_groups come from .* cannot be overridden"):
+        hf.config_from_hf(path, num_query_groups=4)
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        hf.config_from_hf(path)
+
+
+def test_export_errors():
+    cfg = GPTTrainerConfig(**LLAMA)
+    sd = _megatron_state_dict(cfg)
+    with pytest.raises(ValueError, match="a Llama or Qwen2 model needs normalization='RMSNorm'"):
+        hf.to_hf_state_dict(sd, GPTTrainerConfig())
+    with pytest.raises(ValueError, match="lacks output_layer.weight"):
+        hf.to_hf_state_dict({k: v for k, v in sd.items() if k != "output_layer.weight"}, cfg)
+    with pytest.raises(ValueError, match="has head.weight, which the mapping does not know"):
+        hf.to_hf_state_dict({**sd, "head.weight": torch.zeros(1)}, cfg)
+    shard = _megatron_state_dict(cfg, tp=2)
+    with pytest.raises(ValueError, match=r"shape \[64, 64\], expected \[128, 64\].*every tensor-parallel rank"):
+        hf.to_hf_state_dict(shard, cfg)  # one rank's shards alone
+    with pytest.raises(ValueError, match="vocab_size=128 is not divisible by the tensor-parallel size 3"):
+        hf.to_hf_state_dict([sd] * 3, cfg)
+    with pytest.raises(ValueError, match="lm_head.weight is missing"):
+        out = hf.to_hf_state_dict(sd, cfg)
+        del out["lm_head.weight"]
+        hf.save_hf(out, cfg, "/nonexistent")
