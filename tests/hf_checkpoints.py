@@ -87,3 +87,78 @@ def files_state_dict(path: str) -> dict[str, torch.Tensor]:
 def bit_equal_dicts(a: dict, b: dict) -> bool:
     """Same names, dtypes and bits."""
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def tp_run(spec: dict) -> dict:
+    """One spec of the tensor-parallel tests, on this rank (see tests/multirank/test_hf_tp2.py):
+
+    ``logits``: load ``spec["path"]`` into a model of this split, gather the logits over the
+    tensor-parallel group and compare with ``spec["reference"]`` (transformers' logits, saved by
+    the test); gather every rank's weights and export them: the files, bit for bit?
+    ``trained``: load a trainer, train, sleep, export from the host store to ``spec["out"]``, then
+    import that into a fresh model: the trained weights, bit for bit?
+    ``refused``: what loading ``spec["path"]`` raises.
+    ``exactness``: :func:`trainer_runs.exactness`.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from trainer_runs import exactness, setup_parallel
+
+    from chatlearn_mem import TrainerMemoryManager
+    from chatlearn_mem.models import gpt, hf
+
+    kind = spec["kind"]
+    if kind == "exactness":
+        return exactness(spec)
+    setup_parallel(spec)
+    first = parallel_state.get_tensor_model_parallel_rank() == 0
+    if kind == "refused":
+        cfg = hf.config_from_hf(spec["path"])
+        model = gpt.build_gpt_model(cfg.model_copy(update=dict(vocab_size=128, num_query_groups=2)))
+        try:
+            hf.load_hf_weights(model, spec["path"])
+        except ValueError as e:
+            return {"error_text": str(e)}
+        return {"error_text": None}
+    cfg = hf.config_from_hf(spec["path"])
+    if kind == "logits":
+        model = gpt.build_gpt_model(cfg)
+        read = hf.load_hf_weights(model, spec["path"])
+        with torch.no_grad():
+            local = megatron_logits(model, tokens())  # (B, T, V / TP)
+            logits = gather_from_tensor_model_parallel_region(local.contiguous())
+        reference = torch.load(spec["reference"])
+        gathered = hf.gather_tensor_parallel({k: v for k, v in model.state_dict().items() if torch.is_tensor(v)})
+        exact = bit_equal_dicts(hf.to_hf_state_dict(gathered, cfg), files_state_dict(spec["path"])) if first else None
+        return dict(
+            diff=(logits - reference).abs().max().item(),
+            local_vocab=local.shape[-1],
+            read=read,
+            file_bytes=sum(t.numel() * t.element_size() for t in files_state_dict(spec["path"]).values()),
+            export_exact=exact,
+        )
+    assert kind == "trained"
+    trainer = gpt.build_gpt_trainer(cfg.model_copy(update=dict(lr=1e-2)))
+    hf.load_hf_weights(trainer.model, spec["path"], optimizer=trainer.optimizer)
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    for step in range(2):
+        trainer.train_step(gpt.synthetic_batch(cfg, step, batch_size=2))
+    trained = [p.detach().clone() for p in trainer.model.module.parameters()]
+    mm.offload()
+    gathered = hf.gather_tensor_parallel(mm.weights_state_dict())  # from the host store
+    asleep = mm.residency().device_bytes
+    if first:
+        hf.save_hf(hf.to_hf_state_dict(gathered, cfg), cfg, spec["out"], source=spec["path"])
+    dist.barrier()
+    fresh = gpt.build_gpt_model(hf.config_from_hf(spec["out"]))
+    hf.load_hf_weights(fresh, spec["out"])
+    same = len(trained) == len(list(fresh.parameters())) and all(
+        torch.equal(a, b) for a, b in zip(trained, fresh.parameters())
+    )
+    mm.onload()
+    return dict(
+        asleep_device_bytes=asleep,
+        reimport_exact=same,
+        changed=not bit_equal_dicts(files_state_dict(spec["out"]), files_state_dict(spec["path"])),
+    )

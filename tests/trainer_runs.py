@@ -474,7 +474,13 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
-    fn = globals()[fn_name]
+    if ":" in fn_name:  # "module:function" of another helper module on sys.path
+        import importlib
+
+        module, _, name = fn_name.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+    else:
+        fn = globals()[fn_name]
     failed = None
     for spec in json.loads(specs_json):
         start = time.perf_counter()
@@ -498,7 +504,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, specs_json: str,
 
 
 def spawn(specs: list[dict], fn_name: str = "run_layout") -> dict[str, list[dict]]:
-    """Run ``fn_name(spec)`` (``run_layout``, ``exactness`` or ``soak``) for every spec of ``specs``
+    """Run ``fn_name(spec)`` (``run_layout``, ``exactness``, ``soak``, or ``"module:function"`` of
+    another helper module) for every spec of ``specs``
     (all of one world size) in one spawned process group; return ``{spec name: [result per rank]}``.
 
     A rank that wrote no result (it crashed, or the group failed) gets ``{"rank": r, "error": ...}``.
