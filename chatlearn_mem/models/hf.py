@@ -572,7 +572,8 @@ WeightsArg = Union[torch.nn.Module, Mapping[str, torch.Tensor], Sequence[Mapping
 def _as_state_dicts(weights: WeightsArg) -> list[Mapping[str, torch.Tensor]]:
     if isinstance(weights, torch.nn.Module):
         lm = _language_model(weights)
-        return [{k: v.detach().to("cpu", copy=True) for k, v in lm.state_dict().items() if torch.is_tensor(v)}]
+        # no copy here: every exported tensor is a new one (cat or clone), moved to the CPU one by one
+        return [{k: v.detach() for k, v in lm.state_dict().items() if torch.is_tensor(v)}]
     if isinstance(weights, Mapping):
         return [weights]
     return list(weights)
