@@ -189,3 +189,16 @@ def test_dtype_and_feature_errors(dist1, tmp_path):
     model = gpt.build_gpt_model(hf.config_from_hf(make_checkpoint(str(tmp_path / "ok"))))
     with pytest.raises(ValueError, match="is F16"):
         hf.load_hf_weights(model, fp16)
+
+
+def test_a_critic_takes_the_trunk_and_keeps_a_fresh_value_head(dist1, tmp_path):
+    src = make_checkpoint(str(tmp_path / "src"), family="llama", kv_heads=2, dtype=torch.bfloat16, tied=True)
+    cfg = hf.config_from_hf(src)
+    critic = gpt.build_gpt_trainer(cfg, value_head=True)
+    head = critic.model.module.head.weight.detach().clone()
+    hf.load_hf_weights(critic.model, src, optimizer=critic.optimizer)
+    files = files_state_dict(src)
+    trunk = critic.model.module.trunk
+    assert torch.equal(trunk.embedding.word_embeddings.weight, files["model.embed_tokens.weight"])
+    assert torch.equal(trunk.decoder.layers[1].mlp.linear_fc2.weight, files["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(critic.model.module.head.weight, head)
