@@ -202,3 +202,18 @@ def test_a_critic_takes_the_trunk_and_keeps_a_fresh_value_head(dist1, tmp_path):
     assert torch.equal(trunk.embedding.word_embeddings.weight, files["model.embed_tokens.weight"])
     assert torch.equal(trunk.decoder.layers[1].mlp.linear_fc2.weight, files["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(critic.model.module.head.weight, head)
+
+
+def test_weights_split_over_several_files_load_the_same(dist1, llama):
+    from safetensors.torch import save_file
+
+    files = files_state_dict(llama)
+    model = gpt.build_gpt_model(hf.config_from_hf(llama))
+    hf.load_hf_weights(model, llama)
+    names = sorted(files)
+    os.remove(os.path.join(llama, "model.safetensors"))
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        save_file({n: files[n] for n in part}, os.path.join(llama, f"model-0000{i + 1}-of-00002.safetensors"))
+    other = gpt.build_gpt_model(hf.config_from_hf(llama).model_copy(update=dict(seed=9)))
+    hf.load_hf_weights(other, llama)
+    assert bit_equal(list(model.parameters()), list(other.parameters()))
