@@ -19,9 +19,9 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import torch
 
 from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, Part, TrainerMemoryManager
-from chatlearn_mem.models.gpt import GPTTrainerConfig
 from chatlearn_mem.parts import PartsArg
 from chatlearn_mem_ray import modeling
+from chatlearn_mem_ray.config import TrainerModelConfig
 
 __all__ = ["InferenceActor", "TrainerActor"]
 
@@ -185,7 +185,7 @@ class TrainerActor(_ManagedActor):
         name: For messages and logs ("policy_0").
         role: ``policy`` (a language model; outputs are next-token log-probs) or ``critic`` (a
             value head; outputs are values).
-        model: A :class:`chatlearn_mem.gpt.GPTTrainerConfig` as a dict.
+        model: A :class:`chatlearn_mem_ray.config.TrainerModelConfig` as a dict.
         memory: A :class:`chatlearn_mem.MemoryConfig` as a dict.
     """
 
@@ -196,7 +196,7 @@ class TrainerActor(_ManagedActor):
         if role not in ("policy", "critic"):
             raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
         self.role = role
-        self.config = GPTTrainerConfig(**model)
+        self.config = TrainerModelConfig(**model)
         self.trainer = None
         self._save = None  # the checkpoint save in progress (chatlearn_mem.checkpoint.SaveHandle)
 
@@ -212,6 +212,10 @@ class TrainerActor(_ManagedActor):
 
         self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
         self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.role == "critic")
+        if self.config.from_hf is not None:  # before the manager: the optimizer restarts from these weights
+            from chatlearn_mem.models import hf
+
+            hf.load_hf_weights(self.trainer.model, self.config.from_hf, optimizer=self.trainer.optimizer)
         self.manager = TrainerMemoryManager(self.trainer.model, self.trainer.optimizer, self.memory)
         return {
             "rank": rank,
@@ -388,13 +392,13 @@ class InferenceActor(_ManagedActor):
 
     Args:
         name: For messages and logs ("rollout").
-        model: The :class:`chatlearn_mem.gpt.GPTTrainerConfig` of the policy it copies.
+        model: The :class:`chatlearn_mem_ray.config.TrainerModelConfig` of the policy it copies.
         memory: A :class:`chatlearn_mem.MemoryConfig` as a dict.
     """
 
     def __init__(self, name: str, model: Mapping[str, Any], memory: Mapping[str, Any]):
         super().__init__(name, memory)
-        self.config = GPTTrainerConfig(**model)
+        self.config = TrainerModelConfig(**model)
         self.model = None
 
     def setup(self, init_method: str) -> dict:
@@ -403,6 +407,10 @@ class InferenceActor(_ManagedActor):
 
         self._init_distributed(0, 1, 1, init_method, self.config.seed)
         self.model = gpt.build_gpt_model(self.config)
+        if self.config.from_hf is not None:
+            from chatlearn_mem.models import hf
+
+            hf.load_hf_weights(self.model, self.config.from_hf)
         self.model.eval()
         self.manager = InferenceMemoryManager(self.model, self.memory)
         return {"rank": 0}

@@ -30,6 +30,7 @@ __all__ = [
     "RayConfig",
     "RunConfig",
     "TaskConfig",
+    "TrainerModelConfig",
     "load_config",
 ]
 
@@ -276,23 +277,97 @@ class CheckpointConfig(_Strict):
     longer than what is left of it."""
 
 
-def _default_policy() -> GPTTrainerConfig:
-    return GPTTrainerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=1e-3)
+class TrainerModelConfig(GPTTrainerConfig):
+    """A trainer's :class:`~chatlearn_mem.models.gpt.GPTTrainerConfig`, and the Hugging Face
+    checkpoint its weights start from."""
+
+    from_hf: Optional[Path] = None
+    """A local Hugging Face Llama or Qwen2 checkpoint directory (``config.json`` and
+    ``*.safetensors``) the weights start from instead of a random init; ``{output_dir}`` in it
+    stands for the run's ``output_dir``. Its ``config.json`` fills
+    the architecture fields left unset here (see ``chatlearn_mem.models.hf.CHECKPOINT_FIELDS``; a
+    field set to another value is an error). The rollout and reference models start from the
+    policy's checkpoint; the critic takes its trunk (embedding and layers) and a fresh value head.
+    With several nodes the directory must be readable on every node."""
+    create_hf: bool = False
+    """When ``from_hf`` does not exist yet, write a randomly initialised checkpoint of this
+    config's architecture there (with ``transformers``: nothing is downloaded) before the actors
+    start; the architecture fields must then be given here. Used by the ``cpu_tiny_llama`` preset."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_from_checkpoint(cls, data):
+        if not isinstance(data, dict) or not data.get("from_hf"):
+            return data
+        path = Path(data["from_hf"])
+        if not path.exists() and data.get("create_hf"):
+            return data  # written when the run starts, from the fields given here
+        try:
+            from chatlearn_mem.models import hf
+
+            found = hf.config_from_hf(path)
+        except (FileNotFoundError, ImportError) as e:
+            raise ValueError(str(e)) from None
+        data = dict(data)
+        wrong = []
+        for field in (*hf.CHECKPOINT_FIELDS, "precision"):
+            value = getattr(found, field)
+            if field not in data:
+                data[field] = value
+            elif field != "precision" and data[field] != value:
+                wrong.append(f"{field}={data[field]!r} (config.json: {value!r})")
+        if wrong:
+            raise ValueError(
+                f"the checkpoint {path} says otherwise: {', '.join(wrong)}; drop these keys (from_hf fills them in)"
+            )
+        return data
 
 
-def _default_critic() -> GPTTrainerConfig:
-    return GPTTrainerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=3e-3, seed=4321
+_TRUNK_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "vocab_size",
+    "seq_length",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "normalization",
+    "norm_epsilon",
+    "activation",
+    "position_embedding",
+    "rotary_base",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "share_embeddings_and_output_weights",
+    "precision",
+)
+"""What a critic copies from a policy with ``from_hf``, so that the checkpoint's trunk fits it."""
+
+
+def _default_policy() -> TrainerModelConfig:
+    return TrainerModelConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=1e-3
     )
+
+
+def _default_critic() -> TrainerModelConfig:
+    return TrainerModelConfig(**_DEFAULT_CRITIC)
+
+
+_DEFAULT_CRITIC = dict(
+    num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=3e-3, seed=4321
+)
 
 
 class RunConfig(_Strict):
     """A whole colocated PPO run."""
 
-    policy: GPTTrainerConfig = Field(default_factory=_default_policy)
+    policy: TrainerModelConfig = Field(default_factory=_default_policy)
     """The policy trainer; the rollout and reference models are inference copies of it."""
-    critic: GPTTrainerConfig = Field(default_factory=_default_critic)
-    """The critic trainer (a GPT trunk with a scalar value head)."""
+    critic: TrainerModelConfig = Field(default_factory=_default_critic)
+    """The critic trainer (a GPT trunk with a scalar value head). When the policy has
+    ``from_hf`` and the critic does not say otherwise, the critic starts from the same
+    checkpoint's trunk, with the policy's architecture and shape."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -318,6 +393,30 @@ class RunConfig(_Strict):
             if self.checkpoint.directory is not None
             else (Path(self.output_dir) / "checkpoints")
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpoint_paths(cls, data):
+        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict) or not data["policy"].get("from_hf"):
+            return data
+        out_dir = str(data.get("output_dir", cls.model_fields["output_dir"].default))
+        data = dict(data)
+        for role in ("policy", "critic"):
+            if isinstance(data.get(role), dict) and "{output_dir}" in str(data[role].get("from_hf") or ""):
+                data[role] = {**data[role], "from_hf": str(data[role]["from_hf"]).replace("{output_dir}", out_dir)}
+        policy = data["policy"]
+        if isinstance(data.get("critic"), dict):
+            critic = dict(data["critic"])
+        else:  # the default critic's own settings; its shape is the checkpoint's
+            critic = {k: v for k, v in _DEFAULT_CRITIC.items() if k not in _TRUNK_FIELDS}
+        if "from_hf" in critic:
+            return data
+        for field in _TRUNK_FIELDS:
+            if field in policy:
+                critic.setdefault(field, policy[field])
+        critic["from_hf"] = policy["from_hf"]
+        critic["create_hf"] = policy.get("create_hf", False)  # written once, from the policy's config
+        return {**data, "critic": critic}
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

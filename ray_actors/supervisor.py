@@ -110,6 +110,7 @@ def run_ppo(
     check_budget(cfg)
     log_path = prepare_output_dir(cfg, resuming=resume is not None)
     _prepare_checkpoints(cfg, resume, progress)
+    _prepare_hf_checkpoint(cfg, progress)
     out_dir = log_path.parent
     t0 = time.perf_counter()
     versions = _versions()
@@ -392,6 +393,18 @@ def check_budget(cfg: RunConfig) -> None:
         ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20))
     except ValueError as e:
         raise BudgetError(f"{e} (estimated from the config, before starting)") from None
+
+
+def _prepare_hf_checkpoint(cfg: RunConfig, progress: Callable[[str], None]) -> None:
+    """Before Ray starts: write the policy's Hugging Face checkpoint when it asks for one
+    (``policy.create_hf``) and none is there yet."""
+    policy = cfg.policy
+    if policy.from_hf is None or not policy.create_hf or Path(policy.from_hf).exists():
+        return
+    from chatlearn_mem.models import hf
+
+    hf.save_random_hf(policy, policy.from_hf, seed=policy.seed)
+    progress(f"wrote a randomly initialised {hf.hf_config_dict(policy)['architectures'][0]} to {policy.from_hf}")
 
 
 def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:

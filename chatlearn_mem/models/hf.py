@@ -38,6 +38,8 @@ __all__ = [
     "gather_tensor_parallel",
     "save_hf",
     "hf_config_dict",
+    "save_random_hf",
+    "CHECKPOINT_FIELDS",
 ]
 
 INSTALL_HINT = "pip install 'chatlearn-mem[hf]'"
@@ -150,6 +152,15 @@ another key, or None for a required key)."""
 
 _ARCHITECTURE = dict(normalization="RMSNorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
 """What every supported family is: RMSNorm, SwiGLU, rotary embeddings, no linear biases."""
+
+CHECKPOINT_FIELDS: tuple[str, ...] = (
+    *(f for f in _CONFIG_FIELDS if f != "seq_length"),
+    *_ARCHITECTURE,
+    "add_qkv_bias",
+    "rotary_base",
+)
+"""The ``GPTTrainerConfig`` fields a checkpoint decides (:func:`config_from_hf` reads them from
+``config.json`` and the family); ``seq_length`` and ``precision`` stay the trainer's choice."""
 
 _COMMON_UNSUPPORTED = (("hidden_act", "silu"), ("rope_scaling", None))
 _DTYPES = {"BF16": ("bf16", torch.bfloat16), "F32": ("fp32", torch.float32)}
@@ -742,3 +753,27 @@ def save_hf(
             src = os.path.join(os.fspath(source), name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(path, name))
+
+
+def save_random_hf(config: GPTTrainerConfig, path: Union[str, os.PathLike], seed: int = 0) -> None:
+    """Write a randomly initialised Hugging Face checkpoint of ``config``'s family and shape to ``path``.
+
+    Made by ``transformers`` itself (its own initialisation, seeded with ``seed``), in
+    ``config.precision``; nothing is downloaded. For tests and demos that need a real checkpoint
+    directory without a real model (the PPO app's tiny-Llama preset).
+
+    Raises:
+        ImportError: ``transformers`` is not installed (the ``[hf]`` extra).
+        ValueError: ``config`` is not a Llama or Qwen2 architecture.
+    """
+    family = _family_of(config)
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"making a Hugging Face checkpoint needs transformers: {INSTALL_HINT}") from e
+    fields = {k: v for k, v in hf_config_dict(config).items() if k not in ("architectures", "model_type")}
+    fields.pop("torch_dtype", None)
+    hf_config = transformers.AutoConfig.for_model(family.model_type, **fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.architecture)(hf_config)
+    model.to(torch.bfloat16 if config.precision == "bf16" else torch.float32).save_pretrained(os.fspath(path))

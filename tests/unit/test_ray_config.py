@@ -149,14 +149,14 @@ def test_cli_ppo_without_config_runs_the_cpu_default():
 def test_cli_unknown_preset_lists_the_presets():
     result = CliRunner().invoke(app, ["ppo", "--config", "cpu_tinny"])
     assert result.exit_code == 2
-    assert result.output.startswith("error: unknown config 'cpu_tinny'") and "cpu_tiny, gpu" in result.output
+    assert result.output.startswith("error: unknown config 'cpu_tinny'") and "cpu_tiny, cpu_tiny_llama, gpu" in result.output
     assert "Traceback" not in result.output
 
 
 def test_cli_lists_presets():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
-    assert "ppo: cpu_tiny, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output
+    assert "ppo: cpu_tiny, cpu_tiny_llama, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output
 
 
 def test_an_unknown_key_suggests_the_nearest_one_with_its_dotted_key(tmp_path):
@@ -192,7 +192,7 @@ def test_cli_lists_presets_with_their_summaries():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
     lines = result.output.splitlines()
-    assert f"ppo: cpu_tiny, gpu (default: {DEFAULT_PRESET})" in lines
+    assert f"ppo: cpu_tiny, cpu_tiny_llama, gpu (default: {DEFAULT_PRESET})" in lines
     assert f"bench: cpu, gpu, tiny (default: {BENCH_DEFAULT})" in lines
     for presets in (PRESETS, BENCH_PRESETS):
         for name in preset_names(presets):

@@ -1,0 +1,70 @@
+"""The PPO config's ``from_hf``: a checkpoint's config.json fills the policy's (and the critic's)
+architecture, disagreements and Hub names are refused, and the tiny-Llama preset validates
+before its checkpoint exists."""
+
+import pytest
+import torch
+
+from chatlearn_mem.errors import ConfigError
+from chatlearn_mem.models.gpt import GPTTrainerConfig
+from chatlearn_mem_ray.config import load_config
+
+hf = pytest.importorskip("chatlearn_mem.models.hf")
+pytest.importorskip("safetensors", reason="the [hf] extra (safetensors) is not installed")
+
+LLAMA = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=64,
+    vocab_size=64,
+    seq_length=64,
+    normalization="RMSNorm",
+    norm_epsilon=1e-5,
+    activation="swiglu",
+    position_embedding="rope",
+    rotary_base=10000.0,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    share_embeddings_and_output_weights=True,
+)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A Llama checkpoint (zeros: only its config.json and shapes matter here)."""
+    cfg = GPTTrainerConfig(**LLAMA)
+    family = hf.LLAMA
+    sd = {e.megatron: torch.zeros(e.shard_shape(1), dtype=torch.bfloat16) for e in hf._entries(cfg, family)}
+    path = tmp_path / "ckpt"
+    hf.save_hf(hf.to_hf_state_dict(sd, cfg), cfg, path)
+    return str(path)
+
+
+def test_the_checkpoint_fills_policy_and_critic(ckpt):
+    cfg = load_config(None, [f"policy.from_hf={ckpt}"])
+    for model in (cfg.policy, cfg.critic):
+        assert {k: getattr(model, k) for k in LLAMA if k != "seq_length"} == {
+            k: v for k, v in LLAMA.items() if k != "seq_length"
+        }
+        assert str(model.from_hf) == ckpt
+        assert model.precision == "bf16"
+    assert cfg.policy.seq_length == 32 and cfg.critic.seq_length == 32  # the trainer's own choice
+    assert cfg.critic.lr == 3e-3 and cfg.critic.seed == 4321  # the critic's own settings stay
+
+
+def test_a_disagreeing_key_and_a_hub_name_are_refused(ckpt):
+    with pytest.raises(
+        ConfigError, match=r"policy: the checkpoint .* says otherwise: hidden_size=64 \(config.json: 32\)"
+    ):
+        load_config(None, [f"policy.from_hf={ckpt}", "policy.hidden_size=64"])
+    with pytest.raises(ConfigError, match="looks like a Hugging Face Hub name.*download it first"):
+        load_config(None, ["policy.from_hf=Qwen/Qwen2-0.5B"])
+
+
+def test_the_tiny_llama_preset_validates_before_its_checkpoint_exists(tmp_path):
+    cfg = load_config("cpu_tiny_llama", [f"output_dir={tmp_path}"])
+    assert cfg.policy.from_hf == tmp_path / "hf_tiny_llama" == cfg.critic.from_hf
+    assert cfg.policy.create_hf and not (tmp_path / "hf_tiny_llama").exists()
+    assert cfg.critic.normalization == "RMSNorm" and cfg.critic.num_query_groups == 2
