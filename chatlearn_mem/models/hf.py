@@ -163,8 +163,8 @@ CHECKPOINT_FIELDS: tuple[str, ...] = (
 ``config.json`` and the family); ``seq_length`` and ``precision`` stay the trainer's choice."""
 
 _COMMON_UNSUPPORTED = (("hidden_act", "silu"), ("rope_scaling", None))
-_DTYPES = {"BF16": ("bf16", torch.bfloat16), "F32": ("fp32", torch.float32)}
-"""safetensors dtype -> (precision, torch dtype): the dtypes we train in."""
+_DTYPES = {"BF16": "bf16", "F32": "fp32"}
+"""safetensors dtype -> ``GPTTrainerConfig.precision``: the dtypes we train in."""
 
 
 def _safetensors():
@@ -291,7 +291,7 @@ def _config(ckpt: _Checkpoint, overrides: Mapping[str, Any]) -> GPTTrainerConfig
             fields[field] = hf[default] if isinstance(default, str) else default
     fields["rotary_base"] = _rope_theta(hf)
     embed = ckpt.tensors.get(ckpt.family.model[0].hf[0][0])
-    fields["precision"] = _DTYPES[embed[1]][0] if embed and embed[1] in _DTYPES else "bf16"
+    fields["precision"] = _DTYPES.get(embed[1], "bf16") if embed else "bf16"
     for name, (_, dtype, _) in ckpt.tensors.items():
         if dtype not in _DTYPES:
             raise ValueError(
@@ -373,7 +373,7 @@ def _split_megatron(entry: _Entry, shard: torch.Tensor, config: GPTTrainerConfig
         groups = (config.num_query_groups or config.num_attention_heads) // tp
         n = config.num_attention_heads // (config.num_query_groups or config.num_attention_heads)
         rest = shard.shape[1:]
-        per_group = shard.view(groups, (n + 2) * d, *rest)  # (G, [q heads; k; v] x d, ...)
+        per_group = shard.reshape(groups, (n + 2) * d, *rest)  # (G, [q heads; k; v] x d, ...)
         return [p.reshape(-1, *rest) for p in per_group.split([n * d, d, d], dim=1)]
     return [shard]
 
@@ -387,7 +387,7 @@ def _join_megatron(entry: _Entry, pieces: list[torch.Tensor], config: GPTTrainer
         groups = (config.num_query_groups or config.num_attention_heads) // tp
         q, k, v = pieces
         rest = q.shape[1:]
-        per_group = [q.view(groups, -1, *rest), k.view(groups, d, *rest), v.view(groups, d, *rest)]
+        per_group = [q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)]
         return torch.cat(per_group, dim=1).reshape(-1, *rest)  # (G x [q heads; k; v] x d, ...)
     return pieces[0]
 
