@@ -115,10 +115,11 @@ def test_optimizer_starts_from_the_loaded_weights(dist1, tmp_path, distopt):
     assert bit_equal(runs[0][1], runs[1][1])
 
 
+@pytest.mark.parametrize("distopt", [True, False], ids=["distopt", "float16opt"])
 @pytest.mark.parametrize("transitions", list(TRANSITIONS))
-def test_offload_onload_is_exact_on_the_llama_architecture(dist1, transitions):
+def test_offload_onload_is_exact_on_the_llama_architecture(dist1, transitions, distopt):
     between, config = TRANSITIONS[transitions]
-    cfg = dict(precision="bf16", use_distributed_optimizer=True, share_embeddings_and_output_weights=True, **ARCH)
+    cfg = dict(precision="bf16", use_distributed_optimizer=distopt, share_embeddings_and_output_weights=True, **ARCH)
     assert_exact(cfg, steps=4, between=between, config=config)
 
 

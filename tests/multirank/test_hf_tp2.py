@@ -1,8 +1,8 @@
 """Llama and Qwen2 checkpoints on two tensor-parallel ranks: each rank reads only its shard, the
 gathered logits agree with ``transformers``, the ranks' shards export back to the files bit for
 bit, a trained trainer exports asleep and re-imports exactly, sizes the TP size does not divide
-are refused, and offload/onload stays exact on the new architecture. All runs share one spawned
-process group (see trainer_runs.spawn)."""
+are refused, and offload/onload stays exact on the new architecture (TP=2 and DP=2). All runs
+share one spawned process group (see trainer_runs.spawn)."""
 
 import pytest
 import torch
@@ -46,6 +46,7 @@ def world2(tmp_path_factory):
         add_qkv_bias=True,
     )
     specs.append(layout_spec("exactness", 2, tp=2, steps=STEPS // 2, kind="exactness", **arch))
+    specs.append(layout_spec("exactness-dp2", 2, tp=1, steps=STEPS // 2, kind="exactness", **arch))
     for s in specs:  # the run's own keys, not GPTTrainerConfig fields
         s.update({k: s["cfg"].pop(k) for k in ("kind", "path", "reference", "out") if k in s["cfg"]})
     return spawn(specs, fn_name="hf_checkpoints:tp_run")
@@ -84,7 +85,8 @@ def test_tp2_refuses_sizes_the_tensor_parallel_size_does_not_divide(world2, what
 
 
 @pytest.mark.multirank
-def test_tp2_offload_onload_is_exact_on_the_new_architecture(world2):
-    for r in _ok(world2["exactness"]):
+@pytest.mark.parametrize("name", ["exactness", "exactness-dp2"], ids=["tp2", "dp2"])
+def test_offload_onload_is_exact_on_the_new_architecture(world2, name):
+    for r in _ok(world2[name]):
         assert r["losses_equal"] and r["weights_equal"] and r["audit_ok"], r
         assert r["nb_losses_equal"] and r["nb_weights_equal"] and r["nb_audit_ok"], r
