@@ -12,10 +12,7 @@ when they must survive.
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
 import logging
-import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,8 +20,10 @@ from typing import Hashable, Iterable, Optional
 
 import torch
 
+from chatlearn_mem import device_memory
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
+from chatlearn_mem.device_memory import Block, advise_huge_pages
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import HostStore
 
@@ -70,48 +69,12 @@ def extent(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
-def _grow_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
-    """Reallocate a released storage. Module-level so tests can inject allocation failures."""
-    storage.resize_(nbytes)
-
-
-_HUGE_PAGE = 2 * 2**20
-_MADV_HUGEPAGE = 14  # linux/mman.h
-_madvise = None  # resolved libc madvise, False when unavailable
-
-
-def _libc_madvise(address: int, length: int, advice: int) -> int:
-    """``madvise(2)`` through libc; returns its result (0 on success, -1 when unavailable)."""
-    global _madvise
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        except (OSError, AttributeError):
-            _madvise = False
-    return _madvise(address, length, advice) if _madvise else -1
-
-
-def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
-    """Ask Linux to back the 2 MiB-aligned interior of a CPU storage with transparent huge pages.
-
-    Call it right after growing a released storage, before anything touches it: the first write
-    then faults in 2 MiB pages instead of 4 KiB ones (512x fewer page faults), and releasing the
-    storage again unmaps far fewer pages. Only the aligned range inside the storage is advised,
-    so no neighbouring allocation is affected. Returns whether a range was advised; storages
-    under 4 MiB, non-CPU storages and non-Linux systems are left alone.
-    """
-    n = storage.nbytes()
-    if storage.device.type != "cpu" or not sys.platform.startswith("linux") or n < 2 * _HUGE_PAGE:
-        return False
-    ptr = storage.data_ptr()
-    lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
-    hi = (ptr + n) // _HUGE_PAGE * _HUGE_PAGE
-    if hi <= lo:
-        return False
-    return _libc_madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+def _grow_storage(
+    storage: torch.UntypedStorage, nbytes: int, block: Optional[Block] = None, huge_pages: bool = True
+) -> None:
+    """Give a released storage its memory again (:func:`device_memory.regrow`). Module-level so
+    that tests can inject allocation failures."""
+    device_memory.regrow(storage, nbytes, block, huge_pages)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -151,6 +114,13 @@ class StorageGroup:
         self._config = config
         self.store: Optional[HostStore] = None
         self._released: list[tuple[torch.UntypedStorage, int]] = []
+        # CPU: the memory of each released storage (by storage key) while the group is offloaded
+        # (device_memory.release); an onload moves it back in, with no allocation
+        self._parked: dict[int, Block] = {}
+        # CPU: the address of the memory device_memory mapped for each storage at its last regrow;
+        # a kept block elsewhere is torch's first allocation, which the next regrow replaces by a
+        # mapping of ours (huge pages advised) once: only a hint, never needed for correctness
+        self._mapped: dict[int, int] = {}
         self.offloaded = False
         # Token describing the device contents the host copy holds; None when it holds none.
         self._host_token: Optional[Hashable] = None
@@ -604,6 +574,7 @@ class GroupTransfer:
         self._caller_event = caller_event
         self._store = group.store
         self._huge_pages = group._config.cpu_huge_pages
+        self._lazy = group._config.cpu_release == "lazy"
         self.batch = Batch(
             "d2h" if direction == "offload" else "h2d", f"{direction} {group.name}", steps=plan.steps, runner=self
         )
@@ -631,24 +602,42 @@ class GroupTransfer:
             s = self.storages[a[1]]
             if self._cuda and s.nbytes():
                 _byte_view(s).record_stream(self._d2h_stream)  # R2: the allocator waits for the d2h copies
-            s.resize_(0)
+            self._release(a[1])
             self.released.append(a[1])
         elif op == GROW:
             i = a[1]
-            _grow_storage(self.storages[i], self.sizes[i])
+            self._grow(i)
             self.grown.append(i)
             if self._cuda and self.sizes[i]:
                 # the block lives in the caller's pool (R3) and the h2d stream writes it: were the
                 # storage freed before the copy ran, the allocator must wait for that stream too
                 _byte_view(self.storages[i]).record_stream(self._h2d_stream)
-            if self._huge_pages:
-                advise_huge_pages(self.storages[i])
         elif op == ZERO:
             _byte_view(self.storages[a[1]]).zero_()
         elif op == WAIT:
             self._d2h_stream.wait_event(self._caller_event)
         else:  # pragma: no cover
             raise AssertionError(f"unknown action {a!r}")
+
+    def _release(self, i: int) -> None:
+        """Release storage ``i``; on a CPU device its memory is kept by the group (device_memory)."""
+        s = self.storages[i]
+        block = device_memory.release(s, lazy=self._lazy)
+        if block is not None:
+            self.group._parked[storage_key(s)] = block
+
+    def _grow(self, i: int) -> None:
+        """Regrow storage ``i``: the memory its release kept, where there is one (CPU)."""
+        s = self.storages[i]
+        key = storage_key(s)
+        group = self.group
+        block = group._parked.get(key)
+        if block is not None and group._mapped.get(key) != block.address and self._huge_pages:
+            block = None  # torch's first allocation (4 KiB pages, maybe): map huge pages instead, once
+        _grow_storage(s, self.sizes[i], block, self._huge_pages)
+        group._parked.pop(key, None)  # only once grown: a failed regrow keeps the block
+        if not self._cuda:
+            group._mapped[key] = s.data_ptr()
 
     def describe(self, a: tuple) -> str:
         op, name = a[0], self.group.name
@@ -727,6 +716,7 @@ class GroupTransfer:
             copied = nbytes if self.copy else 0
         else:
             group._released = []
+            group._parked.clear()  # every block went back into its storage; nothing else is kept
             copied = nbytes if group.keep_contents else 0
             group.set_host_token(self.token)
         group._transfer = None
@@ -745,7 +735,7 @@ class GroupTransfer:
         group = self.group
         if self.direction == "onload":
             for i in self.grown:
-                self.storages[i].resize_(0)
+                self._release(i)
             group.offloaded = True
             return (
                 f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "
@@ -755,8 +745,8 @@ class GroupTransfer:
         restored = []
         try:
             for i in list(self.released):
-                s, n = self.storages[i], self.sizes[i]
-                _grow_storage(s, n)
+                s = self.storages[i]
+                self._grow(i)
                 dst = _byte_view(s)
                 for host, off in group.store.views(i):
                     dst[off : off + host.numel()].copy_(host)

@@ -175,11 +175,11 @@ def test_device_allocation_failure_during_onload_loses_nothing(dist1, monkeypatc
         calls = {"n": 0}
         real = storage._grow_storage
 
-        def flaky(s, n):
+        def flaky(s, n, *args):
             calls["n"] += 1
             if calls["n"] == fail_at:
                 raise torch.OutOfMemoryError("simulated device OOM")
-            real(s, n)
+            real(s, n, *args)
 
         mp.setattr(storage, "_grow_storage", flaky)
         with pytest.raises(torch.OutOfMemoryError, match="simulated device OOM"):

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import chatlearn_mem.device_memory as device_memory
 import chatlearn_mem.host_store as host_store_mod
 import chatlearn_mem.storage as storage_mod
 from chatlearn_mem import MemoryConfig, TransferStats
@@ -205,11 +206,11 @@ def test_onload_failure_rolls_back(monkeypatch, tensors, storages):
     real = storage_mod._grow_storage
     calls = []
 
-    def failing(storage, nbytes):
+    def failing(storage, nbytes, *args):
         calls.append(nbytes)
         if len(calls) == 3:
             raise RuntimeError("simulated device OOM")
-        real(storage, nbytes)
+        real(storage, nbytes, *args)
 
     monkeypatch.setattr(storage_mod, "_grow_storage", failing)
     with pytest.raises(RuntimeError, match="simulated device OOM"):
@@ -291,63 +292,117 @@ def test_transfer_stats_fields(storages):
         out.copied_bytes = 0
 
 
-# -- transparent huge pages for regrown CPU storages -------------------------------------------
+# -- a CPU storage's memory: kept while offloaded, moved back by the onload -------------------
 MiB = 2**20
 
 
-@pytest.fixture
-def madvise_calls(monkeypatch):
-    calls = []
-
-    def fake(address, length, advice):
-        calls.append((address, length, advice))
-        return 0
-
-    monkeypatch.setattr(storage_mod, "_libc_madvise", fake)
-    monkeypatch.setattr(storage_mod.sys, "platform", "linux")
-    return calls
-
-
-def test_onload_advises_huge_pages_over_aligned_interior(madvise_calls):
+@pytest.mark.parametrize("mode, advice", [("lazy", device_memory._MADV_FREE), ("eager", device_memory._MADV_DONTNEED)])
+def test_cycles_move_the_same_memory_out_and_back(madvise_calls, mode, advice):
     t = torch.arange(3 * MiB, dtype=torch.int32)  # 12 MiB
+    view = t[5:9]
     expected = bits(t)
-    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=4))
     s = t.untyped_storage()
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=4, cpu_release=mode))
     group.offload([s])
-    assert madvise_calls == []  # offload only releases
-    group.onload()
-    assert torch.equal(bits(t), expected)
-    assert len(madvise_calls) == 1
-    address, length, advice = madvise_calls[0]
-    ptr, n = s.data_ptr(), s.nbytes()
-    assert advice == storage_mod._MADV_HUGEPAGE
-    assert address % (2 * MiB) == 0 and length % (2 * MiB) == 0 and length > 0
-    assert ptr <= address and address + length <= ptr + n  # nothing outside the storage
+    group.onload()  # the first onload gives the storage memory with huge pages advised, before any touch
+    assert [c[2] for c in madvise_calls] == [advice, device_memory._MADV_HUGEPAGE]
+    ptr = s.data_ptr()
+    for _ in range(3):
+        group.offload([s])
+        assert s.nbytes() == 0 and len(group._parked) == 1
+        assert madvise_calls[-1][2] == advice  # the kept pages are handed back to the kernel
+        group.onload()
+        assert s.data_ptr() == ptr and not group._parked  # the same memory, nothing allocated
+        assert torch.equal(bits(t), expected) and view.tolist() == [5, 6, 7, 8]
+    assert [c[2] for c in madvise_calls[2:]] == [advice] * 3  # no more huge page advice: nothing allocated
 
 
-def test_huge_pages_also_for_dropped_grads(madvise_calls):
+def test_dropped_grads_come_back_zeroed_in_their_own_memory(madvise_calls):
     t = torch.ones(2 * MiB, dtype=torch.float32)  # 8 MiB
     group = StorageGroup("grads", False, MemoryConfig())
     group.offload([t.untyped_storage()])
     group.onload()
-    assert len(madvise_calls) == 1 and torch.count_nonzero(t) == 0
+    ptr = t.data_ptr()
+    t.fill_(1)
+    group.offload([t.untyped_storage()])
+    group.onload()
+    assert t.data_ptr() == ptr and torch.count_nonzero(t) == 0
+
+
+def test_without_huge_pages_a_storage_keeps_its_first_memory(madvise_calls):
+    t = torch.arange(MiB, dtype=torch.int32)
+    ptr = t.data_ptr()
+    group = StorageGroup("weights", True, MemoryConfig(cpu_huge_pages=False))
+    for _ in range(2):
+        group.offload([t.untyped_storage()])
+        group.onload()
+        assert t.data_ptr() == ptr and torch.equal(t, torch.arange(MiB, dtype=torch.int32))
+
+
+def test_a_regrown_storage_stays_resizable_by_others():
+    t = torch.arange(MiB, dtype=torch.int32)
+    s = t.untyped_storage()
+    group = StorageGroup("weights", True, MemoryConfig())
+    group.offload([s])
+    group.onload()
+    s.resize_(0)  # what megatron-core's own offload calls do
+    s.resize_(4 * MiB)
+    assert s.nbytes() == 4 * MiB
+
+
+def test_a_storage_regrown_without_its_memory_gets_fresh_huge_pages(madvise_calls):
+    t = torch.arange(3 * MiB, dtype=torch.int32)
+    expected = bits(t)
+    s = t.untyped_storage()
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=4))
+    group.offload([s])
+    group._parked.clear()  # as if the kept memory had been given up
+    madvise_calls.clear()
+    group.onload()
+    assert torch.equal(bits(t), expected)
+    ((address, length, advice),) = madvise_calls
+    assert advice == device_memory._MADV_HUGEPAGE
+    ptr = s.data_ptr()
+    assert address % (2 * MiB) == 0 and ptr <= address and address + length <= ptr + 12 * MiB
+    assert length >= 8 * MiB
 
 
 def test_huge_pages_off_by_config_and_for_small_storages(madvise_calls):
     big = torch.ones(2 * MiB, dtype=torch.float32)
     small = torch.ones(MiB // 2, dtype=torch.float32)  # 2 MiB: below the 4 MiB threshold
-    off = StorageGroup("weights", True, MemoryConfig(cpu_huge_pages=False))
-    off.offload([big.untyped_storage()])
-    off.onload()
-    on = StorageGroup("weights", True, MemoryConfig())
-    on.offload([small.untyped_storage()])
-    on.onload()
-    assert madvise_calls == []
+    for t, config in ((big, MemoryConfig(cpu_huge_pages=False)), (small, MemoryConfig())):
+        group = StorageGroup("weights", True, config)
+        group.offload([t.untyped_storage()])
+        group._parked.clear()
+        group.onload()
+    assert all(advice != device_memory._MADV_HUGEPAGE for _, _, advice in madvise_calls)
     assert torch.equal(big, torch.ones_like(big)) and torch.equal(small, torch.ones_like(small))
 
 
+def test_offload_rolled_back_moves_the_kept_memory_back(monkeypatch, madvise_calls):
+    a, b = torch.arange(MiB, dtype=torch.int32), torch.arange(MiB, dtype=torch.int32) * 3
+    expected = bits(a), bits(b)
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=64, copy_chunk_mb=1))
+    group.offload([a.untyped_storage(), b.untyped_storage()])
+    group.onload()
+    ptrs = a.data_ptr(), b.data_ptr()
+    real = storage_mod.GroupTransfer.run
+
+    def fail_after_first_release(self, action):
+        if action[0] == storage_mod.COPY_OUT and self.released:
+            raise RuntimeError("simulated copy failure")
+        real(self, action)
+
+    monkeypatch.setattr(storage_mod.GroupTransfer, "run", fail_after_first_release)
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        group.offload([a.untyped_storage(), b.untyped_storage()])
+    assert not group.offloaded and not group._parked
+    assert (a.data_ptr(), b.data_ptr()) == ptrs
+    assert torch.equal(bits(a), expected[0]) and torch.equal(bits(b), expected[1])
+
+
 def test_advise_huge_pages_skips_non_linux(monkeypatch, madvise_calls):
-    monkeypatch.setattr(storage_mod.sys, "platform", "darwin")
+    monkeypatch.setattr(device_memory.sys, "platform", "darwin")
     assert not storage_mod.advise_huge_pages(torch.ones(4 * MiB, dtype=torch.uint8).untyped_storage())
     assert madvise_calls == []
 
