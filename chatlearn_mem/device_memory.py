@@ -10,8 +10,9 @@ Every view of a storage survives both: the storage object stays, only its memory
   back in on onload. While it is kept, its pages are handed back to the kernel
   (``MemoryConfig.cpu_release``):
 
-  - ``"lazy"`` (default): ``madvise(MADV_FREE)``. The kernel takes the pages as soon as anything on
-    the machine needs memory, and they count as available memory (``MemAvailable``, cgroup
+  - ``"lazy"`` (default): ``madvise(MADV_FREE)`` over the storage's whole 2 MiB pages (a partial
+    one would split a transparent huge page; what lies outside them, and storages under 2 MiB,
+    stay as they are). The kernel takes the pages as soon as anything on the machine needs memory, and they count as available memory (``MemAvailable``, cgroup
     reclaim) from the release on. Until it takes them they still appear in the process's RSS
     (as ``LazyFree`` in ``/proc/PID/smaps_rollup``), and an onload that finds them there writes
     into them with no page fault: a copy at the speed of a copy into memory allocated once.
@@ -108,12 +109,12 @@ class Block:
     address: int
 
 
-def _pages_inside(ptr: int, nbytes: int) -> tuple[int, int]:
-    """``(address, length)`` of the whole pages inside ``[ptr, ptr + nbytes)``. Nothing else lives
-    there: an allocator's chunk headers lie before ``ptr`` or from ``ptr + nbytes`` on, and a page
-    shared with a neighbour is not whole."""
-    lo = -(-ptr // _PAGE) * _PAGE
-    hi = (ptr + nbytes) // _PAGE * _PAGE
+def _pages_inside(ptr: int, nbytes: int, unit: int) -> tuple[int, int]:
+    """``(address, length)`` of the whole ``unit``-aligned pages inside ``[ptr, ptr + nbytes)``.
+    Nothing else lives there: an allocator's chunk headers lie before ``ptr`` or from
+    ``ptr + nbytes`` on, and a page shared with a neighbour is not whole."""
+    lo = -(-ptr // unit) * unit
+    hi = (ptr + nbytes) // unit * unit
     return lo, max(0, hi - lo)
 
 
@@ -136,7 +137,10 @@ def release(storage: torch.UntypedStorage, lazy: bool = True) -> Optional[Block]
     holder = torch.UntypedStorage(0)
     storage._swap_data_ptr_(holder)  # storage: empty; holder: the memory and its deleter
     if sys.platform.startswith("linux"):
-        addr, length = _pages_inside(holder.data_ptr(), n)
+        # lazy: whole 2 MiB pages only. MADV_FREE over part of a transparent huge page splits it
+        # into 4 KiB pages, and copies into split pages ran 1.5-2x slower, cycle after cycle
+        # (measured on a 135 M-parameter trainer's optimizer states: 4.9 against 8.5 GB/s)
+        addr, length = _pages_inside(holder.data_ptr(), n, _HUGE_PAGE if lazy else _PAGE)
         if length:
             _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED)
     return Block(holder, n, holder.data_ptr())

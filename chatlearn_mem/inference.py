@@ -94,7 +94,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         """Onload the chosen parts (``Part.WEIGHTS``; None: all); see :meth:`offload`. With
         ``blocking=False`` a forward pass may start at once: each module waits for its own
         weights only."""
-        return self._run("onload", self._begin_onload(parts), blocking)
+        return self._run("onload", self._begin_onload(parts, use_order=not blocking), blocking)
 
     @serialized
     def residency(self) -> Residency:

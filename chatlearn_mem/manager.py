@@ -209,9 +209,13 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
             raise
         return started
 
-    def _begin_onload(self, parts: PartsArg, stacklevel: int = 4) -> list[tuple[Part, GroupTransfer]]:
-        """Start (not submit) the onload of ``parts``; weights are queued in the order the model
-        reads them, with a fence per module (R4)."""
+    def _begin_onload(
+        self, parts: PartsArg, stacklevel: int = 4, use_order: bool = True
+    ) -> list[tuple[Part, GroupTransfer]]:
+        """Start (not submit) the onload of ``parts``; with ``use_order`` weights are queued in the
+        order the model reads them, with a fence per module (R4). Without it (a blocking call,
+        where no forward overlaps the copy) they come in storage order and every module waits for
+        all of them: no per-tensor work on the host."""
         chosen = self._parse_parts(parts)
         self._settle(chosen)  # R6
         todo = [p for p in self._ONLOAD_ORDER if p in chosen and self._groups[p].offloaded]
@@ -224,7 +228,7 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
         started: list[tuple[Part, GroupTransfer]] = []
         try:
             for p in todo:
-                users = self._weight_user_ranges() if p is Part.WEIGHTS else None
+                users = self._weight_user_ranges() if p is Part.WEIGHTS and use_order else None
                 started.append((p, self._groups[p].start_onload(users, token=self._part_token(p))))
         except BaseException:
             for _, gt in reversed(started):
@@ -359,7 +363,7 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
                 return a :class:`~chatlearn_mem.Transfer` at once; a forward pass may start right
                 away and each module waits for its own weights only.
         """
-        out = self._run("onload", self._begin_onload([Part.WEIGHTS]), blocking)
+        out = self._run("onload", self._begin_onload([Part.WEIGHTS], use_order=not blocking), blocking)
         return (out[0] if out else None) if blocking else out
 
     @serialized

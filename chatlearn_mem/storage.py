@@ -663,6 +663,8 @@ class GroupTransfer:
     def user_fence(self, user: int) -> Optional[Fence]:
         """The fence after which user ``user`` of :meth:`StorageGroup.start_onload` may read."""
         steps = self.plan.user_steps
+        if not steps:  # queued without a use order (a blocking onload): every user waits for it all
+            return self.batch.fence() if self.batch.steps else None
         step = steps[user] if user < len(steps) else None
         return None if step is None else self.batch.fence(step)
 

@@ -302,7 +302,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             Whatever a device allocation or copy raises, once the failed part is rolled back (with
             ``blocking=False``: from ``Transfer.wait()``).
         """
-        return self._run("onload", self._begin_onload(parts), blocking)
+        return self._run("onload", self._begin_onload(parts, use_order=not blocking), blocking)
 
     @serialized
     def residency(self) -> Residency:

@@ -175,6 +175,32 @@ def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
     assert mm.audit().ok
 
 
+def test_r4_blocking_onload_has_no_use_order_and_every_user_waits_for_all(monkeypatch):
+    """A blocking onload queues the weights in storage order, with no per-tensor work on the host
+    (no forward can overlap it: one from another thread is refused); a transition queued without a
+    use order gives every user the fence of its last step."""
+    model = make_model()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        expected = model(x)
+    mm = InferenceMemoryManager(model, CFG)
+    mm.offload()
+    monkeypatch.setattr(mm, "_weight_user_ranges", lambda: pytest.fail("a blocking onload computed a use order"))
+    mm.onload()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    group = StorageGroup("weights", True, CFG)
+    storages = unique_storages(model.parameters(), torch.device("cpu"))
+    group.offload(storages)
+    gt = group.start_onload(users=None)
+    assert gt.plan.user_steps == () and len(gt.batch.steps) > 1
+    assert gt.user_fence(0).index == gt.user_fence(5).index == len(gt.batch.steps) - 1
+    job = Job()
+    gt.engine.submit(job, [gt.batch])
+    job.wait()
+    gt.finish()
+
+
 def test_r4_weights_queued_in_forward_order():
     model = make_model(n_layers=4)
     mm = InferenceMemoryManager(model, CFG)
