@@ -82,6 +82,16 @@ class BenchConfig(BaseModel):
     """Intra-op threads while the overlap rows run on a CPU "device" (both sides alike): one leaves a
     core to the copy lane, the way a GPU's copy engines are hardware of their own. None: the run's.
     Ignored on CUDA."""
+    tail_onloads: int = Field(20, ge=0)
+    """Blocking weights onloads of the ``onload_tail`` row, each beside a plain copy of the same
+    bytes (0 skips the row): the median against the copy, the 90th percentile against the median."""
+    soak_cycles: int = Field(60, ge=0)
+    """Full cycles of the ``soak`` row, run last, with training between them (0 skips the row):
+    RSS (and CUDA reserved memory) must stop growing after the first half."""
+    soak_train_every: int = Field(5, ge=1)
+    """A train step every this many soak cycles."""
+    soak_sample_every: int = Field(10, ge=1)
+    """Memory sampled (after ``gc.collect()``) every this many soak cycles."""
     rss_tolerance_mb: float = Field(64.0, ge=0)
     """Process RSS may move this much across cycles without counting as growth (allocator noise)."""
     output_dir: str = "runs/bench"

@@ -114,6 +114,8 @@ def markdown(res: dict) -> str:
         lines.append(row)
     lines += _cycle_lines(res.get("cycles"))
     lines += _overlap_lines(res.get("overlap"))
+    lines += _tail_lines(res.get("onload_tail"))
+    lines += _soak_lines(res.get("soak"))
     lines += ["", "## Targets", ""]
     if not res.get("complete", True):
         lines += ["Targets of the rows measured so far: the run did not finish.", ""]
@@ -154,6 +156,46 @@ def _cycle_lines(cyc) -> list[str]:
             f"{r['host_bytes_after_offload'] / MiB:.1f} | "
             f"{r['rss_after_offload'] / MiB:.0f} / {r['rss_after_onload'] / MiB:.0f} |"
         )
+    return lines
+
+
+def _tail_lines(tail) -> list[str]:
+    if not tail:
+        return []
+    on, cp = tail["onload_s"], tail["copy_s"]
+    return [
+        "",
+        f"## Weights onload, {on['n']} times (blocking), beside a plain copy of its {tail['bytes'] / MiB:.0f} MiB",
+        "",
+        "| | median ms | IQR ms | 90th percentile ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+        f"| manager onload | {_ms(on['median'])} | {_ms(on['q25'])}-{_ms(on['q75'])} | "
+        f"{_ms(tail['p90_onload_s'])} | {_ms(on['max'])} |",
+        f"| plain copy | {_ms(cp['median'])} | {_ms(cp['q25'])}-{_ms(cp['q75'])} | | {_ms(cp['max'])} |",
+        "",
+        f"Onload / copy: {tail['onload_over_copy']:.2f} (per-pair IQR {tail['ratio_spread'][0]:.2f}-"
+        f"{tail['ratio_spread'][1]:.2f}); 90th percentile / median: {tail['p90_over_median']:.2f}.",
+    ]
+
+
+def _soak_lines(soak) -> list[str]:
+    if not soak:
+        return []
+    cuda = "cuda_reserved_bytes" in soak["samples"][0]
+    lines = [
+        "",
+        f"## Soak: {soak['cycles']} full cycles, a train step every {soak['train_every']}",
+        "",
+        f"Cycle median {_ms(soak['cycle_s']['median'])} ms; audit ok at the end: {soak['audit_ok']}.",
+        "",
+        "| cycle | RSS MiB |" + (" CUDA reserved MiB |" if cuda else ""),
+        "|---:|---:|" + ("---:|" if cuda else ""),
+    ]
+    for s in soak["samples"]:
+        row = f"| {s['cycle']} | {s['rss_bytes'] / MiB:.0f} |"
+        if cuda:
+            row += f" {s['cuda_reserved_bytes'] / MiB:.0f} |"
+        lines.append(row)
     return lines
 
 

@@ -145,12 +145,16 @@ def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
         "threads": 1,
         "copy_bound_ratio": 0.97,
     }
-    [target] = overlap_targets([row], gpu=False)
+    target, near_bound = overlap_targets([row], gpu=False)
     assert (
         not target["passed"] and "out of reach on this machine: two host copies at once take 0.97" in target["detail"]
     )
-    [target] = overlap_targets([{**row, "copy_bound_ratio": 0.6, "ratio": 0.8}], gpu=False)
+    assert near_bound["name"] == "overlap swap: within 0.05 of its bound (two copies at once)"
+    assert near_bound["passed"]  # 0.90 against a bound of 0.97
+    target, near_bound = overlap_targets([{**row, "copy_bound_ratio": 0.6, "ratio": 0.8}], gpu=False)
     assert target["passed"] and "out of reach" not in target["detail"]
+    assert not near_bound["passed"] and "0.80 of serial against a bound of 0.60" in near_bound["detail"]
+    assert [t["name"] for t in overlap_targets([row], gpu=True)] == ["overlap swap: overlapped <= 0.65 of serial"]
 
 
 def test_the_cpu_plan_counts_the_copy_bound_buffers():
