@@ -58,13 +58,12 @@ megatron-core's optimizer offload by itself. Only the ceiling never releases and
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from typing import Optional
 
 import torch
 
 from chatlearn_mem import Part
+from chatlearn_mem.device_memory import trim_host_heap
 from chatlearn_mem.host_store import HostStore
 from chatlearn_mem.mcore import layout
 from chatlearn_mem.storage import advise_huge_pages
@@ -109,19 +108,10 @@ def _empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-_LIBC = None
-
-
 def return_freed_host_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``; elsewhere nothing), so
-    that host copies a method freed are not still counted when the next method runs."""
-    global _LIBC
-    if _LIBC is None:
-        name = ctypes.util.find_library("c")
-        lib = ctypes.CDLL(name) if name else None
-        _LIBC = lib if lib is not None and hasattr(lib, "malloc_trim") else False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    """Give the C heap's free pages back to the OS, so that host copies a method freed are not still
+    counted when the next method runs (:func:`chatlearn_mem.device_memory.trim_host_heap`)."""
+    trim_host_heap()
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:

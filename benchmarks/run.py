@@ -255,8 +255,10 @@ def run_benchmark(
     res["cycles"] = _cycles(mm, trainer, cfg, device)
     publish(res)
     if cfg.tail_onloads:
+        t_tail = time.perf_counter()
         res["onload_tail"] = measure_onload_tail(mm, ceiling, device, cfg.tail_onloads)
         publish(res)
+        log.info("onload tail (%d weights onloads) done in %.1f s", cfg.tail_onloads, time.perf_counter() - t_tail)
     if cfg.overlap:
         t_overlap = time.perf_counter()
         res["overlap"] = measure_overlap(cfg, trainer, mm, device, threads=cfg.overlap_threads)
@@ -270,10 +272,13 @@ def run_benchmark(
         "audit_problems": list(audit.problems),
     }
     if cfg.soak_cycles:  # last: its train steps change the weights the checksums above compare
+        t_soak = time.perf_counter()
+        log.info("soak: %d full cycles, a train step every %d (the last row)", cfg.soak_cycles, cfg.soak_train_every)
         batch = gpt.synthetic_batch(cfg.trainer, 1, batch_size=cfg.batch_size)
         res["soak"] = measure_soak(
             mm, trainer, batch, device, cfg.soak_cycles, cfg.soak_train_every, cfg.soak_sample_every
         )
+        log.info("soak done in %.1f s", time.perf_counter() - t_soak)
     res["host_memory_plan"]["rss_bytes_peak"] = _peak_rss()
     res["elapsed_seconds"] = time.perf_counter() - t_start
     res["complete"] = True

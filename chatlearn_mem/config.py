@@ -44,8 +44,10 @@ class MemoryConfig(BaseModel):
     done. Smaller pieces start compute sooner; each costs one more copy call and event."""
 
     empty_cache: bool = True
-    """Return freed blocks to the CUDA driver after an offload (``torch.cuda.empty_cache()``), so
-    that reserved memory drops too. No effect without CUDA."""
+    """After an offload, give freed memory back: on CUDA the caching allocator's free blocks go to
+    the driver (``torch.cuda.empty_cache()``), so that reserved memory drops too; on a CPU
+    "device" the C heap's free pages go to the OS (glibc ``malloc_trim(0)``), so that what
+    training freed between the cycles does not pile up in the process's RSS."""
 
     cpu_huge_pages: bool = True
     """When the "device" is the CPU (megatron-core on CPU, see ``cpu_backend``), ask Linux for

@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Block", "advise_huge_pages", "parks_cpu_memory", "regrow", "release"]
+__all__ = ["Block", "advise_huge_pages", "parks_cpu_memory", "regrow", "release", "trim_host_heap"]
 
 _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 * 2**20
@@ -54,6 +54,7 @@ _MADV_DONTNEED = 4  # linux/mman.h
 _MADV_FREE = 8
 _MADV_HUGEPAGE = 14
 _madvise = None  # resolved libc madvise, False when unavailable
+_malloc_trim = None  # resolved glibc malloc_trim, False when unavailable
 
 
 def _libc_madvise(address: int, length: int, advice: int) -> int:
@@ -184,3 +185,27 @@ def regrow(storage: torch.UntypedStorage, nbytes: int, block: Optional[Block] = 
     else:
         holder = _fresh_block(nbytes, huge_pages)
     storage._swap_data_ptr_(holder)  # holder: what the storage held (nothing, usually); dropped
+
+
+def trim_host_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; elsewhere nothing).
+
+    What an offload on a CPU "device" calls when ``MemoryConfig.empty_cache`` is on, as CUDA's
+    ``torch.cuda.empty_cache()``: after an offload the process holds the least it will, and memory
+    that training allocated and freed between the cycles is still the heap's (glibc returns only
+    the top of its heap on its own, so the RSS of a trainer on the CPU backend grew by 20 MiB per
+    train step of a 4-layer model, without end). Returns whether the heap was trimmed.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            fn = lib.malloc_trim
+            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            _malloc_trim = fn
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if not _malloc_trim:
+        return False
+    _malloc_trim(0)
+    return True

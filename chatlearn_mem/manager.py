@@ -15,7 +15,7 @@ from typing import Hashable, Iterable, Optional
 import torch
 import torch.utils._pytree
 
-from chatlearn_mem import external, host_memory, transitions
+from chatlearn_mem import device_memory, external, host_memory, transitions
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
 from chatlearn_mem.debug_guard import ReleasedTensorGuard
@@ -385,8 +385,12 @@ class MemoryManagerBase(ModelGuards, OwnedStorages):
         return out
 
     def _empty_cache(self) -> None:
-        if self.config.empty_cache and self.device.type == "cuda":
+        if not self.config.empty_cache:
+            return
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        elif self.device.type == "cpu":
+            device_memory.trim_host_heap()
 
     def mark_weights_dirty(self) -> None:
         """Declare that the weights changed in a way the manager cannot see.

@@ -40,6 +40,15 @@ def _stats(stats) -> list[dict]:
     ]
 
 
+def _rss_bytes() -> Optional[int]:
+    """This process's resident set in bytes (Linux ``/proc``); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _ManagedActor:
     """What both actor kinds share: process-group setup, residency, audit, weight digests."""
 
@@ -142,6 +151,7 @@ class _ManagedActor:
         if torch.cuda.is_available():
             out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
             out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
+        out["rss_bytes"] = _rss_bytes()
         return out
 
     def audit(self) -> list[str]:

@@ -574,6 +574,7 @@ class PPORun:
             "moved_in_bytes": sum(r.moved_in_bytes for r in phases),
             "moved_out_bytes": sum(r.moved_out_bytes for r in phases),
             "transition_seconds": sum(r.transition_seconds for r in phases),
+            "rss_bytes": dict(phases[-1].rss_bytes) if phases else {},  # each actor's, at the last phase
             "peak_device_bytes": {
                 b: max(r.bundle_bytes.get(b, 0) for r in phases) for b in (phases[0].bundle_bytes if phases else {})
             },

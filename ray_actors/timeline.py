@@ -61,6 +61,9 @@ class PhaseRecord:
     bundle_bytes: dict[str, int] = field(default_factory=dict)
     budget_bytes: dict[str, int] = field(default_factory=dict)
     kept: dict[str, list[str]] = field(default_factory=dict)
+    # actor -> its process's resident set at the phase's peak (empty in older logs): a run that
+    # grows host memory shows it here, iteration by iteration
+    rss_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def colocated_bytes(self) -> int:
@@ -116,6 +119,7 @@ class MemoryTimeline:
             bundle_bytes=bundles,
             budget_bytes={str(b): int(v) for b, v in (budget_bytes or {}).items()},
             kept=dict(kept or {}),
+            rss_bytes={a: int(r["rss_bytes"]) for a, r in residency.items() if r.get("rss_bytes") is not None},
         )
         self.records.append(rec)
         return rec

@@ -30,6 +30,9 @@ def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_pat
     assert [m["iteration"] for m in log["iterations"]] == [1, 2, 3, 1]  # then manager-off iteration 1
     assert [m["manager_on"] for m in log["iterations"]] == [True, True, True, False]
     assert sum(line.startswith("iter ") for line in lines) == 4
+    for m in log["iterations"]:  # each actor's process RSS, every iteration
+        assert set(m["rss_bytes"]) == {"policy_0", "critic_0", "rollout", "reference"}, m["rss_bytes"]
+        assert all(b > 2**20 for b in m["rss_bytes"].values())
     on, off = log["summary"]["memory_manager_on"], log["summary"]["memory_manager_off"]
     assert on["ratio"] <= 1.1, on
     assert off["ratio"] > 1.8, off  # four models resident at once

@@ -149,7 +149,10 @@ def test_cli_ppo_without_config_runs_the_cpu_default():
 def test_cli_unknown_preset_lists_the_presets():
     result = CliRunner().invoke(app, ["ppo", "--config", "cpu_tinny"])
     assert result.exit_code == 2
-    assert result.output.startswith("error: unknown config 'cpu_tinny'") and "cpu_tiny, cpu_tiny_llama, gpu" in result.output
+    assert (
+        result.output.startswith("error: unknown config 'cpu_tinny'")
+        and "cpu_tiny, cpu_tiny_llama, gpu" in result.output
+    )
     assert "Traceback" not in result.output
 
 

@@ -115,6 +115,14 @@ def test_add_keeps_parts_and_the_existing_fields():
     assert rec["colocated_bytes"] == everything
 
 
+def test_add_records_each_actors_rss_when_reported():
+    t = MemoryTimeline()
+    res = {"a": {"device_bytes": 1, "by_part": {"weights": 1}, "rss_bytes": 5 * 2**20}, "b": {"device_bytes": 0}}
+    rec = t.add(1, "generate", True, 0.1, {"a": ["weights"]}, res)
+    assert rec.rss_bytes == {"a": 5 * 2**20}  # an actor that reports none (an older one) is left out
+    assert MemoryTimeline.from_json(json.loads(json.dumps(t.to_json()))).records[0].rss_bytes == {"a": 5 * 2**20}
+
+
 def test_from_json_round_trip_is_exact():
     t = make_timeline(3, 2)
     records = json.loads(json.dumps(t.to_json()))  # through JSON text, as log.json
