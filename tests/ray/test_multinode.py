@@ -22,7 +22,8 @@ BASE = [
     "ray.cpus_per_rank=1",
     "ray.phase_timeout_s=300",
 ]
-TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds")
+# measured, not computed: they differ between two runs of the same training (process RSS included)
+TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 ITERATIONS = 4
 BASE = ["ppo.iterations=4", "ppo.prompts_per_iteration=16", "memory.compare_iterations=0", "ray.phase_timeout_s=180"]
-TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds")
+# measured, not computed: they differ between two runs of the same training (process RSS included)
+TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes")
 
 
 @pytest.fixture(scope="module")

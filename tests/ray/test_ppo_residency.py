@@ -20,6 +20,7 @@ TIMING = {
     "moved_out_bytes",
     "peak_device_bytes",
     "budget_bytes",
+    "rss_bytes",  # each actor's process RSS: measured, differs between runs
 }
 
 

@@ -157,22 +157,25 @@ def test_manager_collected_inside_a_registry_lookup_does_not_deadlock():
     child process hung here for good (found by CI on megatron-core 0.13.1)."""
     import threading
 
-    from chatlearn_mem import manager as manager_module
+    from chatlearn_mem import owners as owners_module
 
     mm = InferenceMemoryManager(Tied())
     mm.offload()
+    collected = []
 
     def collect_while_locked():
         nonlocal mm
-        with manager_module._owners_lock, warnings.catch_warnings():
+        with owners_module._owners_lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             del mm
             gc.collect()
+            collected.append(True)  # reached only if nothing above raised or hung
 
     t = threading.Thread(target=collect_while_locked, daemon=True)
     t.start()
     t.join(timeout=30)
     assert not t.is_alive(), "the finaliser waited for the registry lock its own thread holds"
+    assert collected, "the collecting thread failed before it collected the manager"
     other = Tied()  # the registry still works afterwards (dead entries are pruned on lookup)
     mm2 = InferenceMemoryManager(other)
     assert manager_of(other) is mm2
