@@ -201,6 +201,11 @@ def run_benchmark(
     )
     echo(plan.summary())
     echo(estimate.summary())
+    if cfg.tail_onloads or cfg.soak_cycles:
+        echo(
+            f"then, not in that estimate: the onload tail ({cfg.tail_onloads} weights onloads) and the soak "
+            f"({cfg.soak_cycles} full cycles with {cfg.soak_cycles // cfg.soak_train_every} train steps, last)"
+        )
     usable = host_memory.usable_host_memory()
     margin = mm.config.host_memory_margin_bytes
     refuse_unless_fits(plan, usable, margin, lambda room: _instead(plan, room, **plan_args))

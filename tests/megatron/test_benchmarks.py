@@ -36,6 +36,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert last[-1].startswith("== ") and "targets met" in last[-1]  # targets are printed last
     # the plan and the estimate come before anything is timed (and so before the results file)
     assert out.index("host memory plan: peak ") < out.index("time estimate: ") < out.index("results so far in ")
+    assert "then, not in that estimate: the onload tail (5 weights onloads) and the soak (6 full cycles" in out
 
     res = json.loads((tmp_path / "smoke.json").read_text())
     assert res["git_revision"] == "abc123" and res["complete"] and res["missing_parts"] == []
