@@ -53,7 +53,7 @@ the manager after each offload, ``release_bound`` always, the alternatives after
 megatron-core's optimizer offload by itself. Only the ceiling never releases and never pays it.
 :attr:`Method.pays_empty_cache` says which (recorded in the results). Host memory: see
 :mod:`chatlearn_mem_bench.plan`; pageable copies are freed, and the C heap trimmed
-(:func:`return_freed_host_memory`), before the next method runs.
+(:func:`chatlearn_mem.device_memory.trim_host_heap`), before the next method runs.
 """
 
 from __future__ import annotations
@@ -63,10 +63,9 @@ from typing import Optional
 import torch
 
 from chatlearn_mem import Part
-from chatlearn_mem.device_memory import trim_host_heap
+from chatlearn_mem.device_memory import advise_huge_pages
 from chatlearn_mem.host_store import HostStore
 from chatlearn_mem.mcore import layout
-from chatlearn_mem.storage import advise_huge_pages
 from chatlearn_mem_bench.config import FULL
 from chatlearn_mem_bench.plan import method_parts
 
@@ -83,7 +82,6 @@ __all__ = [
     "sync",
     "part_storages",
     "logical_tensors",
-    "return_freed_host_memory",
 ]
 
 LABELS = {
@@ -106,12 +104,6 @@ def sync(device: torch.device) -> None:
 def _empty_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def return_freed_host_memory() -> None:
-    """Give the C heap's free pages back to the OS, so that host copies a method freed are not still
-    counted when the next method runs (:func:`chatlearn_mem.device_memory.trim_host_heap`)."""
-    trim_host_heap()
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:

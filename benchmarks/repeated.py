@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from chatlearn_mem import Part
-from chatlearn_mem_bench.measure import memory_snapshot, stats, timed
+from chatlearn_mem_bench.measure import _percentile, memory_snapshot, stats, timed
 
 __all__ = ["TAIL_TARGETS", "measure_onload_tail", "measure_soak", "repeated_targets"]
 
@@ -29,13 +29,6 @@ TAIL_TARGETS = {
     # the 90th percentile of the onloads at most this many times their median
     "p90_over_median": (1.5, 1.5),
 }
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def measure_onload_tail(mm, ceiling, device: torch.device, n: int) -> dict:

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from chatlearn_mem import Part
+from chatlearn_mem.device_memory import trim_host_heap
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS, PRESETS, BenchConfig
 from chatlearn_mem_bench.measure import (
     compare,
@@ -33,7 +34,6 @@ from chatlearn_mem_bench.methods import (
     ReleaseBound,
     logical_tensors,
     part_storages,
-    return_freed_host_memory,
 )
 from chatlearn_mem_bench.overlap import measure_overlap, overlap_targets
 from chatlearn_mem_bench.overlap import plan_args as overlap_plan_args
@@ -339,7 +339,7 @@ def _time_part(
             t_on, c_on = timed(lambda: m.onload(part), device)
             snap("after_onload")
             m.restore(part)
-            return_freed_host_memory()  # untimed: the next method must not count this one's copies
+            trim_host_heap()  # untimed: the next method must not count this one's copies
             if r >= cfg.warmup:
                 samples[(m.name, "offload")].append(t_off)
                 samples[(m.name, "onload")].append(t_on)

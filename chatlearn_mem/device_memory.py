@@ -12,8 +12,9 @@ Every view of a storage survives both: the storage object stays, only its memory
 
   - ``"lazy"`` (default): ``madvise(MADV_FREE)`` over the storage's whole 2 MiB pages (a partial
     one would split a transparent huge page; what lies outside them, and storages under 2 MiB,
-    stay as they are). The kernel takes the pages as soon as anything on the machine needs memory, and they count as available memory (``MemAvailable``, cgroup
-    reclaim) from the release on. Until it takes them they still appear in the process's RSS
+    stay as they are). The kernel takes the pages as soon as anything on the machine needs
+    memory, and they count as available memory (``MemAvailable``, cgroup reclaim) from the
+    release on. Until it takes them they still appear in the process's RSS
     (as ``LazyFree`` in ``/proc/PID/smaps_rollup``), and an onload that finds them there writes
     into them with no page fault: a copy at the speed of a copy into memory allocated once.
   - ``"eager"``: ``madvise(MADV_DONTNEED)``. RSS falls at once; the onload's first touch of each
@@ -53,22 +54,27 @@ _HUGE_PAGE = 2 * 2**20
 _MADV_DONTNEED = 4  # linux/mman.h
 _MADV_FREE = 8
 _MADV_HUGEPAGE = 14
-_madvise = None  # resolved libc madvise, False when unavailable
-_malloc_trim = None  # resolved glibc malloc_trim, False when unavailable
+_libc_functions: dict = {}  # name -> resolved libc function, or False when unavailable
+
+
+def _libc_function(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's ``name`` with its signature set, resolved once; False where there is none
+    (another C library, another system)."""
+    fn = _libc_functions.get(name)
+    if fn is None:
+        try:
+            fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+            fn.argtypes, fn.restype = argtypes, restype
+        except (OSError, AttributeError):
+            fn = False
+        _libc_functions[name] = fn
+    return fn
 
 
 def _libc_madvise(address: int, length: int, advice: int) -> int:
     """``madvise(2)`` through libc; returns its result (0 on success, -1 when unavailable)."""
-    global _madvise
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        except (OSError, AttributeError):
-            _madvise = False
-    return _madvise(address, length, advice) if _madvise else -1
+    fn = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    return fn(address, length, advice) if fn else -1
 
 
 def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
@@ -164,7 +170,7 @@ def regrow(storage: torch.UntypedStorage, nbytes: int, block: Optional[Block] = 
         storage: The storage :func:`release` emptied (any memory it holds now is dropped).
         nbytes: Its size.
         block: CPU: the block :func:`release` returned for it; its memory moves back in (None or a
-            block of another size: fresh memory is mapped).
+            block of another size: fresh memory from torch's allocator).
         huge_pages: CPU: advise transparent huge pages over fresh memory of 4 MiB or more.
 
     Raises:
@@ -196,16 +202,8 @@ def trim_host_heap() -> bool:
     the top of its heap on its own, so the RSS of a trainer on the CPU backend grew by 20 MiB per
     train step of a 4-layer model, without end). Returns whether the heap was trimmed.
     """
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            fn = lib.malloc_trim
-            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-            _malloc_trim = fn
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if not _malloc_trim:
+    fn = _libc_function("malloc_trim", [ctypes.c_size_t])
+    if not fn:
         return False
-    _malloc_trim(0)
+    fn(0)
     return True

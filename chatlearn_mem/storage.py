@@ -23,7 +23,7 @@ import torch
 from chatlearn_mem import device_memory
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
-from chatlearn_mem.device_memory import Block, advise_huge_pages
+from chatlearn_mem.device_memory import Block
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import HostStore
 
@@ -31,7 +31,6 @@ __all__ = [
     "GroupTransfer",
     "StorageGroup",
     "TransferStats",
-    "advise_huge_pages",
     "extent",
     "storage_key",
     "unique_storages",
@@ -117,9 +116,9 @@ class StorageGroup:
         # CPU: the memory of each released storage (by storage key) while the group is offloaded
         # (device_memory.release); an onload moves it back in, with no allocation
         self._parked: dict[int, Block] = {}
-        # CPU: the address of the memory device_memory mapped for each storage at its last regrow;
-        # a kept block elsewhere is torch's first allocation, which the next regrow replaces by a
-        # mapping of ours (huge pages advised) once: only a hint, never needed for correctness
+        # CPU: the address of the memory each storage got at its last regrow (device_memory); a
+        # kept block elsewhere is the storage's first allocation, which the next regrow replaces
+        # once by fresh memory with huge pages advised: only a hint, never needed for correctness
         self._mapped: dict[int, int] = {}
         self.offloaded = False
         # Token describing the device contents the host copy holds; None when it holds none.

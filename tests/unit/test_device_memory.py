@@ -1,6 +1,7 @@
 """Tests of chatlearn_mem.device_memory on CPU storages: what a release keeps, what it hands back to
 the kernel, and what a regrow costs in page faults (measured, not assumed)."""
 
+import os
 import resource
 import sys
 
@@ -105,3 +106,19 @@ def test_lazy_release_regrows_without_page_faults_eager_with_them():
     assert torch.equal(t, src)
     assert max(lazy) <= 4, lazy
     assert min(eager) >= 32, eager
+
+
+def test_advise_huge_pages_skips_non_linux(monkeypatch, madvise_calls):
+    monkeypatch.setattr(dm.sys, "platform", "darwin")
+    assert not dm.advise_huge_pages(torch.ones(4 * MiB, dtype=torch.uint8).untyped_storage())
+    assert madvise_calls == []
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="kernel without transparent huge pages"
+)
+def test_advise_huge_pages_real_madvise_succeeds():
+    t = torch.empty(8 * MiB, dtype=torch.uint8)
+    assert dm.advise_huge_pages(t.untyped_storage())
+    t.fill_(7)
+    assert int(t[-1]) == 7

@@ -1,6 +1,5 @@
 """Tests of StorageGroup on CPU tensors: in-place release/restore, host-copy tokens, failures."""
 
-import os
 
 import pytest
 import torch
@@ -399,22 +398,6 @@ def test_offload_rolled_back_moves_the_kept_memory_back(monkeypatch, madvise_cal
     assert not group.offloaded and not group._parked
     assert (a.data_ptr(), b.data_ptr()) == ptrs
     assert torch.equal(bits(a), expected[0]) and torch.equal(bits(b), expected[1])
-
-
-def test_advise_huge_pages_skips_non_linux(monkeypatch, madvise_calls):
-    monkeypatch.setattr(device_memory.sys, "platform", "darwin")
-    assert not storage_mod.advise_huge_pages(torch.ones(4 * MiB, dtype=torch.uint8).untyped_storage())
-    assert madvise_calls == []
-
-
-@pytest.mark.skipif(
-    not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="kernel without transparent huge pages"
-)
-def test_advise_huge_pages_real_madvise_succeeds():
-    t = torch.empty(8 * MiB, dtype=torch.uint8)
-    assert storage_mod.advise_huge_pages(t.untyped_storage())
-    t.fill_(7)
-    assert int(t[-1]) == 7
 
 
 def test_host_view_shares_the_store_within_a_bucket_and_copies_across():
