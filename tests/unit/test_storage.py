@@ -1,6 +1,5 @@
 """Tests of StorageGroup on CPU tensors: in-place release/restore, host-copy tokens, failures."""
 
-
 import pytest
 import torch
 
