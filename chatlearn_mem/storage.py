@@ -279,7 +279,8 @@ class StorageGroup:
             storages: Resident device storages of this group.
             token: Describes the current device contents; when it equals the token of the host
                 copy the copy is skipped. None always copies.
-            caller_event: CUDA: an event on the caller's stream the copies wait for (R1).
+            caller_event: CUDA: an event on the caller's stream the copies wait for (R1); ignored
+                when the storages are not on a CUDA device (none, or CPU ones).
 
         Raises:
             Whatever the host allocation raises; then nothing has changed.
@@ -292,6 +293,10 @@ class StorageGroup:
             self.prepare(storages)
             self._host_token = None  # the copy may fail half way
         sizes = tuple(s.nbytes() for s in storages)
+        # R1 on CUDA only: the lane is the storages' (no storages, or CPU ones: a CPU lane, which
+        # has no stream to wait with and needs none)
+        if _device_of(storages).type != "cuda":
+            caller_event = None
         key = ("offload", sizes, copy, id(self.store) if copy else None, caller_event is not None)
         plan = self._plans.get(key)
         if plan is None:

@@ -275,6 +275,22 @@ def test_empty_group():
     assert not group.offloaded
 
 
+@pytest.mark.parametrize("empty", [True, False], ids=["no_storages", "cpu_storages"])
+def test_caller_event_of_a_cuda_manager_is_ignored_for_storages_not_on_cuda(storages, empty):
+    # A manager on a CUDA device passes its caller's event (R1) to every group it offloads; a group
+    # with no storages (a critic's part that holds nothing) runs on a CPU lane, which has no stream
+    # to wait with. It used to queue the wait anyway and fail with "'NoneType' object has no
+    # attribute 'wait_event'" (seen on an H200 in the colocated PPO run).
+    group = StorageGroup("weights", True, SMALL)
+    live = [] if empty else storages
+    before = [bytes(storage_mod._byte_view(s).numpy()) for s in live]
+    t = group.start_offload(live, None, caller_event=object())
+    assert storage_mod._run_blocking(t).nbytes == sum(len(b) for b in before)
+    assert all(s.nbytes() == 0 for s in live)
+    group.onload()
+    assert [bytes(storage_mod._byte_view(s).numpy()) for s in live] == before
+
+
 def test_transfer_stats_fields(storages):
     group = StorageGroup("weights", True, SMALL)
     out = group.offload(storages)
