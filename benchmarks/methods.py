@@ -166,6 +166,9 @@ class Method:
     def __init__(self, mm, trainer, pin: bool):
         self.mm, self.trainer, self.pin = mm, trainer, pin
         self.device = mm.device
+        self.detached_grad_hooks: dict[str, int] = {}
+        """Per part: DDP gradient hooks the method left on dropped grad-accumulator nodes (each
+        restore hooks them again; none for a method that keeps the trainer intact)."""
 
     def parts(self) -> tuple[str, ...]:
         """The parts this method is timed on (an alternative: the parts whose bytes are copied)."""
@@ -437,6 +440,9 @@ class ReplaceRebuild(Method):
     def __init__(self, mm, trainer, pin: bool):
         super().__init__(mm, trainer, pin)
         self._state: Optional[dict] = None
+        # On CUDA ``t.data = host tensor`` makes torch drop each weight's grad-accumulator node, and
+        # DDP's gradient hooks with it: restore() hooks them again and counts them (a finding).
+        self._hook_slots = [(c, layout.grad_hook_slots(c)) for c in layout.ddp_chunks(trainer.model)]
 
     @staticmethod
     def _geometry(t: torch.Tensor) -> tuple:
@@ -492,6 +498,9 @@ class ReplaceRebuild(Method):
             t.data = _view(s, dtype, off, size, stride)
         sync(self.device)
         self._state = None
+        detached = sum(layout.rehook_grad_accumulators(c, slots) for c, slots in self._hook_slots)
+        if detached:
+            self.detached_grad_hooks[part] = detached
 
     def device_bytes(self, part: str) -> int:
         if self._state is None:

@@ -130,6 +130,14 @@ def markdown(res: dict) -> str:
             f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.",
             "",
         ]
+    for method, parts in (res.get("detached_grad_hooks") or {}).items():
+        for part, n in parts.items():
+            lines += [
+                f"{method} on {part} detached {n} of DDP's gradient hooks (torch drops a weight's "
+                "grad-accumulator node when its `.data` moves to another device): its gradients would "
+                "never be reduced again. The benchmark hooked them again after each round.",
+                "",
+            ]
     return "\n".join(lines) + ("" if integ else "\n")
 
 
@@ -219,9 +227,12 @@ def _overlap_lines(rows) -> list[str]:
         s, o, q = r["serial_spread_s"], r["overlapped_spread_s"], r.get("ratio_spread") or [r["ratio"]] * 2
         note = ""
         if r["name"] == "onload_then_forward":
+            onload = r.get("onload_alone_s")
             note = (
-                f"forward alone {_ms(r['forward_alone_s'])} ms: no schedule beats "
-                f"{r['best_possible_ratio']:.2f}; overlapped = {r['overlapped_vs_forward']:.2f}x the forward"
+                f"forward alone {_ms(r['forward_alone_s'])} ms"
+                + (f", onload alone {_ms(onload)} ms" if onload is not None else "")
+                + f": no schedule beats {r['best_possible_ratio']:.2f}; overlapped = "
+                f"{r['overlapped_vs_forward']:.2f}x the forward"
             )
         elif r["name"] == "swap":
             note = (

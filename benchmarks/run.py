@@ -256,6 +256,7 @@ def run_benchmark(
     finally:
         ceiling.release()
         bound.release()
+        res["detached_grad_hooks"] = {m.name: m.detached_grad_hooks for m in alternatives if m.detached_grad_hooks}
 
     res["cycles"] = _cycles(mm, trainer, cfg, device)
     publish(res)

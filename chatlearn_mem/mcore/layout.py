@@ -248,6 +248,37 @@ def grad_accumulator(param: torch.Tensor) -> Any:
     return get_gradient_edge(param).node
 
 
+def grad_hook_slots(chunk: torch.nn.Module) -> list[tuple[torch.nn.Parameter, int]]:
+    """``(param, index in DDP's grad_accs)`` of each trainable parameter whose live grad-accumulator
+    node is the one DDP hooked: what :func:`rehook_grad_accumulators` repairs later."""
+    index = {id(a): i for i, a in enumerate(grad_accumulators(chunk))}
+    out = []
+    for p in chunk.module.parameters():
+        i = index.get(id(grad_accumulator(p))) if p.requires_grad else None
+        if i is not None:
+            out.append((p, i))
+    return out
+
+
+def rehook_grad_accumulators(chunk: torch.nn.Module, slots: list[tuple[torch.nn.Parameter, int]]) -> int:
+    """Register DDP's gradient hook again on each parameter of ``slots`` (:func:`grad_hook_slots`)
+    whose grad-accumulator node torch has replaced, and put the new node in ``grad_accs``.
+
+    Torch drops a leaf's accumulator node when its ``.data`` is set to a tensor of another device
+    or dtype (``param.data = param.data.cpu()``, as some offload schemes do): DDP's hook stays on the
+    dropped node, and the parameter's gradient is then never reduced into its grad buffer.
+    Returns how many parameters were hooked again (0: nothing had been dropped)."""
+    n = 0
+    accs = chunk.grad_accs
+    for p, i in slots:
+        node = grad_accumulator(p)
+        if node is not accs[i]:
+            node.register_hook(chunk._make_backward_post_hook(p))
+            accs[i] = node
+            n += 1
+    return n
+
+
 def leaf_optimizers(optimizer: Any) -> list[Any]:
     """The megatron optimizers inside ``optimizer``, with ChainedOptimizers flattened."""
     if hasattr(optimizer, "chained_optimizers"):

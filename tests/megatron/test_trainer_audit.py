@@ -82,6 +82,28 @@ def test_missing_hooks_are_reported(trained):
     assert "never reduced" in problems
 
 
+def test_accumulator_dropped_by_a_data_move_is_reported_and_rehooked(trained):
+    # ``param.data = <tensor of another device or dtype>`` makes torch drop the grad-accumulator
+    # node DDP hooked: on a GPU every ``param.data = param.data.cpu()`` offload scheme does it (the
+    # benchmark's replace_rebuild did, on an H200). Here a dtype round trip does the same on CPU.
+    mm, trainer = trained
+    chunk = layout.ddp_chunks(trainer.model)[0]
+    slots = layout.grad_hook_slots(chunk)
+    assert len(slots) == sum(p.requires_grad for p in chunk.module.parameters())
+    name, p = _named_param(trainer, "linear_fc1.weight")
+    data = p.data
+    p.data = data.double()
+    p.data = data  # the same storage again: only the accumulator node is new
+    assert f"{name} has 0 grad-accumulator hook(s) and 0 entries" in _problems(mm)
+    trainer.train_step(gpt.synthetic_batch(trainer.config, 5, batch_size=4))
+    assert not p.main_grad.any()  # its gradient was never reduced
+    assert layout.rehook_grad_accumulators(chunk, slots) == 1
+    assert layout.rehook_grad_accumulators(chunk, slots) == 0
+    assert mm.audit().ok, str(mm.audit())
+    trainer.train_step(gpt.synthetic_batch(trainer.config, 6, batch_size=4))
+    assert p.main_grad.any()
+
+
 def test_stale_param_group_entry_is_reported(trained):
     mm, trainer = trained
     opt = layout.torch_optimizer(layout.leaf_optimizers(trainer.optimizer)[0])
