@@ -32,6 +32,12 @@ _T0 = time.perf_counter()  # module import in the spawned process, before megatr
 NON_BLOCKING = MemoryConfig(copy_chunk_mb=16 / 1024)
 """The config of the non-blocking runs: 16 KiB pieces, so that even the test GPT's weights arrive in
 many steps and each module really waits for its own (R4)."""
+NON_BLOCKING_GPU = MemoryConfig(copy_chunk_mb=4)
+"""The same for the GPU tier's larger model (1.5 GB of state): 4 MiB pieces, a few hundred steps per
+transition. 16 KiB pieces there mean some 100 000 copies per transition, each slowed by
+:func:`slow_lanes`: minutes per test instead of seconds."""
+SLOWED = (NON_BLOCKING, NON_BLOCKING_GPU)
+"""The configs :func:`train` runs under :func:`slow_lanes`."""
 
 STEPS = 8  # train() default: the single-rank runs and the multi-rank exactness specs
 LAYOUT_STEPS = 4  # layout_spec() default: the multi-rank layouts (each step costs more there)
@@ -125,7 +131,7 @@ def train(
     trainer = (gpt.build_gpt_pipeline_trainer if pipeline else gpt.build_gpt_trainer)(cfg)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, config)
     losses = []
-    with slow_lanes() if config is NON_BLOCKING else contextlib.nullcontext():
+    with slow_lanes() if any(config is c for c in SLOWED) else contextlib.nullcontext():
         for step in range(steps):
             losses.append(trainer.train_step(gpt.synthetic_batch(cfg, step, batch_size=BATCH, rank=rank)))
             if between is not None:
@@ -138,14 +144,22 @@ def train(
 def slow_lanes(seconds: float = 2e-4):
     """Make every copy of the copy engine take ``seconds`` longer, so that the training step after a
     non-blocking onload really runs while the bytes are still arriving: every guard's wait (R4) is
-    exercised, not only the path where the copies have long finished."""
+    exercised, not only the path where the copies have long finished.
+
+    A CPU lane's worker thread sleeps before each copy. A CUDA lane's copies are queued by the
+    caller's thread, so sleeping there would only slow the caller: the lane's stream (current
+    while the copy is queued) spins instead (``torch.cuda._sleep``), and the host goes on."""
     from chatlearn_mem import copy_engine
 
     real = copy_engine._before_step
+    cycles = int(seconds * 2e9)  # about ``seconds`` at a GPU's 2 GHz clock
 
     def slow(lane: str, label: str) -> None:
         if label.startswith(("copy", "zero")):
-            time.sleep(seconds)
+            if lane.startswith("cpu"):
+                time.sleep(seconds)
+            else:
+                torch.cuda._sleep(cycles)
 
     copy_engine._before_step = slow
     try:
