@@ -3,7 +3,8 @@ counterpart in the same run, interleaved repeat by repeat.
 
 * ``onload_then_forward``: serial = ``onload(weights)`` then a no-grad forward pass; overlapped =
   ``onload(weights, blocking=False)`` and the forward at once (each module waits for its own
-  weights only), then ``wait()``. The forward pass alone is timed too: no schedule can beat it.
+  weights only), then ``wait()``. The forward pass alone and the onload alone are timed too: no
+  schedule beats the longer of the two (``best_possible_s``).
 * ``swap``: the benchmark trainer (policy-sized) goes to sleep while a critic-sized trainer (half the
   layers, a value head) wakes up. Serial = ``a.offload()`` then ``b.onload()``; overlapped =
   ``swap(out=a, into=b)`` (both copy directions at once, b's storages regrown as a's are released).
@@ -37,7 +38,7 @@ log = logging.getLogger("benchmarks")
 OVERLAP_ROWS = ("onload_then_forward", "swap", "full_cycle")
 TARGETS = {
     # (CPU, GPU): the largest overlapped/serial ratio that passes (None: reported, no target)
-    "onload_then_forward": (0.85, None),  # on a GPU: overlapped <= 1.1x the forward alone, checked apart
+    "onload_then_forward": (0.85, None),  # on a GPU: overlapped <= 1.1x best_possible_s, checked apart
     "swap": (0.85, 0.65),
     "full_cycle": (None, None),
 }
@@ -151,26 +152,36 @@ def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
         forward()
         handle.wait()
 
+    def onload():
+        mm.onload(Part.WEIGHTS)
+
     forward()  # warm
-    samples = {"serial": [], "overlapped": [], "forward": []}
+    samples = {"serial": [], "overlapped": [], "forward": [], "onload": []}
     for r in range(cfg.warmup + cfg.repeats):
-        for name, fn in (("forward", forward), ("serial", serial), ("overlapped", overlapped)):
+        for name, fn in (("forward", forward), ("onload", onload), ("serial", serial), ("overlapped", overlapped)):
             if name != "forward":
                 mm.offload(Part.WEIGHTS)
             t, _ = timed(fn, device)
             if r >= cfg.warmup:
                 samples[name].append(t)
     fwd = stats(samples["forward"])["median"]
+    copy = stats(samples["onload"])["median"]
     row = _row(
         "onload_then_forward",
         samples["serial"],
         samples["overlapped"],
         forward_alone_s=fwd,
         forward_samples_s=samples["forward"],
+        onload_alone_s=copy,
+        onload_samples_s=samples["onload"],
         forward_shape=list(batch.shape),
     )
-    row["best_possible_ratio"] = fwd / row["serial_s"] if row["serial_s"] else None
+    # No schedule beats the longer of its two halves: the forward alone, or the onload alone
+    # (the forward's last module waits for its own weights, the last bytes of the onload).
+    row["best_possible_s"] = max(fwd, copy)
+    row["best_possible_ratio"] = row["best_possible_s"] / row["serial_s"] if row["serial_s"] else None
     row["overlapped_vs_forward"] = row["overlapped_s"] / fwd if fwd else None
+    row["overlapped_vs_best"] = row["overlapped_s"] / row["best_possible_s"] if row["best_possible_s"] else None
     return row
 
 
@@ -323,7 +334,7 @@ def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
             )
         bound = r.get("copy_bound_ratio") if r["name"] == "swap" else r.get("best_possible_ratio")
         if not gpu and bound is not None:  # what the machine allows, measured in the same run
-            what = "two copies at once" if r["name"] == "swap" else "the forward alone"
+            what = "two copies at once" if r["name"] == "swap" else "the longer of the forward and the onload alone"
             out.append(
                 {
                     "name": f"overlap {r['name']}: within 0.05 of its bound ({what})",
@@ -332,12 +343,15 @@ def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
                 }
             )
         if r["name"] == "onload_then_forward" and gpu:
+            # older results have no onload-alone timing: their bound is the forward alone
+            best = r.get("best_possible_s", r["forward_alone_s"])
+            ratio = r["overlapped_s"] / best
             out.append(
                 {
-                    "name": "overlap onload_then_forward: <= 1.1x the forward alone",
-                    "passed": r["overlapped_vs_forward"] <= 1.1,
-                    "detail": f"{r['overlapped_vs_forward']:.2f}x ({r['overlapped_s']:.4f} s vs "
-                    f"{r['forward_alone_s']:.4f} s)",
+                    "name": "overlap onload_then_forward: <= 1.1x the longer of the forward and the onload alone",
+                    "passed": ratio <= 1.1,
+                    "detail": f"{ratio:.2f}x ({r['overlapped_s']:.4f} s vs forward {r['forward_alone_s']:.4f} s, "
+                    f"onload {r.get('onload_alone_s', float('nan')):.4f} s)",
                 }
             )
     return out

@@ -411,7 +411,7 @@ def estimate_seconds(
         critic = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value) / 1e9 / bw["pinned"]
         critic_params = overlap_bytes.get(Part.OPTIMIZER_STATES.value, 0) / 8
         overlap_s = (
-            rounds * (3 * forward + 2 * weights)  # onload_then_forward
+            rounds * (3 * forward + 3 * weights)  # onload_then_forward: forward, onload, serial, overlapped
             + rounds * 4 * (full + 2 * critic)  # swap: serial and overlapped, there and back
             + rounds * 2 * full  # full_cycle: serial and overlapped
             + 2.0

@@ -113,7 +113,7 @@ PPO_OVERRIDES = (
 STEPS = ("tests", "report", "bench", "ppo")
 OPTIONAL = ("ppo",)
 """Steps whose outcome does not change the exit status (run last, when their budget is left)."""
-BUDGET_S = {"tests": 120, "report": 60, "bench": 180, "ppo": 120}
+BUDGET_S = {"tests": 120, "report": 30, "bench": 210, "ppo": 120}
 """Seconds each step may run; a step that ends early leaves the rest to the next one."""
 TOTAL_BUDGET_S = 480
 """What the steps may take together: one device call runs at most 600 s, and installing the
@@ -256,6 +256,10 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
             "-rA",
             "-p",
             "no:cacheprovider",
+            # a test still running after 60 s prints every thread's stack into the log (and goes on)
+            "-o",
+            "faulthandler_timeout=60",
+            "--durations=0",
             f"--junitxml={work / 'junit.xml'}",
         ],
         "report": [py, str(Path(__file__).resolve()), "--report-json", str(work / "report.json")],

@@ -95,7 +95,7 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
     n = int(text.split("tests/gpu: ")[1].split()[0])
     assert n >= 9, text
     # the budgets, the host memory plan and the time estimate, each within its bound
-    assert "time budget: tests 120 + report 60 + bench 180 + ppo 120 = 480 s (at most 480 s); ppo optional" in text
+    assert "time budget: tests 120 + report 30 + bench 210 + ppo 120 = 480 s (at most 480 s); ppo optional" in text
     plan = re.search(r"bench host memory plan: peak ([\d.]+) GiB = ([\d.]+) GiB pinned \+ ([\d.]+) GiB pageable", text)
     assert plan and float(plan[1]) <= gv.HOST_BOUND_BYTES / 2**30, text
     estimate = re.search(r"bench time estimate: (\d+) s = setup \d+ s \+ parts \(weights \d+ s, grads", text)
