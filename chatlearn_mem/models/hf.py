@@ -18,11 +18,12 @@ are bit-exact. Needs ``safetensors`` (``pip install 'chatlearn-mem[hf]'``), impo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
@@ -35,6 +36,9 @@ __all__ = [
     "config_from_hf",
     "load_hf_weights",
     "to_hf_state_dict",
+    "iter_hf_weights",
+    "hf_weight_buckets",
+    "hf_digest",
     "gather_tensor_parallel",
     "save_hf",
     "hf_config_dict",
@@ -607,11 +611,25 @@ def to_hf_state_dict(weights: WeightsArg, config: GPTTrainerConfig) -> dict[str,
             has one the mapping does not know, or has a shard of the wrong shape (a single rank's
             state dict of a tensor-parallel model: pass every rank's).
     """
+    return dict(iter_hf_weights(weights, config))
+
+
+def iter_hf_weights(weights: WeightsArg, config: GPTTrainerConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`to_hf_state_dict` one tensor at a time, in the checkpoint's order (embeddings, then
+    layer by layer): at most one megatron tensor's Hugging Face tensors exist at once, so that
+    feeding an engine (``weights_iterator``) never holds a second copy of the model. Every input
+    is checked before the first tensor is yielded. Arguments and errors as :func:`to_hf_state_dict`.
+    """
     family = _family_of(config)
     shards = _as_state_dicts(weights)
     tp = len(shards)
     _check_divisible(config, tp, "to_hf_state_dict")
     entries = _entries(config, family)
+    _check_shards(shards, entries, family, tp)
+    return _hf_tensors(shards, entries, config, tp)
+
+
+def _check_shards(shards: list, entries: list[_Entry], family: Family, tp: int) -> None:
     names = {e.megatron for e in entries}
     for r, sd in enumerate(shards):
         tensors = {k for k, v in sd.items() if torch.is_tensor(v) and not k.endswith("._extra_state")}
@@ -622,7 +640,6 @@ def to_hf_state_dict(weights: WeightsArg, config: GPTTrainerConfig) -> dict[str,
                 f"the state dict of tensor-parallel rank {r} {problem}: pass the weights of a whole "
                 f"{family.architecture} language model built from its config (not a critic's trunk)"
             )
-    out: dict[str, torch.Tensor] = {}
     for e in entries:
         want = e.shard_shape(tp)
         for r, sd in enumerate(shards):
@@ -631,14 +648,68 @@ def to_hf_state_dict(weights: WeightsArg, config: GPTTrainerConfig) -> dict[str,
                     f"{e.megatron} of tensor-parallel rank {r} has shape {list(sd[e.megatron].shape)}, expected "
                     f"{list(want)} for {tp} rank(s): pass the state dicts of every tensor-parallel rank, in order"
                 )
+
+
+def _hf_tensors(
+    shards: list, entries: list[_Entry], config: GPTTrainerConfig, tp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for e in entries:
         per_rank = [_split_megatron(e, sd[e.megatron].detach().cpu(), config, tp) for sd in shards]
         dim = _SPLIT_DIM[e.kind]
         for j, name in enumerate(e.hf):
             if dim is None:
-                out[name] = per_rank[0][j].clone()
+                yield name, per_rank[0][j].clone()
             else:
-                out[name] = torch.cat([pieces[j] for pieces in per_rank], dim=dim)
-    return out
+                yield name, torch.cat([pieces[j] for pieces in per_rank], dim=dim)
+
+
+def hf_weight_buckets(
+    weights: WeightsArg, config: GPTTrainerConfig, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`iter_hf_weights` in buckets of at most ``bucket_bytes`` (a tensor larger than that is
+    a bucket of its own): what an engine's weight update receives per call, so that the host holds
+    at most one bucket beside the weights it is made from.
+
+    Raises:
+        ValueError: ``bucket_bytes`` is not positive; else as :func:`to_hf_state_dict`.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    tensors = iter_hf_weights(weights, config)  # checks everything now, not at the first next()
+
+    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in tensors:
+            n = t.numel() * t.element_size()
+            if bucket and size + n > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += n
+        if bucket:
+            yield bucket
+
+    return buckets()
+
+
+def hf_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over named tensors (name, dtype, shape and bytes of each), whatever their order: equal
+    digests mean the same names with bit-identical tensors (what a trainer exported and what an
+    engine holds). Consumes an iterator one tensor at a time (:func:`iter_hf_weights`).
+
+    Raises:
+        ValueError: A name occurs twice.
+    """
+    per_name: dict[str, str] = {}
+    for name, t in named_tensors:
+        if name in per_name:
+            raise ValueError(f"hf_digest: {name} occurs twice")
+        t = t.detach().cpu().contiguous()
+        h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+        per_name[name] = h.hexdigest()
+    return hashlib.sha256("".join(f"{k}:{v};" for k, v in sorted(per_name.items())).encode()).hexdigest()
 
 
 def gather_tensor_parallel(weights: Mapping[str, torch.Tensor]) -> Optional[list[dict[str, torch.Tensor]]]:

@@ -146,3 +146,50 @@ def test_export_errors():
         out = hf.to_hf_state_dict(sd, cfg)
         del out["lm_head.weight"]
         hf.save_hf(out, cfg, "/nonexistent")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_streamed_export_equals_the_whole_one_in_buckets_of_at_most_the_given_size(tp):
+    cfg = GPTTrainerConfig(**{**LLAMA, "precision": "bf16"})
+    shards = [{k: v.bfloat16() for k, v in _megatron_state_dict(cfg, tp, r).items()} for r in range(tp)]
+    whole = hf.to_hf_state_dict(shards, cfg)
+    streamed = list(hf.iter_hf_weights(shards, cfg))
+    assert [n for n, _ in streamed] == list(whole)  # the checkpoint's order: embeddings, then layer by layer
+    assert all(torch.equal(t, whole[n]) and t.dtype == torch.bfloat16 for n, t in streamed)
+    largest = max(t.numel() * t.element_size() for t in whole.values())
+    bucket = largest + 1
+    buckets = list(hf.hf_weight_buckets(shards, cfg, bucket))
+    assert [n for b in buckets for n, _ in b] == list(whole)
+    assert all(sum(t.numel() * t.element_size() for _, t in b) <= bucket for b in buckets)
+    assert len(buckets) > 1
+    # a bucket smaller than one tensor: that tensor alone
+    assert all(len(b) == 1 for b in hf.hf_weight_buckets(shards, cfg, 1))
+    assert hf.hf_digest(iter(streamed)) == hf.hf_digest(reversed(list(whole.items())))
+
+
+def test_streamed_export_checks_everything_before_the_first_tensor():
+    cfg = GPTTrainerConfig(**LLAMA)
+    sd = _megatron_state_dict(cfg)
+    broken = {**sd, "decoder.layers.1.mlp.linear_fc2.weight": torch.zeros(3)}  # the last layer's tensor
+    with pytest.raises(ValueError, match=r"linear_fc2.weight of tensor-parallel rank 0 has shape \[3\]"):
+        hf.iter_hf_weights(broken, cfg)  # raised by the call, before anything was streamed
+    with pytest.raises(ValueError, match="lacks output_layer.weight"):
+        hf.hf_weight_buckets({k: v for k, v in sd.items() if k != "output_layer.weight"}, cfg, 2**20)
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        hf.hf_weight_buckets(sd, cfg, 0)
+
+
+def test_digest_tells_one_changed_bit_and_a_renamed_tensor():
+    cfg = GPTTrainerConfig(**LLAMA)
+    whole = hf.to_hf_state_dict(_megatron_state_dict(cfg), cfg)
+    base = hf.hf_digest(whole.items())
+    changed = dict(whole)
+    name = "model.layers.1.mlp.down_proj.weight"
+    changed[name] = whole[name].clone()
+    changed[name].view(torch.int32)[0, 0] ^= 1  # one bit of one element
+    assert hf.hf_digest(changed.items()) != base
+    renamed = {("x." + k if k == name else k): v for k, v in whole.items()}
+    assert hf.hf_digest(renamed.items()) != base
+    assert hf.hf_digest({k: v.clone() for k, v in whole.items()}.items()) == base
+    with pytest.raises(ValueError, match="occurs twice"):
+        hf.hf_digest([(name, whole[name]), (name, whole[name])])
