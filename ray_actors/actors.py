@@ -312,6 +312,14 @@ class TrainerActor(_ManagedActor):
                 steps += 1
         return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
 
+    def hf_weight_buckets(self, bucket_bytes: int):
+        """This policy's weights as Hugging Face tensors, in buckets (lists of ``(name, tensor)``) of
+        at most ``bucket_bytes``, read from the host store when asleep: a generator, called with
+        ``num_returns="streaming"`` by the vLLM rollout (one tensor-parallel rank only)."""
+        from chatlearn_mem.models import hf
+
+        yield from hf.hf_weight_buckets(self.manager.weights_state_dict(), self.config, int(bucket_bytes))
+
     def weights_for_sync(
         self, with_digest: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:

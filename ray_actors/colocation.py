@@ -196,7 +196,16 @@ class Colocation:
                 handle = Trainer.options(**options(rank)).remote(name, role, model.model_dump(), memory)
                 group.append(handle)
                 self.names[handle] = name
-        self.rollout = Inference.options(**options(0)).remote("rollout", cfg.policy.model_dump(), memory)
+        if cfg.rollout.engine == "vllm":
+            from chatlearn_mem_ray.vllm_actor import VLLMRolloutActor
+
+            self.rollout = (
+                ray.remote(VLLMRolloutActor)
+                .options(**options(0))
+                .remote("rollout", cfg.policy.model_dump(), memory, cfg.rollout.model_dump())
+            )
+        else:
+            self.rollout = Inference.options(**options(0)).remote("rollout", cfg.policy.model_dump(), memory)
         self.reference = Inference.options(**options(0)).remote("reference", cfg.policy.model_dump(), memory)
         self.names[self.rollout], self.names[self.reference] = "rollout", "reference"
         self._check_nodes()

@@ -26,6 +26,7 @@ __all__ = [
     "MemoryPolicy",
     "PPOConfig",
     "PRESETS",
+    "RolloutConfig",
     "ParallelConfig",
     "RayConfig",
     "RunConfig",
@@ -277,6 +278,23 @@ class CheckpointConfig(_Strict):
     longer than what is left of it."""
 
 
+class RolloutConfig(_Strict):
+    """Which engine generates the rollouts."""
+
+    engine: Literal["megatron", "vllm"] = "megatron"
+    """``megatron``: an inference copy of the policy under a memory manager, sampled token by token.
+    ``vllm``: a vLLM engine started from the policy's Hugging Face checkpoint (``policy.from_hf``),
+    its weights replaced from the policy's host store before every generate phase, streamed in
+    buckets of ``sync_bucket_mb`` (see docs/vllm.md; vLLM is installed apart)."""
+    sync_bucket_mb: float = Field(512.0, gt=0)
+    """vllm: the most bytes of converted weights in flight between the policy and the engine."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """vllm on a CPU-only machine: the engine's KV cache."""
+    mismatch_warn: float = Field(1e-2, gt=0)
+    """vllm: warn when the policy's and the engine's log-probs of the same sampled tokens differ by
+    more than this (max absolute difference; every iteration's is in ``log.json``)."""
+
+
 class TrainerModelConfig(GPTTrainerConfig):
     """A trainer's :class:`~chatlearn_mem.models.gpt.GPTTrainerConfig`, and the Hugging Face
     checkpoint its weights start from."""
@@ -370,6 +388,7 @@ class RunConfig(_Strict):
     checkpoint's trunk, with the policy's architecture and shape."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -450,6 +469,18 @@ class RunConfig(_Strict):
                 f"ppo.minibatch_size ({ppo.minibatch_size}) must divide the prompts per "
                 f"data-parallel rank ({ppo.prompts_per_iteration // dp})"
             )
+        if self.rollout.engine == "vllm":
+            if p.from_hf is None:
+                problems.append(
+                    "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"
+                )
+            if self.parallel.tensor_model_parallel_size != 1:
+                problems.append("rollout.engine: vllm needs parallel.tensor_model_parallel_size: 1 (for now)")
+            if self.memory.device_budget_mb is not None:
+                problems.append(
+                    "rollout.engine: vllm with memory.device_budget_mb is not supported yet: the residency plan "
+                    "does not count the engine's memory"
+                )
         if problems:
             raise ValueError("; ".join(problems))
         return self

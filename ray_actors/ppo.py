@@ -32,6 +32,7 @@ import functools
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -161,6 +162,7 @@ class PPORun:
         self.timeline = MemoryTimeline()
         self.iterations: list[dict] = []
         self.sync_checks: list[dict] = []
+        self._mismatch: Optional[dict] = None  # the iteration's, with the vLLM rollout
         self.audits = {"runs": 0, "checks_clean": 0}
         self.manager_on = cfg.memory.enabled
         self.schedule: Optional[ResidencySchedule] = None  # with memory.device_budget_mb: see plan_memory()
@@ -425,6 +427,8 @@ class PPORun:
     def _sync_and_generate(self, index: int, prompts: torch.Tensor):
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
+        if self.cfg.rollout.engine == "vllm":
+            return self._sync_engine_and_generate(index, prompts, senders[0])
         verify = self.cfg.memory.verify_sync
         triples = [a.weights_for_sync.options(num_returns=3).remote(verify) for a in senders]
         # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
@@ -452,6 +456,59 @@ class PPORun:
         return c.call(
             "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
         )[c.rollout]
+
+    def _sync_engine_and_generate(self, index: int, prompts: torch.Tensor, sender):
+        """vLLM: the engine pulls the policy's weights from its host store, streamed in buckets, then
+        samples. A stream that missed a tensor is an error there; whether the engine serves the
+        policy's weights is checked in the train_policy phase (:meth:`_recompute_old_logprobs`)."""
+        c, ppo = self.colo, self.cfg.ppo
+        bucket = int(self.cfg.rollout.sync_bucket_mb * 2**20)
+        sync = c.call("generate", {c.rollout: c.rollout.sync_from.remote(sender, bucket)})[c.rollout]
+        number, _ = self.number(index)
+        self.sync_checks.append({"iteration": number, "manager_on": self.manager_on, "engine": "vllm", **sync})
+        seed = ppo.seed * 1_000_003 + index
+        return c.call(
+            "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
+        )[c.rollout]
+
+    def _recompute_old_logprobs(self, index: int, tokens: torch.Tensor, engine_old: torch.Tensor) -> torch.Tensor:
+        """vLLM: the policy's own log-probs of the sampled tokens (PPO's old log-probs), and the
+        training-inference mismatch against the engine's, recorded with the iteration's sync.
+
+        Raises:
+            WeightSyncError: The two differ by more than 10x ``rollout.mismatch_warn``: the engine
+                does not serve the policy's weights.
+        """
+        c, ppo, P = self.colo, self.cfg.ppo, self.cfg.ppo.prompt_length
+        results = c.call(
+            "train_policy",
+            {
+                a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"], ppo.temperature)
+                for a in c.policy
+            },
+        )
+        old = self._first_tp_outputs(c.policy, results)[:, P - 1 :]
+        diff = (old - engine_old).abs()
+        mismatch = {"mean": diff.mean().item(), "max": diff.max().item()}
+        self._mismatch = mismatch
+        number, comparison = self.number(index)
+        record = next((r for r in reversed(self.sync_checks) if r["iteration"] == number), None)
+        limit = self.cfg.rollout.mismatch_warn
+        if record is not None:
+            record.update(logprob_mismatch=mismatch, equal=mismatch["max"] <= 10 * limit)
+        if mismatch["max"] > 10 * limit:
+            raise WeightSyncError(
+                f"{iteration_label(number, comparison)}: the engine's log-probs differ from the policy's by "
+                f"{mismatch['max']:.3g} (more than 10x rollout.mismatch_warn={limit:g}): the engine does not "
+                "serve the policy's weights"
+            )
+        if mismatch["max"] > limit:
+            warnings.warn(
+                f"{iteration_label(number, comparison)}: training-inference mismatch {mismatch['max']:.3g} "
+                f"(max |policy - engine| log-prob) exceeds rollout.mismatch_warn={limit:g}",
+                stacklevel=2,
+            )
+        return old
 
     def _critic_values(self, tokens: torch.Tensor) -> torch.Tensor:
         c = self.colo
@@ -542,18 +599,21 @@ class PPORun:
             ),
         )
         check_finite(number, "train_critic", critic, comparison)
-        policy = self._phase(
-            index,
-            "train_policy",
-            {a: tuple(Part) for a in c.policy},
-            lambda: self._train(
+        vllm = cfg.rollout.engine == "vllm"
+        self._mismatch = None
+
+        def train_policy():
+            # with the engine, PPO's old log-probs are the policy's own, recomputed before its steps
+            own = self._recompute_old_logprobs(index, tokens, old) if vllm else old
+            return self._train(
                 "train_policy",
                 c.policy,
-                {"tokens": tokens, "old_logprobs": old, "advantages": advantages},
+                {"tokens": tokens, "old_logprobs": own, "advantages": advantages},
                 self._policy_loss,
                 index,
-            ),
-        )
+            )
+
+        policy = self._phase(index, "train_policy", {a: tuple(Part) for a in c.policy}, train_policy)
         check_finite(number, "train_policy", policy, comparison)
 
         phases = [r for r in self.timeline.records if r.iteration == number and r.manager_on == self.manager_on]
@@ -579,6 +639,8 @@ class PPORun:
                 b: max(r.bundle_bytes.get(b, 0) for r in phases) for b in (phases[0].bundle_bytes if phases else {})
             },
         }
+        if self._mismatch is not None:
+            out["logprob_mismatch"] = self._mismatch  # |policy - engine| log-probs of the sampled tokens
         if self.schedule is not None and self.manager_on:
             out["budget_bytes"] = {str(b): v for b, v in self.schedule.budget.items()}
         self.iterations.append(out)

@@ -488,8 +488,8 @@ def _versions() -> dict:
 
 PROGRESS_LEGEND = (
     "reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
-    "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
-    "seconds/MiB held on the devices"
+    "vf: value-function loss, kl: KL(policy || reference) per token, mm (vLLM rollout): max |policy - engine| "
+    "log-prob of the sampled tokens; then per phase: seconds/MiB held on the devices"
 )
 """What the progress line's short names mean, said once before the first iteration."""
 
@@ -504,9 +504,10 @@ def _progress_line(m: dict, of: int, comparison: bool = False) -> str:
         head = f"iter manager off {m['iteration']}/{of}"
     else:
         head = f"iter {m['iteration']:>3}/{of}{'' if m['manager_on'] else ' [manager off]'}"
+    mismatch = f" mm {m['logprob_mismatch']['max']:.1e}" if m.get("logprob_mismatch") else ""
     return (
         f"{head} reward {m['reward']:.3f} pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} "
-        f"kl {m['kl']:+.4f} | {phases}"
+        f"kl {m['kl']:+.4f}{mismatch} | {phases}"
     )
 
 

