@@ -43,3 +43,42 @@ def test_ppo_with_the_vllm_engine_syncs_every_iteration_and_learns(local_ray, tm
     # on the CPU build the engine cannot sleep: its memory is resident in every phase, and counted
     timeline = [r for r in log["memory_timeline"] if r["manager_on"]]
     assert all(r["device_bytes"]["rollout"] > 2**30 for r in timeline)
+
+
+TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes")
+SHORT = ["ppo.iterations=4", "memory.compare_iterations=0", "ray.phase_timeout_s=180"]
+
+
+def _outcome(log: dict) -> dict:
+    """What must not depend on how the run got there (timings left out)."""
+    return {
+        "iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
+        "syncs": [(c["iteration"], c["tensors"], c["bytes"], c["logprob_mismatch"]) for c in log["sync_checks"]],
+        "final_weights": log["final_weights"],
+    }
+
+
+def test_a_killed_engine_is_restarted_and_the_run_ends_as_the_undisturbed_one(local_ray, tmp_path):
+    import os
+    import signal
+
+    base = run_ppo(load_config("cpu_vllm", [*SHORT, f"output_dir={tmp_path / 'base'}"]), progress=lambda line: None)
+    cfg = load_config(
+        "cpu_vllm",
+        [*SHORT, f"output_dir={tmp_path / 'killed'}", "checkpoint.every=1", "checkpoint.max_restarts=1"],
+    )
+    killed, lines = [], []
+
+    def kill_engine(run, iteration, phase):
+        if (iteration, phase) == (2, "values") and not killed:
+            pid = ray.get(run.colo.rollout.pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    log = run_ppo(cfg, progress=lines.append, on_phase=kill_engine)
+    assert killed and log["status"] == "completed", log.get("error")
+    [restart] = log["restarts"]
+    assert restart["actor"] == "rollout" and restart["phase"] == "values"
+    # a new engine starts from the checkpoint file and takes the restored policy's weights at its
+    # first generate; vLLM on CPU samples the same tokens for the same seeds: the same run
+    assert _outcome(log) == _outcome(base)
