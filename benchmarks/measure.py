@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "host_bandwidths",
+    "percentile",
     "git_revision",
     "stats",
     "timed",
@@ -25,7 +26,8 @@ __all__ = [
 ]
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (0 <= q <= 1), linear between the nearest two samples."""
     s = sorted(xs)
     if len(s) == 1:
         return s[0]
@@ -37,9 +39,9 @@ def _percentile(xs: list[float], q: float) -> float:
 def stats(xs: list[float]) -> dict:
     """Median, quartiles (IQR = the spread used for noise calls), min, max, n."""
     return {
-        "median": _percentile(xs, 0.5),
-        "q25": _percentile(xs, 0.25),
-        "q75": _percentile(xs, 0.75),
+        "median": percentile(xs, 0.5),
+        "q25": percentile(xs, 0.25),
+        "q75": percentile(xs, 0.75),
         "min": min(xs),
         "max": max(xs),
         "n": len(xs),

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from chatlearn_mem import Part
-from chatlearn_mem_bench.measure import _percentile, memory_snapshot, stats, timed
+from chatlearn_mem_bench.measure import memory_snapshot, percentile, stats, timed
 
 __all__ = ["TAIL_TARGETS", "measure_onload_tail", "measure_soak", "repeated_targets"]
 
@@ -47,16 +47,17 @@ def measure_onload_tail(mm, ceiling, device: torch.device, n: int) -> dict:
         ceiling.release()
     ratios = [a / b for a, b in zip(onload, copy)]
     med = statistics.median(onload)
+    p90 = percentile(onload, 0.9)
     return {
         "bytes": nbytes,
         "onload_s": stats(onload),
         "copy_s": stats(copy),
         "samples_onload_s": onload,
         "samples_copy_s": copy,
-        "p90_onload_s": _percentile(onload, 0.9),
-        "p90_over_median": _percentile(onload, 0.9) / med,
+        "p90_onload_s": p90,
+        "p90_over_median": p90 / med,
         "onload_over_copy": med / statistics.median(copy),
-        "ratio_spread": [_percentile(ratios, 0.25), _percentile(ratios, 0.75)],
+        "ratio_spread": [percentile(ratios, 0.25), percentile(ratios, 0.75)],
     }
 
 

@@ -49,6 +49,17 @@ def _rss_bytes() -> Optional[int]:
         return None
 
 
+def _process_memory() -> dict:
+    """What this process holds beside a model's parts: on CUDA torch's allocated and reserved
+    bytes, and the process's resident set (``rss_bytes``)."""
+    out = {}
+    if torch.cuda.is_available():
+        out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+        out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
+    out["rss_bytes"] = _rss_bytes()
+    return out
+
+
 class _ManagedActor:
     """What both actor kinds share: process-group setup, residency, audit, weight digests."""
 
@@ -148,11 +159,7 @@ class _ManagedActor:
             "host_by_part": dict(r.host_by_category),
             "resident_by_part": self.part_sizes(),
         }
-        if torch.cuda.is_available():
-            out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
-            out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
-        out["rss_bytes"] = _rss_bytes()
-        return out
+        return {**out, **_process_memory()}
 
     def audit(self) -> list[str]:
         """The manager's audit problems (empty when clean)."""

@@ -162,7 +162,6 @@ class PPORun:
         self.timeline = MemoryTimeline()
         self.iterations: list[dict] = []
         self.sync_checks: list[dict] = []
-        self._mismatch: Optional[dict] = None  # the iteration's, with the vLLM rollout
         self.audits = {"runs": 0, "checks_clean": 0}
         self.manager_on = cfg.memory.enabled
         self.schedule: Optional[ResidencySchedule] = None  # with memory.device_budget_mb: see plan_memory()
@@ -428,7 +427,18 @@ class PPORun:
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
         if self.cfg.rollout.engine == "vllm":
-            return self._sync_engine_and_generate(index, prompts, senders[0])
+            self._sync_engine(index, senders[0])
+        else:
+            self._sync_rollout_model(index, senders)
+        seed = ppo.seed * 1_000_003 + index
+        return c.call(
+            "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
+        )[c.rollout]
+
+    def _sync_rollout_model(self, index: int, senders: list) -> None:
+        """megatron: the rollout model takes every tensor-parallel shard of the policy's weights;
+        with ``memory.verify_sync`` their digests must match on both sides."""
+        c = self.colo
         verify = self.cfg.memory.verify_sync
         triples = [a.weights_for_sync.options(num_returns=3).remote(verify) for a in senders]
         # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
@@ -452,45 +462,32 @@ class PPORun:
             )
             if mismatch:
                 raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
-        seed = ppo.seed * 1_000_003 + index
-        return c.call(
-            "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
-        )[c.rollout]
 
-    def _sync_engine_and_generate(self, index: int, prompts: torch.Tensor, sender):
-        """vLLM: the engine pulls the policy's weights from its host store, streamed in buckets, then
-        samples. A stream that missed a tensor is an error there; whether the engine serves the
-        policy's weights is checked in the train_policy phase (:meth:`_recompute_old_logprobs`)."""
-        c, ppo = self.colo, self.cfg.ppo
+    def _sync_engine(self, index: int, sender) -> None:
+        """vLLM: the engine pulls the policy's weights from its host store, streamed in buckets. A
+        stream that missed a tensor is an error there; whether the engine serves the policy's
+        weights is checked in the train_policy phase (:meth:`_recompute_old_logprobs`)."""
+        c = self.colo
         bucket = int(self.cfg.rollout.sync_bucket_mb * 2**20)
         sync = c.call("generate", {c.rollout: c.rollout.sync_from.remote(sender, bucket)})[c.rollout]
         number, _ = self.number(index)
         self.sync_checks.append({"iteration": number, "manager_on": self.manager_on, "engine": "vllm", **sync})
-        seed = ppo.seed * 1_000_003 + index
-        return c.call(
-            "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
-        )[c.rollout]
 
-    def _recompute_old_logprobs(self, index: int, tokens: torch.Tensor, engine_old: torch.Tensor) -> torch.Tensor:
+    def _recompute_old_logprobs(
+        self, index: int, tokens: torch.Tensor, engine_old: torch.Tensor
+    ) -> tuple[torch.Tensor, dict]:
         """vLLM: the policy's own log-probs of the sampled tokens (PPO's old log-probs), and the
-        training-inference mismatch against the engine's, recorded with the iteration's sync.
+        training-inference mismatch against the engine's (``{"mean", "max"}``), also recorded with
+        the iteration's sync.
 
         Raises:
             WeightSyncError: The two differ by more than 10x ``rollout.mismatch_warn``: the engine
                 does not serve the policy's weights.
         """
-        c, ppo, P = self.colo, self.cfg.ppo, self.cfg.ppo.prompt_length
-        results = c.call(
-            "train_policy",
-            {
-                a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"], ppo.temperature)
-                for a in c.policy
-            },
-        )
-        old = self._first_tp_outputs(c.policy, results)[:, P - 1 :]
+        P = self.cfg.ppo.prompt_length
+        old = self._forward("train_policy", self.colo.policy, tokens, self.cfg.ppo.temperature)[:, P - 1 :]
         diff = (old - engine_old).abs()
         mismatch = {"mean": diff.mean().item(), "max": diff.max().item()}
-        self._mismatch = mismatch
         number, comparison = self.number(index)
         record = next((r for r in reversed(self.sync_checks) if r["iteration"] == number), None)
         limit = self.cfg.rollout.mismatch_warn
@@ -508,15 +505,23 @@ class PPORun:
                 f"(max |policy - engine| log-prob) exceeds rollout.mismatch_warn={limit:g}",
                 stacklevel=2,
             )
-        return old
+        return old, mismatch
 
-    def _critic_values(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward(self, phase: str, group: list, tokens: torch.Tensor, *args) -> torch.Tensor:
+        """``forward(tokens, *args)`` on every rank of ``group``, each data-parallel rank on its
+        share of ``tokens``; the outputs of tensor-parallel rank 0, concatenated."""
         c = self.colo
         results = c.call(
-            "values",
-            {a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"]) for a in c.critic},
+            phase,
+            {
+                a: a.forward.remote(self._shard({"t": tokens}, c.ranks[c.names[a]]["dp_rank"])["t"], *args)
+                for a in group
+            },
         )
-        return self._first_tp_outputs(c.critic, results)
+        return self._first_tp_outputs(group, results)
+
+    def _critic_values(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._forward("values", self.colo.critic, tokens)
 
     def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, index: int) -> dict:
         c, ppo = self.colo, self.cfg.ppo
@@ -599,12 +604,13 @@ class PPORun:
             ),
         )
         check_finite(number, "train_critic", critic, comparison)
-        vllm = cfg.rollout.engine == "vllm"
-        self._mismatch = None
+        mismatch: dict = {}  # with the vLLM rollout: |policy - engine| log-probs of the sampled tokens
 
         def train_policy():
-            # with the engine, PPO's old log-probs are the policy's own, recomputed before its steps
-            own = self._recompute_old_logprobs(index, tokens, old) if vllm else old
+            own = old
+            if cfg.rollout.engine == "vllm":  # PPO's old log-probs are the policy's own, recomputed
+                own, found = self._recompute_old_logprobs(index, tokens, old)
+                mismatch.update(found)
             return self._train(
                 "train_policy",
                 c.policy,
@@ -639,8 +645,8 @@ class PPORun:
                 b: max(r.bundle_bytes.get(b, 0) for r in phases) for b in (phases[0].bundle_bytes if phases else {})
             },
         }
-        if self._mismatch is not None:
-            out["logprob_mismatch"] = self._mismatch  # |policy - engine| log-probs of the sampled tokens
+        if mismatch:
+            out["logprob_mismatch"] = mismatch
         if self.schedule is not None and self.manager_on:
             out["budget_bytes"] = {str(b): v for b, v in self.schedule.budget.items()}
         self.iterations.append(out)

@@ -9,13 +9,13 @@ loads them one tensor at a time (:meth:`chatlearn_mem.engines.vllm_rollout.VLLMR
 
 from __future__ import annotations
 
-import os
+import math
 from typing import Any, Mapping
 
 import torch
 
 from chatlearn_mem.parts import PartsArg
-from chatlearn_mem_ray.actors import _ManagedActor, _rss_bytes
+from chatlearn_mem_ray.actors import _ManagedActor, _process_memory
 from chatlearn_mem_ray.config import RolloutConfig, TrainerModelConfig
 
 __all__ = ["VLLMRolloutActor"]
@@ -125,30 +125,14 @@ class VLLMRolloutActor(_ManagedActor):
             "host_by_part": {},
             "resident_by_part": self.part_sizes(),
         }
-        if torch.cuda.is_available():
-            out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
-            out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
-        out["rss_bytes"] = _rss_bytes()
-        return out
+        return {**out, **_process_memory()}
 
     def audit(self) -> list[str]:
         return []  # no memory manager: the engine's memory is its own
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 def _weights_bytes(config) -> int:
-    from chatlearn_mem.engines.vllm_rollout import expected_names
     from chatlearn_mem.models import hf
 
-    family = hf._family_of(config)
     element = 2 if config.precision == "bf16" else 4
-    shapes = {n: s for e in hf._entries(config, family) for n, s in zip(e.hf, e.shapes)}
-    total = 0
-    for name in expected_names(config):
-        n = 1
-        for d in shapes[name]:
-            n *= d
-        total += n * element
-    return total
+    return element * sum(math.prod(shape) for shape in hf.hf_shapes(config).values())

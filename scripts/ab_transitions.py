@@ -146,10 +146,10 @@ def _worktree(rev: str, tmp: Path) -> Path:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    # imported here, in the parent only: a child must import nothing of this checkout before its own tree
+    from chatlearn_mem_bench.measure import percentile
+
+    return percentile(xs, q)
 
 
 def _row(xs: list[float]) -> str:

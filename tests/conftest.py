@@ -23,6 +23,16 @@ def dist1(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray cluster for the module (the runs join it instead of starting their own)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("CI", "").lower() == "true":
         skip = pytest.mark.skip(reason="slow test; skipped when CI=true")

@@ -9,6 +9,15 @@ import os
 import torch
 
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+LLAMA_FIELDS = dict(
+    normalization="RMSNorm",
+    activation="swiglu",
+    position_embedding="rope",
+    rotary_base=10000.0,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+)
+"""The ``GPTTrainerConfig`` fields that make a Llama (the tests add the shape around them)."""
 ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0}
 
 

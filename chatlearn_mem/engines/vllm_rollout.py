@@ -86,8 +86,7 @@ def expected_names(config: GPTTrainerConfig) -> set[str]:
     """The Hugging Face tensor names of ``config``'s model: what a complete weight update streams."""
     from chatlearn_mem.models import hf
 
-    family = hf._family_of(config)
-    return {n for e in hf._entries(config, family) for n in e.hf}
+    return set(hf.hf_shapes(config))
 
 
 class VLLMRollout:

@@ -37,6 +37,7 @@ __all__ = [
     "load_hf_weights",
     "to_hf_state_dict",
     "iter_hf_weights",
+    "hf_shapes",
     "hf_weight_buckets",
     "hf_digest",
     "gather_tensor_parallel",
@@ -663,6 +664,16 @@ def _hf_tensors(
                 yield name, torch.cat([pieces[j] for pieces in per_rank], dim=dim)
 
 
+def hf_shapes(config: GPTTrainerConfig) -> dict[str, tuple[int, ...]]:
+    """The full shape of every Hugging Face tensor of ``config``'s model, by name, in the
+    checkpoint's order: what a complete export holds.
+
+    Raises:
+        ValueError: The config is not a Llama or Qwen2 architecture.
+    """
+    return {n: s for e in _entries(config, _family_of(config)) for n, s in zip(e.hf, e.shapes)}
+
+
 def hf_weight_buckets(
     weights: WeightsArg, config: GPTTrainerConfig, bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -799,7 +810,7 @@ def save_hf(
         ValueError: ``state_dict`` is not exactly the family's tensors for this config.
     """
     family = _family_of(config)
-    expected = {n for e in _entries(config, family) for n in e.hf}
+    expected = set(hf_shapes(config))
     if set(state_dict) != expected:
         odd = sorted(set(state_dict) ^ expected)
         raise ValueError(

@@ -12,13 +12,6 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_tiny_llama_preset_writes_its_checkpoint_then_reads_it_back(local_ray, tmp_path):
     overrides = ["ppo.iterations=2", "memory.compare_iterations=0", f"output_dir={tmp_path}"]
     lines = []

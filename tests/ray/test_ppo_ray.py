@@ -14,14 +14,6 @@ ray = pytest.importorskip("ray")
 CONFIG = "cpu_tiny"
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray cluster for the module (the runs join it instead of starting their own)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_ppo_iterations_colocated_with_exact_memory_switching(local_ray, tmp_path):
     cfg = load_config(CONFIG, ["ppo.iterations=3", "memory.compare_iterations=1", f"output_dir={tmp_path}"])
     lines = []

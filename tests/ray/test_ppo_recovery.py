@@ -20,13 +20,6 @@ TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds"
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(local_ray, tmp_path_factory):
     """The reference: the same run, no checkpoints, nothing disturbed."""
     out = tmp_path_factory.mktemp("uninterrupted")

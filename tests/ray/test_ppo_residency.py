@@ -25,13 +25,6 @@ TIMING = {
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def all_or_nothing(local_ray, tmp_path_factory):
     out = tmp_path_factory.mktemp("aon")
     return run_ppo(load_config("cpu_tiny", ITERATIONS + [f"output_dir={out}"]), progress=lambda line: None)

@@ -6,6 +6,7 @@ import json
 import pydantic
 import pytest
 import torch
+from hf_checkpoints import LLAMA_FIELDS
 
 from chatlearn_mem.models.gpt import GPTTrainerConfig
 
@@ -20,13 +21,8 @@ LLAMA = dict(
     ffn_hidden_size=128,
     vocab_size=128,
     seq_length=64,
-    normalization="RMSNorm",
     norm_epsilon=1e-6,
-    activation="swiglu",
-    position_embedding="rope",
-    rotary_base=10000.0,
-    add_bias_linear=False,
-    add_qkv_bias=False,
+    **LLAMA_FIELDS,
     precision="fp32",
 )
 

@@ -4,6 +4,7 @@ before its checkpoint exists."""
 
 import pytest
 import torch
+from hf_checkpoints import LLAMA_FIELDS
 
 from chatlearn_mem.errors import ConfigError
 from chatlearn_mem.models.gpt import GPTTrainerConfig
@@ -20,13 +21,8 @@ LLAMA = dict(
     ffn_hidden_size=64,
     vocab_size=64,
     seq_length=64,
-    normalization="RMSNorm",
     norm_epsilon=1e-5,
-    activation="swiglu",
-    position_embedding="rope",
-    rotary_base=10000.0,
-    add_bias_linear=False,
-    add_qkv_bias=False,
+    **LLAMA_FIELDS,
     share_embeddings_and_output_weights=True,
 )
 

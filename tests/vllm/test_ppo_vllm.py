@@ -14,13 +14,6 @@ from chatlearn_mem_ray import load_config, run_ppo  # noqa: E402
 ITERATIONS = 20
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_ppo_with_the_vllm_engine_syncs_every_iteration_and_learns(local_ray, tmp_path):
     cfg = load_config("cpu_vllm", [f"ppo.iterations={ITERATIONS}", f"output_dir={tmp_path}"])
     lines = []

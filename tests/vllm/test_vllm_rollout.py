@@ -5,6 +5,7 @@ Skipped where vLLM is not installed; CI installs it as docs/vllm.md says (`scrip
 
 import pytest
 import torch
+from hf_checkpoints import LLAMA_FIELDS
 
 pytest.importorskip("vllm", reason="vLLM is not installed: see docs/vllm.md")
 transformers = pytest.importorskip("transformers")
@@ -22,13 +23,8 @@ CFG = GPTTrainerConfig(
     ffn_hidden_size=256,
     vocab_size=64,
     seq_length=32,
-    normalization="RMSNorm",
     norm_epsilon=1e-5,
-    activation="swiglu",
-    position_embedding="rope",
-    rotary_base=10000.0,
-    add_bias_linear=False,
-    add_qkv_bias=False,
+    **LLAMA_FIELDS,
     share_embeddings_and_output_weights=False,
     precision="fp32",
 )
