@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from chatlearn_mem.checkpoint import write_json_atomic
+from chatlearn_mem.atomic_files import write_json_atomic
 from chatlearn_mem_bench.config import PARTS
 from chatlearn_mem_bench.plan import format_bytes
 

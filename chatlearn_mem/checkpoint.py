@@ -14,7 +14,7 @@ tensor-parallel RNG tracker). ::
     load_checkpoint(mm, latest_checkpoint("ckpt"))         # into a resident trainer
 
 While a part is offloaded its tensors are read from the host store (no device allocation, no
-onload; see :func:`_with_host_copies`). Resident parts are copied to host
+onload; see :func:`chatlearn_mem.checkpoint_serving.with_host_copies`). Resident parts are copied to host
 memory when the save starts, so training may go on while it writes.
 
 Asynchronous saves: ``save_checkpoint(..., async_=True)`` plans the save (megatron's metadata
@@ -39,6 +39,12 @@ back against it, and :func:`load_checkpoint` does so before loading (``verify=Tr
 truncated or damaged file is one :class:`CheckpointDamagedError` naming it, not an error from
 deep inside megatron's reader. Checkpoints written before the manifest load unverified.
 
+Where it lives: the directory format and the manifest in :mod:`chatlearn_mem.checkpoint_format`,
+the atomic writes in :mod:`chatlearn_mem.atomic_files`, the trainer's host copies in
+:mod:`chatlearn_mem.checkpoint_serving`, the guard against orphaned writer processes in
+:mod:`chatlearn_mem.writer_processes`; this module saves and loads (and re-exports the names
+users import from here).
+
 Format choice: megatron-core's ``dist_checkpointing`` (``torch_dist`` backend) works on the CPU
 backend (gloo, CPU-only torch); ``torch.distributed.checkpoint`` is not needed. The distributed
 optimizer is saved in a format that reshards across tensor- and data-parallel sizes by default
@@ -48,25 +54,37 @@ optimizer is saved in a format that reshards across tensor- and data-parallel si
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
-import re
 import shutil
-import signal
 import threading
 import time
-import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from chatlearn_mem.errors import ChatlearnMemError, OffloadedError
-from chatlearn_mem.guards import serialized
+from chatlearn_mem.atomic_files import commit_directory, fsync_dir, write_json_atomic
+from chatlearn_mem.checkpoint_format import (
+    FORMAT,
+    METADATA_FILE,
+    CheckpointDamagedError,
+    CheckpointError,
+    check_files,
+    check_writable,
+    checkpoint_files,
+    file_digest,
+    latest_checkpoint,
+    list_checkpoints,
+    own_files,
+    read_metadata,
+    step_dirname,
+    verify_checkpoint,
+)
+from chatlearn_mem.checkpoint_serving import after_load, prepare_load, trainer_parts, with_host_copies
 from chatlearn_mem.mcore import checkpointing
-from chatlearn_mem.storage import storage_key
+from chatlearn_mem.writer_processes import install_parent_death_signal, writers_die_with_this_thread
 
 __all__ = [
     "CheckpointDamagedError",
@@ -84,233 +102,8 @@ __all__ = [
     "write_json_atomic",
 ]
 
-METADATA_FILE = "chatlearn_checkpoint.json"
-"""Written last into a checkpoint directory; a directory without it is incomplete and ignored."""
-_FORMAT = "chatlearn-mem checkpoint 1"
-_NAME = re.compile(r"^step_(\d+)$")
 
-
-class CheckpointError(ChatlearnMemError):
-    """A checkpoint cannot be written or does not fit the trainer; the message says what to do."""
-
-
-class CheckpointDamagedError(CheckpointError):
-    """A file of a complete checkpoint is missing or differs from the checkpoint's manifest.
-
-    Attributes:
-        path: The checkpoint directory.
-        file: The damaged file, relative to ``path``.
-        problem: What differs ("has 1024 bytes, the manifest says 4096", ...).
-    """
-
-    def __init__(self, path: str, file: str, problem: str):
-        self.path, self.file, self.problem = path, file, problem
-        super().__init__(f"checkpoint {path} is damaged: {file} {problem}")
-
-
-# -- the manifest: every file's size and CRC-32 ---------------------------------------------------------
-_CHUNK = 8 * 2**20
-
-
-def _digest(path: str) -> dict:
-    """``{"bytes", "crc32"}`` of one file, read in chunks."""
-    crc, n = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_CHUNK)
-            if not block:
-                break
-            crc, n = zlib.crc32(block, crc), n + len(block)
-    return {"bytes": n, "crc32": f"{crc:08x}"}
-
-
-def _files(directory: str) -> list[str]:
-    """Every file under ``directory`` but the metadata file, as relative paths, sorted."""
-    out = []
-    for base, _, names in os.walk(directory):
-        for name in names:
-            rel = os.path.relpath(os.path.join(base, name), directory)
-            if rel != METADATA_FILE:
-                out.append(rel)
-    return sorted(out)
-
-
-def _own_files(directory: str, rank: int) -> dict[str, dict]:
-    """The manifest entries of the tensor files ``rank`` wrote (torch's ``__<rank>_<n>.distcp``)."""
-    prefix = f"__{rank}_"
-    return {f: _digest(os.path.join(directory, f)) for f in _files(directory) if f.startswith(prefix)}
-
-
-def _check_files(path: str, manifest: dict[str, dict], names: list[str]) -> Optional[CheckpointDamagedError]:
-    for name in names:
-        want = manifest[name]
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            return CheckpointDamagedError(path, name, "is missing")
-        size = os.path.getsize(full)
-        if size != want["bytes"]:
-            return CheckpointDamagedError(path, name, f"has {size} bytes, the manifest says {want['bytes']}")
-        got = _digest(full)
-        if got["crc32"] != want["crc32"]:
-            return CheckpointDamagedError(
-                path,
-                name,
-                f"has CRC-32 {got['crc32']}, the manifest says {want['crc32']} (same size: the bytes changed)",
-            )
-    return None
-
-
-def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1) -> dict:
-    """Read every file of a complete checkpoint back against its manifest.
-
-    Args:
-        path: A checkpoint directory (from :func:`latest_checkpoint` / :func:`list_checkpoints`).
-        rank, world_size: Verify only every ``world_size``-th file starting at ``rank`` (so that
-            the ranks of a job share the reading); the defaults verify all.
-
-    Returns:
-        ``{"files", "bytes", "seconds", "verified"}``: what was read; ``verified`` is False for a
-        checkpoint written before manifests (nothing to compare with: nothing read).
-
-    Raises:
-        CheckpointDamagedError: The first file that is missing or differs (named).
-        CheckpointError: ``path`` is not a complete checkpoint (no or unreadable metadata).
-    """
-    t0 = time.perf_counter()
-    manifest = _read_metadata(path).get("files")
-    if manifest is None:
-        return {"files": 0, "bytes": 0, "seconds": 0.0, "verified": False}
-    names = sorted(manifest)[rank::world_size]
-    error = _check_files(path, manifest, names)
-    if error is not None:
-        raise error
-    return {
-        "files": len(names),
-        "bytes": sum(manifest[n]["bytes"] for n in names),
-        "seconds": time.perf_counter() - t0,
-        "verified": True,
-    }
-
-
-# -- writer processes die with the trainer ----------------------------------------------------------
-# megatron-core up to 0.16 (at least; 0.19 writes with threads) forks one process per file to write
-# a checkpoint. A forked writer holds every descriptor of the trainer's process: when the trainer is
-# killed mid-save, Ray sees its actor alive until the orphaned writer exits (a run then waits for its
-# phase timeout instead of restarting), and the writer can block forever on a results queue nobody
-# reads. Processes forked while this thread writes a checkpoint get SIGKILL when it ends (Linux's
-# parent-death signal; the writers are joined before a save's thread returns).
-_writing = threading.local()  # .pid: the process that writes, while this thread runs a save's write
-_prctl = None
-_install_lock = threading.Lock()
-
-
-def _die_with_the_writing_thread() -> None:
-    """``os.register_at_fork(after_in_child=...)``: in a process forked during a save's write, ask
-    the kernel for SIGKILL when the forking thread ends, and exit if it already has."""
-    parent = getattr(_writing, "pid", None)
-    if parent is None or _prctl is None:
-        return
-    _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the trainer died between fork() and prctl()
-        os._exit(1)
-    _writing.pid = os.getpid()  # the writer's own children die with it
-
-
-def _install_parent_death_signal() -> None:
-    global _prctl
-    with _install_lock:
-        if _prctl is not None or not hasattr(os, "register_at_fork"):
-            return
-        try:
-            import ctypes
-
-            prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: dlopen after fork may deadlock
-        except (OSError, AttributeError):  # not Linux: writers are left to megatron
-            return
-        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-        _prctl = prctl
-        os.register_at_fork(after_in_child=_die_with_the_writing_thread)
-
-
-# -- directories ---------------------------------------------------------------------------------------
-def _name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def list_checkpoints(root: str) -> list[str]:
-    """Complete checkpoint directories under ``root``, oldest step first (empty when none or no
-    ``root``). Incomplete ones (no :data:`METADATA_FILE`, temporary names) are left out."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for entry in os.listdir(root):
-        m = _NAME.match(entry)
-        path = os.path.join(root, entry)
-        if m and os.path.isfile(os.path.join(path, METADATA_FILE)):
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(root: str) -> Optional[str]:
-    """The complete checkpoint with the highest step under ``root``, or None."""
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def _check_writable(root: str) -> None:
-    """Raise before anything is written when ``root`` cannot hold a checkpoint."""
-    try:
-        os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".write-test-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot write checkpoints to {root!r}: {e.strerror or e} ({type(e).__name__}). "
-            "Choose a writable directory (and check its permissions and free space); "
-            "nothing was saved"
-        ) from e
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory, so that a rename or a new entry in it survives a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file, fsync and ``os.replace``: a reader
-    (or a process killed while writing) sees the old file or the new one, never half of one."""
-    path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # only left when the dump failed
-            os.unlink(tmp)
-
-
-def commit_directory(tmp: str | os.PathLike, final: str | os.PathLike, marker: str, data: Any) -> None:
-    """Make a checkpoint directory complete in one step: write ``data`` as JSON to ``tmp/marker``
-    (durably, last), rename ``tmp`` to ``final`` (replacing an earlier ``final`` of the same name,
-    e.g. a step saved again) and fsync the parent. Readers that require ``marker`` and ignore
-    ``tmp``'s name see the whole directory or none of it."""
-    write_json_atomic(os.path.join(tmp, marker), data)
-    fsync_dir(tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_dir(os.path.dirname(os.path.abspath(final)))
-
-
+# -- ranks ------------------------------------------------------------------------------------------------
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -336,88 +129,11 @@ def _barrier() -> None:
 
 
 # -- building the state ------------------------------------------------------------------------------
-def _trainer(manager: Any) -> tuple[list, Any, list]:
-    """``(model chunks, optimizer, leaf optimizers)`` of a trainer manager."""
-    from chatlearn_mem.trainer import TrainerMemoryManager
-
-    if not isinstance(manager, TrainerMemoryManager):
-        raise TypeError(f"expected a chatlearn_mem.TrainerMemoryManager, got {type(manager).__name__}")
-    return manager._chunks, manager._optimizer, manager._leaves
-
-
-# -- the trainer's side: host copies served through the model, and the state before and after a load
-@serialized
-def _with_host_copies(
-    manager, build: Callable[[Callable[[torch.Tensor], bool]], Any]
-) -> tuple[Any, contextlib.ExitStack]:
-    """Run ``build(is_live)`` while every tensor megatron reads for a checkpoint views its host
-    copy; return its result and the registration of every host store it may still reference.
-
-    While a part is offloaded its tensors (parameters, main weights, shard views, states) keep
-    their released device storages; for the duration of ``build`` each one's ``.data`` is
-    pointed at its bytes in the host store (:meth:`StorageGroup.host_view`, no copy where the
-    bytes lie in one bucket) and the offload guards let megatron's ``sharded_state_dict`` calls
-    through, in this thread only. Then every ``.data`` is pointed back at its device storage:
-    nothing is allocated on the device and the trainer stays asleep. ``build`` must detach what
-    it keeps (a parameter object follows its ``.data`` back) and copy what ``is_live(t)``
-    (the tensor is training state on the device) says will change.
-
-    The returned ExitStack holds :meth:`StorageGroup.reading` on every offloaded part: until it
-    is closed, an offload that would overwrite those host stores waits.
-    """
-    manager._settle()  # R5: read the host copies once written
-    served = {}
-    for g in manager._groups.values():
-        if g.offloaded and g.keep_contents:
-            for s, _ in g.released:
-                served[storage_key(s)] = g
-    live = manager._storage_keys()
-    swapped = []
-    readers = contextlib.ExitStack()
-    try:
-        for t in checkpointing.checkpoint_read_tensors(manager._chunks, manager._leaves):
-            group = served.get(storage_key(t))
-            if group is not None:
-                view = group.host_view(t)
-                swapped.append((t, t.data))
-                t.data = view
-        manager._serving_host = threading.get_ident()
-        out = build(lambda t: storage_key(t) in live)
-        for g in dict.fromkeys(served.values()):
-            readers.enter_context(g.reading())
-        return out, readers
-    finally:
-        manager._serving_host = None
-        for t, original in reversed(swapped):
-            t.data = original
-
-
-@serialized
-def _prepare_load(manager) -> None:
-    """Before a checkpoint is loaded: every part resident, optimizer states created."""
-    manager._settle()
-    offloaded = [p.value for p, g in manager._groups.items() if g.offloaded]
-    if offloaded:
-        raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call onload() first")
-    checkpointing.init_optimizer_states(manager._leaves)
-
-
-@serialized
-def _after_load(manager) -> None:
-    """After a checkpoint was loaded: the optimizer replaced its state tensors and every part
-    changed, so host copies are stale and the manager takes the new tensors over."""
-    manager._dirty_epoch += 1
-    manager._release_claim()
-    manager._claim("this model" if len(manager._chunks) == 1 else "this list of model chunks")
-    manager._remember_weight_storages()
-    manager._record_placement()
-
-
 def _sharded_state(manager: Any, is_loading: bool, sharding: str) -> dict:
     """``{"model": ..., "optimizer": ..., "rng": ShardedObject}`` (megatron's sharded state dicts)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    chunks, optimizer, leaves = _trainer(manager)
+    chunks, optimizer, leaves = trainer_parts(manager)
     checkpointing.dist_checkpointing_numpy2_compat()
     model = checkpointing.model_sharded_state_dict(chunks)
     split = checkpointing.parallel_split()
@@ -485,7 +201,7 @@ def estimate_checkpoint_nbytes(manager: Any, resharding: bool = True) -> int:
         UnsupportedLayoutError: ``resharding=False`` and this megatron-core cannot save that format
             (what :func:`save_checkpoint` would raise, found before anything runs).
     """
-    chunks, _, leaves = _trainer(manager)
+    chunks, _, leaves = trainer_parts(manager)
     checkpointing.distrib_optimizer_sharding(leaves, resharding)
     params = [p for c in chunks for p in c.parameters()]
     weights = sum(p.numel() * p.element_size() for p in params)
@@ -589,15 +305,15 @@ def save_checkpoint(
     except (TypeError, ValueError) as e:
         raise ValueError(f"metadata must be JSON-serialisable: {e}") from e
     t0 = time.perf_counter()
-    _install_parent_death_signal()
+    install_parent_death_signal()
     root = os.path.abspath(root)
-    final = os.path.join(root, _name(step))
-    tmp = os.path.join(root, ".tmp." + _name(step))
-    _check_writable(root)
-    sharding = checkpointing.distrib_optimizer_sharding(_trainer(manager)[2], resharding)
+    final = os.path.join(root, step_dirname(step))
+    tmp = os.path.join(root, ".tmp." + step_dirname(step))
+    check_writable(root)
+    sharding = checkpointing.distrib_optimizer_sharding(trainer_parts(manager)[2], resharding)
 
     def build(is_live):
-        if None in checkpointing.optimizer_steps(_trainer(manager)[2]):  # read here: the states may be offloaded
+        if None in checkpointing.optimizer_steps(trainer_parts(manager)[2]):  # read here: the states may be offloaded
             raise CheckpointError(
                 "the optimizer has not taken a step yet, so it has no state to save (megatron's "
                 "optimizers cannot write a checkpoint before their first step); save after "
@@ -605,7 +321,7 @@ def save_checkpoint(
             )
         return _detach_for_save(_sharded_state(manager, is_loading=False, sharding=sharding), is_live)
 
-    state, readers = _with_host_copies(manager, build)
+    state, readers = with_host_copies(manager, build)
     try:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
@@ -638,22 +354,20 @@ def save_checkpoint(
     rank = _rank()
 
     def write():
-        _writing.pid = os.getpid()
-        try:
-            with readers:  # the host stores are read until the tensors are written
-                args = list(request.async_fn_args)
-                preload = getattr(request, "preload_fn", None)
-                if preload is not None:
-                    args[1] = preload()
-                if request.async_fn is not None:
-                    request.async_fn(*args, **getattr(request, "async_fn_kwargs", {}))
-            t = time.perf_counter()
-            handle._manifest = _own_files(tmp, rank)  # while the files are in the page cache
-            handle.manifest_seconds = time.perf_counter() - t
-        except BaseException as e:  # noqa: BLE001 - reported by wait()
-            handle._error = e
-        finally:
-            _writing.pid = None
+        with writers_die_with_this_thread():
+            try:
+                with readers:  # the host stores are read until the tensors are written
+                    args = list(request.async_fn_args)
+                    preload = getattr(request, "preload_fn", None)
+                    if preload is not None:
+                        args[1] = preload()
+                    if request.async_fn is not None:
+                        request.async_fn(*args, **getattr(request, "async_fn_kwargs", {}))
+                t = time.perf_counter()
+                handle._manifest = own_files(tmp, rank)  # while the files are in the page cache
+                handle.manifest_seconds = time.perf_counter() - t
+            except BaseException as e:  # noqa: BLE001 - reported by wait()
+                handle._error = e
 
     def finish():
         _barrier()
@@ -663,12 +377,12 @@ def save_checkpoint(
         if rank == 0:
             t = time.perf_counter()
             files = {k: v for m in manifests for k, v in m.items()}
-            for name in _files(tmp):  # megatron's metadata, and any file not named after its rank
+            for name in checkpoint_files(tmp):  # megatron's metadata, and any file not named after its rank
                 if name not in files:
-                    files[name] = _digest(os.path.join(tmp, name))
+                    files[name] = file_digest(os.path.join(tmp, name))
             handle.manifest_seconds += time.perf_counter() - t
             meta = {
-                "format": _FORMAT,
+                "format": FORMAT,
                 "step": step,
                 "megatron_core": checkpointing.megatron_core_version(),
                 "parallel": {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")},
@@ -695,24 +409,6 @@ def save_checkpoint(
 
 
 # -- loading ---------------------------------------------------------------------------------------------
-def _read_metadata(path: str) -> dict:
-    meta_path = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(meta_path):
-        raise CheckpointError(
-            f"{path!r} is not a complete checkpoint (no {METADATA_FILE}); pass a directory "
-            "that latest_checkpoint()/list_checkpoints() returned"
-        )
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointDamagedError(path, METADATA_FILE, f"cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{path!r} has format {found!r}; this version reads {_FORMAT!r}")
-    return meta
-
-
 def _shape_differences(saved: dict, current: dict) -> list[str]:
     out = []
     for key in sorted(saved.keys() | current.keys()):
@@ -754,17 +450,17 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
     """
     from megatron.core import dist_checkpointing
 
-    meta = _read_metadata(path)
+    meta = read_metadata(path)
     if verify and meta.get("files") is not None:
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_initialized() else 1
-        mine = _check_files(path, meta["files"], sorted(meta["files"])[_rank() :: world])
+        mine = check_files(path, meta["files"], sorted(meta["files"])[_rank() :: world])
         found = [e for e in _gather(None if mine is None else (mine.file, mine.problem)) if e is not None]
         if found:
             raise CheckpointDamagedError(path, *found[0])
-    chunks, optimizer, _ = _trainer(manager)
-    _prepare_load(manager)
+    chunks, optimizer, _ = trainer_parts(manager)
+    prepare_load(manager)
     same_split = {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")} == meta[
         "parallel"
     ]
@@ -779,12 +475,12 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
     if not same_split:
         del state["rng"]
     loaded = dist_checkpointing.load(state, path)
-    checkpointing.clear_optimizer_states(_trainer(manager)[2])
+    checkpointing.clear_optimizer_states(trainer_parts(manager)[2])
     checkpointing.load_model_state(chunks, loaded)
-    with checkpointing.loading_optimizer_steps_compat(_trainer(manager)[2]):
+    with checkpointing.loading_optimizer_steps_compat(trainer_parts(manager)[2]):
         optimizer.load_state_dict(loaded["optimizer"])
-    checkpointing.set_optimizer_steps(_trainer(manager)[2], loaded["optimizer_steps"])
+    checkpointing.set_optimizer_steps(trainer_parts(manager)[2], loaded["optimizer_steps"])
     if same_split:
         checkpointing.set_rng_state(loaded["rng"])
-    _after_load(manager)
+    after_load(manager)
     return meta

@@ -32,13 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from chatlearn_mem.checkpoint import (
-    CheckpointDamagedError,
-    CheckpointError,
-    commit_directory,
-    verify_checkpoint,
-    write_json_atomic,
-)
+from chatlearn_mem.atomic_files import commit_directory, write_json_atomic
+from chatlearn_mem.checkpoint_format import CheckpointDamagedError, CheckpointError, verify_checkpoint
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import ActorFailedError, CheckpointDirError, CheckpointSaveError, ResumeError
 

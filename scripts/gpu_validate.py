@@ -649,7 +649,7 @@ def plot_summary(results: dict, path: Path) -> None:
 
 def write_results(results: dict, out: Path, stem: str) -> list[Path]:
     """``<stem>_validation.{json,md,png}`` under ``out``."""
-    from chatlearn_mem.checkpoint import write_json_atomic
+    from chatlearn_mem.atomic_files import write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}_validation.{x}" for x in ("json", "md", "png")]

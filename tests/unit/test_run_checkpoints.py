@@ -20,7 +20,9 @@ def _cfg(tmp_path, *overrides):
 def fake_checkpoint(cfg, iterations: int, complete: bool = True):
     """A run checkpoint directory as the driver commits it; each trainer's checkpoint holds one
     tensor file and megatron's metadata, with the manifest the library writes."""
-    from chatlearn_mem.checkpoint import _FORMAT, METADATA_FILE, _digest
+    from chatlearn_mem.checkpoint_format import FORMAT as _FORMAT
+    from chatlearn_mem.checkpoint_format import METADATA_FILE
+    from chatlearn_mem.checkpoint_format import file_digest as _digest
 
     path = cfg.checkpoint_dir / f"iter_{iterations:08d}"
     path.mkdir(parents=True)
