@@ -59,12 +59,12 @@ from chatlearn_mem.errors import (
     TransferError,
     UnsupportedLayoutError,
 )
+from chatlearn_mem.group_transfer import TransferStats
 from chatlearn_mem.inference import InferenceMemoryManager
 from chatlearn_mem.owners import manager_of
 from chatlearn_mem.parts import Part
 from chatlearn_mem.planner import ResidencyPlan, plan_residency
 from chatlearn_mem.residency import Residency
-from chatlearn_mem.storage import TransferStats
 from chatlearn_mem.trainer import TrainerMemoryManager
 from chatlearn_mem.transitions import Transfer, swap
 

@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import OffloadedError
 from chatlearn_mem.guards import serialized
 from chatlearn_mem.mcore import checkpointing
-from chatlearn_mem.storage import storage_key
 
 __all__ = ["after_load", "prepare_load", "trainer_parts", "with_host_copies"]
 

@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Block", "advise_huge_pages", "parks_cpu_memory", "regrow", "release", "trim_host_heap"]
+__all__ = ["Block", "advise_huge_pages", "parks_cpu_memory", "regrow", "release", "storage_key", "trim_host_heap"]
 
 _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 * 2**20
@@ -55,6 +55,12 @@ _MADV_DONTNEED = 4  # linux/mman.h
 _MADV_FREE = 8
 _MADV_HUGEPAGE = 14
 _libc_functions: dict = {}  # name -> resolved libc function, or False when unavailable
+
+
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """Identity of the storage object behind a tensor (stable while it is resized)."""
+    s = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return s._cdata
 
 
 def _libc_function(name: str, argtypes: list, restype=ctypes.c_int):

@@ -20,9 +20,9 @@ import torch
 import torch.utils._pytree
 
 from chatlearn_mem.debug_guard import function_name
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError
 from chatlearn_mem.parts import Part
-from chatlearn_mem.storage import storage_key
 
 __all__ = ["MethodGuard", "ModelGuards", "guard_methods", "onload_call", "serialized"]
 

@@ -19,11 +19,13 @@ from chatlearn_mem import device_memory, external, host_memory, transitions
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
 from chatlearn_mem.debug_guard import ReleasedTensorGuard
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ChatlearnMemError, HostMemoryError
+from chatlearn_mem.group_transfer import GroupTransfer
 from chatlearn_mem.guards import ModelGuards, serialized
 from chatlearn_mem.owners import OwnedStorages, caller_site
 from chatlearn_mem.parts import Part, PartsArg, parse_parts
-from chatlearn_mem.storage import GroupTransfer, StorageGroup, extent, storage_key, unique_storages
+from chatlearn_mem.storage import StorageGroup, extent, unique_storages
 
 __all__ = ["MemoryManagerBase"]
 

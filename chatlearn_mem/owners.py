@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ChatlearnMemError
-from chatlearn_mem.storage import storage_key
 
 if TYPE_CHECKING:
     from chatlearn_mem.manager import MemoryManagerBase

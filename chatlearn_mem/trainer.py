@@ -9,13 +9,13 @@ import torch
 from chatlearn_mem import guards
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError, UnsupportedLayoutError
 from chatlearn_mem.guards import serialized
 from chatlearn_mem.manager import MemoryManagerBase
 from chatlearn_mem.mcore import checks, layout, transient
 from chatlearn_mem.parts import OTHER, Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
-from chatlearn_mem.storage import storage_key
 
 __all__ = ["TrainerMemoryManager"]
 

@@ -32,8 +32,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from chatlearn_mem.copy_engine import CopyEngine, Job
+from chatlearn_mem.group_transfer import GroupTransfer, TransferStats
 from chatlearn_mem.parts import Part, PartsArg
-from chatlearn_mem.storage import GroupTransfer, TransferStats
 
 if TYPE_CHECKING:
     from chatlearn_mem.manager import MemoryManagerBase

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from chatlearn_mem.audit import AuditReport
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.mcore import layout
-from chatlearn_mem.storage import storage_key
 
 __all__ = ["check_buffers", "check_hooks", "check_optimizers", "check_view", "count_post_hooks"]
 

@@ -15,8 +15,8 @@ from chatlearn_mem import (
     TrainerMemoryManager,
     UnsupportedLayoutError,
     host_store,
-    storage,
 )
+from chatlearn_mem import group_transfer as storage
 from chatlearn_mem.mcore import layout
 from chatlearn_mem.models import gpt
 

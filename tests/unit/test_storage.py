@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import chatlearn_mem.device_memory as device_memory
+import chatlearn_mem.group_transfer as storage_mod
 import chatlearn_mem.host_store as host_store_mod
-import chatlearn_mem.storage as storage_mod
 from chatlearn_mem import MemoryConfig, TransferStats
 from chatlearn_mem.storage import StorageGroup, storage_key, unique_storages
 

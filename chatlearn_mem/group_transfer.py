@@ -1,0 +1,482 @@
+"""One storage group's offload or onload: its plan of copy steps, and the runner a copy lane calls.
+
+:meth:`StorageGroup.start_offload <chatlearn_mem.storage.StorageGroup.start_offload>` and
+``start_onload`` build a :class:`GroupTransfer`; the caller submits its :attr:`~GroupTransfer.batch`
+to the :class:`~chatlearn_mem.copy_engine.CopyEngine`, and :meth:`GroupTransfer.finish` settles
+the group once the batch is done, or rolls it back to where it was. The plans (which bytes are
+copied in which step, where each storage is released or regrown) are built once per layout and
+reused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, Iterable, Optional
+
+import torch
+
+from chatlearn_mem import device_memory
+from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
+from chatlearn_mem.device_memory import Block, storage_key
+from chatlearn_mem.errors import TransferError
+from chatlearn_mem.host_store import HostStore
+
+if TYPE_CHECKING:
+    from chatlearn_mem.storage import StorageGroup
+
+__all__ = ["GroupTransfer", "TransferStats", "device_of", "offload_plan", "onload_plan"]
+
+logger = logging.getLogger("chatlearn_mem")
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _grow_storage(
+    storage: torch.UntypedStorage, nbytes: int, block: Optional[Block] = None, huge_pages: bool = True
+) -> None:
+    """Give a released storage its memory again (:func:`device_memory.regrow`). Module-level so
+    that tests can inject allocation failures."""
+    device_memory.regrow(storage, nbytes, block, huge_pages)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one offload or onload of a group did."""
+
+    group: str
+    direction: str  # "offload" or "onload"
+    nbytes: int  # bytes released or restored on the device
+    copied_bytes: int  # bytes that crossed to or from the host
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        """Copy throughput in GB/s (0 when nothing was copied)."""
+        return self.copied_bytes / self.seconds / 1e9 if self.copied_bytes and self.seconds else 0.0
+
+
+def device_of(storages: Iterable[torch.UntypedStorage]) -> torch.device:
+    """The device of the first storage; the CPU when there is none."""
+    return next((s.device for s in storages), torch.device("cpu"))
+
+
+def _run_blocking(t: "GroupTransfer") -> TransferStats:
+    """Submit ``t``'s batch, wait for it and settle the transfer (:meth:`GroupTransfer.run_blocking`)."""
+    job = Job()
+    t.engine.submit(job, [t.batch])
+    job.wait()
+    return t.finish()
+
+
+# -- plans: the actions of one group's transition, built once per layout and reused ----------------
+# An action is a tuple of ints (nothing for the garbage collector to track):
+WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO = range(6)
+#   (WAIT,)                                  CUDA: the d2h stream waits for the caller's event (R1)
+#   (COPY_OUT, i, bucket, bucket offset, storage offset, bytes)    device -> host store
+#   (RELEASE, i)                             resize storage i to 0 (after its copies, R2)
+#   (GROW, i)                                regrow storage i (on the caller's stream on CUDA, R3)
+#   (COPY_IN, i, bucket, bucket offset, storage offset, bytes)     host store -> device
+#   (ZERO, i)                                zero storage i (grads)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    steps: list  # list of lists of actions
+    release_step: dict  # storage -> step of its release (offload)
+    grow_at: dict  # storage -> (step, action) of its regrow (onload)
+    user_steps: tuple  # per user: the last step it reads (onload with users), None if none
+
+
+class _Packer:
+    """Packs actions into steps of at most ``step_bytes`` copied bytes."""
+
+    def __init__(self, step_bytes: int):
+        self.step_bytes, self.steps, self.bytes = step_bytes, [], 0
+
+    def add(self, action: tuple, nbytes: int = 0) -> tuple[int, int]:
+        if not self.steps or self.bytes + nbytes > self.step_bytes:
+            self.steps.append([])
+            self.bytes = 0
+        self.steps[-1].append(action)
+        self.bytes += nbytes
+        return len(self.steps) - 1, len(self.steps[-1]) - 1
+
+    def finish(self) -> list:
+        """The steps, each step's copies of adjacent bytes (in the storage and in its host bucket)
+        merged into one: a step is waited for as a whole, so the order inside it is free, and few
+        large copies run faster than many small ones (the weights come in the order the model
+        reads them, a buffer laid out in reverse: the pieces of a step are adjacent, descending)."""
+        return [_coalesce(step) for step in self.steps]
+
+
+def _coalesce(step: list) -> list:
+    """Merge the step's COPY_OUT / COPY_IN actions that continue one another (same storage, same
+    bucket, same offset between the two) into one; every other action keeps its place."""
+    copies = [a for a in step if a[0] in (COPY_OUT, COPY_IN)]
+    if len(copies) < 2:
+        return step
+    merged: list[tuple] = []
+    for a in sorted(copies, key=lambda a: (a[0], a[1], a[2], a[4])):
+        last = merged[-1] if merged else None
+        if last is not None and last[:3] == a[:3] and last[4] + last[5] == a[4] and last[3] - last[4] == a[3] - a[4]:
+            merged[-1] = (*last[:5], last[5] + a[5])
+        else:
+            merged.append(a)
+    # what must come first (the wait for the caller, the regrows: R1, R3), then the copies, then the
+    # releases and zeroings (a release after its storage's copies: R2)
+    first = [a for a in step if a[0] in (WAIT, GROW)]
+    rest = [a for a in step if a[0] in (RELEASE, ZERO)]
+    return first + merged + rest
+
+
+def _spans(store: HostStore, i: int, start: int, end: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """``(bucket, bucket offset, storage offset, bytes)`` pieces of bytes ``[start, end)`` of storage
+    ``i`` in ascending order, each inside one bucket and at most ``chunk`` bytes."""
+    out = []
+    for span in store.spans[i]:
+        lo, hi = max(start, span.storage_offset), min(end, span.storage_offset + span.nbytes)
+        while lo < hi:
+            n = min(chunk, hi - lo)
+            out.append((span.bucket, span.bucket_offset + lo - span.storage_offset, lo, n))
+            lo += n
+    return out
+
+
+def offload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int, wait: bool) -> _Plan:
+    pack = _Packer(chunk)
+    if wait:
+        pack.add((WAIT,))
+    release = {}
+    for i, n in enumerate(sizes):
+        if store is not None:
+            for b, bo, so, size in _spans(store, i, 0, n, chunk):
+                pack.add((COPY_OUT, i, b, bo, so, size), size)
+        release[i] = pack.add((RELEASE, i))[0]
+    return _Plan(pack.finish(), release, {}, ())
+
+
+def onload_plan(
+    sizes: tuple[int, ...], store: Optional[HostStore], chunk: int, users: tuple[tuple[tuple[int, int, int], ...], ...]
+) -> _Plan:
+    pack = _Packer(chunk)
+    grow_at: dict[int, tuple[int, int]] = {}
+    pieces: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
+    for i, start, end in _use_order(users, sizes):
+        if i not in grow_at:
+            grow_at[i] = pack.add((GROW, i))
+        if store is None:
+            step = pack.add((ZERO, i), sizes[i])[0]
+            pieces.setdefault(i, []).append((0, sizes[i], step))
+            continue
+        for b, bo, so, size in _spans(store, i, start, end, chunk):
+            step = pack.add((COPY_IN, i, b, bo, so, size), size)[0]
+            pieces.setdefault(i, []).append((so, so + size, step))
+    for i in range(len(sizes)):  # storages of 0 bytes
+        if i not in grow_at:
+            grow_at[i] = pack.add((GROW, i))
+    return _Plan(pack.finish(), {}, grow_at, _user_steps(users, pieces, grow_at))
+
+
+def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(storage index, start, end)`` byte ranges covering every storage exactly once: first the
+    ranges users read, in user order (ranges read earlier are not repeated), then what no user
+    reads, per storage in ascending order. A range that continues the previous one upwards is
+    merged with it; one that lies below it is not (megatron lays a buffer out in reverse: merged,
+    the first layer's weights would come last)."""
+    covered: dict[int, list[tuple[int, int]]] = {}
+    order: list[tuple[int, int, int]] = []
+
+    def add(i: int, a: int, b: int) -> None:
+        for lo, hi in _subtract((a, b), covered.setdefault(i, [])):
+            if order and order[-1][0] == i and order[-1][2] == lo:
+                order[-1] = (i, order[-1][1], hi)
+            else:
+                order.append((i, lo, hi))
+            bisect.insort(covered[i], (lo, hi))
+
+    for ranges in users:
+        for i, a, b in ranges:
+            if a < b:
+                add(i, max(0, a), min(sizes[i], b))
+    for i, n in enumerate(sizes):
+        if n:
+            add(i, 0, n)
+    return order
+
+
+def _subtract(r: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``r`` outside the sorted, disjoint ranges ``taken``."""
+    a, b = r
+    out = []
+    for lo, hi in taken:
+        if hi <= a or lo >= b:
+            continue
+        if lo > a:
+            out.append((a, lo))
+        a = max(a, hi)
+    if a < b:
+        out.append((a, b))
+    return out
+
+
+def _user_steps(
+    users, pieces: dict[int, list[tuple[int, int, int]]], grow_at: dict[int, tuple[int, int]]
+) -> tuple[Optional[int], ...]:
+    """For each user, the last step whose bytes it reads (None: it reads nothing of this group)."""
+    ordered = {i: sorted(ps) for i, ps in pieces.items()}
+    starts = {i: [p[0] for p in ps] for i, ps in ordered.items()}
+    out = []
+    for ranges in users:
+        last = None
+        for i, a, b in ranges:
+            last = max(-1 if last is None else last, grow_at[i][0])
+            ps = ordered.get(i, [])
+            k = max(0, bisect.bisect_right(starts.get(i, []), a) - 1)
+            while k < len(ps) and ps[k][0] < b:
+                if ps[k][1] > a:
+                    last = max(last, ps[k][2])
+                k += 1
+        out.append(last)
+    return tuple(out)
+
+
+class GroupTransfer:
+    """One group's offload or onload: the batch a lane runs, and its settling on the host.
+
+    Created by :meth:`StorageGroup.start_offload` / :meth:`StorageGroup.start_onload`; the caller
+    submits :attr:`batch` (``CopyEngine.submit``), waits for its job, then calls :meth:`finish`.
+    It is also the batch's runner: it runs the plan's actions on its own storages.
+    """
+
+    def __init__(
+        self,
+        group: "StorageGroup",
+        direction: str,
+        plan: _Plan,
+        storages: list[torch.UntypedStorage],
+        sizes: list[int],
+        copy: bool,
+        token: Optional[Hashable],
+        caller_event,
+    ):
+        self.group, self.direction, self.plan = group, direction, plan
+        self.storages, self.sizes = storages, sizes
+        self.copy, self.token = copy, token
+        self.engine = CopyEngine.for_device(device_of(storages))
+        self._cuda = self.engine.is_cuda
+        self._d2h_stream = self.engine.lanes["d2h"].stream if self._cuda else None
+        self._h2d_stream = self.engine.lanes["h2d"].stream if self._cuda else None
+        self._caller_event = caller_event
+        self._store = group.store
+        self._huge_pages = group._config.cpu_huge_pages
+        self._lazy = group._config.cpu_release == "lazy"
+        self.batch = Batch(
+            "d2h" if direction == "offload" else "h2d", f"{direction} {group.name}", steps=plan.steps, runner=self
+        )
+        self.released: list[int] = []  # offload: indices released so far (R2: after their copies)
+        self.grown: list[int] = []  # onload: indices regrown so far
+        self.stats: Optional[TransferStats] = None
+        self.error: Optional[BaseException] = None
+
+    # -- the runner of the plan's actions (called by the lane) -------------------------------------
+    def run(self, a: tuple) -> None:
+        op = a[0]
+        if op == COPY_OUT:
+            _, i, b, bo, so, n = a
+            # CUDA: asynchronous into pinned memory (the step's event says when it landed); into
+            # pageable memory the driver copies synchronously, slower but as correct
+            self._store.buckets[b][bo : bo + n].copy_(
+                _byte_view(self.storages[i])[so : so + n], non_blocking=self._cuda
+            )
+        elif op == COPY_IN:
+            _, i, b, bo, so, n = a
+            _byte_view(self.storages[i])[so : so + n].copy_(
+                self._store.buckets[b][bo : bo + n], non_blocking=self._cuda
+            )
+        elif op == RELEASE:
+            s = self.storages[a[1]]
+            if self._cuda and s.nbytes():
+                _byte_view(s).record_stream(self._d2h_stream)  # R2: the allocator waits for the d2h copies
+            self._release(a[1])
+            self.released.append(a[1])
+        elif op == GROW:
+            i = a[1]
+            self._grow(i)
+            self.grown.append(i)
+            if self._cuda and self.sizes[i]:
+                # the block lives in the caller's pool (R3) and the h2d stream writes it: were the
+                # storage freed before the copy ran, the allocator must wait for that stream too
+                _byte_view(self.storages[i]).record_stream(self._h2d_stream)
+        elif op == ZERO:
+            _byte_view(self.storages[a[1]]).zero_()
+        elif op == WAIT:
+            self._d2h_stream.wait_event(self._caller_event)
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown action {a!r}")
+
+    def _release(self, i: int) -> None:
+        """Release storage ``i``; on a CPU device its memory is kept by the group (device_memory)."""
+        s = self.storages[i]
+        block = device_memory.release(s, lazy=self._lazy)
+        if block is not None:
+            self.group._parked[storage_key(s)] = block
+
+    def _grow(self, i: int) -> None:
+        """Regrow storage ``i``: the memory its release kept, where there is one (CPU)."""
+        s = self.storages[i]
+        key = storage_key(s)
+        group = self.group
+        block = group._parked.get(key)
+        if block is not None and group._mapped.get(key) != block.address and self._huge_pages:
+            block = None  # torch's first allocation (4 KiB pages, maybe): map huge pages instead, once
+        _grow_storage(s, self.sizes[i], block, self._huge_pages)
+        group._parked.pop(key, None)  # only once grown: a failed regrow keeps the block
+        if not self._cuda:
+            group._mapped[key] = s.data_ptr()
+
+    def describe(self, a: tuple) -> str:
+        op, name = a[0], self.group.name
+        if op in (COPY_OUT, COPY_IN):
+            return f"copy {name}[{a[1]}] {a[4]}:{a[4] + a[5]}"
+        if op == WAIT:
+            return "wait for the caller's stream (R1)"
+        return f"{('release', 'regrow', '', 'zero')[op - RELEASE]} {name}[{a[1]}]"
+
+    @staticmethod
+    def on_caller_stream(a: tuple) -> bool:
+        return a[0] == GROW
+
+    # -- for the managers ------------------------------------------------------------------------
+    def release_steps(self) -> list[tuple[int, int]]:
+        """``(storage index, step index)`` of each release, in order (offload)."""
+        return sorted(self.plan.release_step.items(), key=lambda x: x[1])
+
+    def grow_actions(self) -> list[tuple[int, tuple[int, int]]]:
+        """``(storage index, (step, action))`` of each regrow, in order (onload)."""
+        return sorted(self.plan.grow_at.items(), key=lambda x: x[1])
+
+    def user_fence(self, user: int) -> Optional[Fence]:
+        """The fence after which user ``user`` of :meth:`StorageGroup.start_onload` may read."""
+        steps = self.plan.user_steps
+        if not steps:  # queued without a use order (a blocking onload): every user waits for it all
+            return self.batch.fence() if self.batch.steps else None
+        step = steps[user] if user < len(steps) else None
+        return None if step is None else self.batch.fence(step)
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+    def run_blocking(self) -> TransferStats:
+        """Submit the batch, wait for it and :meth:`finish` (a blocking offload or onload)."""
+        return _run_blocking(self)
+
+    def cancel(self) -> None:
+        """Undo :meth:`StorageGroup.start_offload` / ``start_onload`` of a transition that was never
+        submitted (nothing ran): the group is back where it was."""
+        assert self.batch._lane is None, "cancel() is for a transition that was never submitted"
+        group = self.group
+        if self.direction == "offload":
+            group._released = []
+            group.offloaded = False
+        else:
+            group.offloaded = True
+        group._transfer = None
+
+    def finish(self) -> TransferStats:
+        """Settle the transition on the host, once its batch is done: record the outcome, or roll
+        the group back to where it was (R9) and raise the error (with a note saying so).
+
+        Raises:
+            The error of the action that failed (or of an earlier part of the same job).
+        """
+        assert self.batch.done(), f"{self.batch.label} is still running"
+        if self.stats is not None:
+            return self.stats
+        if self.error is not None:
+            raise self.error
+        if self.batch.completed == len(self.batch.steps):
+            return self._succeed()  # a later part of the same job may have failed: this one is whole
+        job = self.batch.job
+        error = job.error if job is not None and job.error is not None else TransferError(self.batch.label)
+        try:
+            note = self._roll_back()
+        finally:
+            self.group._transfer = None
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        self.error = error
+        raise error
+
+    def _succeed(self) -> TransferStats:
+        group = self.group
+        nbytes = sum(self.sizes)
+        if self.direction == "offload":
+            if self.copy:
+                group._host_token = self.token
+                group._host_keys = tuple(s._cdata for s in self.storages)
+            copied = nbytes if self.copy else 0
+        else:
+            group._released = []
+            group._parked.clear()  # every block went back into its storage; nothing else is kept
+            copied = nbytes if group.keep_contents else 0
+            group.set_host_token(self.token)
+        group._transfer = None
+        self.stats = TransferStats(group.name, self.direction, nbytes, copied, self.batch.seconds)
+        logger.info(
+            "%s %s: %.1f MB, %.1f MB copied (%.2f GB/s)",
+            self.direction,
+            group.name,
+            nbytes / 1e6,
+            copied / 1e6,
+            self.stats.gb_per_s,
+        )
+        return self.stats
+
+    def _roll_back(self) -> str:
+        group = self.group
+        if self.direction == "onload":
+            for i in self.grown:
+                self._release(i)
+            group.offloaded = True
+            return (
+                f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "
+                "was released again; the part is still offloaded and its host copy is intact"
+            )
+        # offload: the storages released so far have complete host copies (R2): bring them back
+        restored = []
+        try:
+            for i in list(self.released):
+                s = self.storages[i]
+                self._grow(i)
+                dst = _byte_view(s)
+                for host, off in group.store.views(i):
+                    dst[off : off + host.numel()].copy_(host)
+                restored.append(i)
+            _synchronize(device_of(self.storages))
+        except BaseException as e:  # noqa: BLE001 - keep what is still released, offloaded
+            left = [i for i in self.released if i not in restored]
+            group._released = [(self.storages[i], self.sizes[i]) for i in left]
+            group.offloaded = True
+            group._host_token = None
+            return (
+                f"chatlearn-mem: the offload of {group.name} failed and could not be fully rolled "
+                f"back ({e!r}): {len(left)} storage(s) stay released with complete host copies and the "
+                "part counts as offloaded; call onload() once memory is available"
+            )
+        group._released = []
+        group.offloaded = False
+        group._host_token = None
+        return (
+            f"chatlearn-mem: the offload of {group.name} was rolled back: every storage it had released "
+            "was regrown from its complete host copy; the part is resident"
+        )
