@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chatlearn_mem import Part
 from chatlearn_mem.models.gpt import GPTTrainerConfig
-from chatlearn_mem_cli.config_files import load_config as _load
-from chatlearn_mem_cli.config_files import preset_of
+from chatlearn_mem_config_files import load_config as _load
+from chatlearn_mem_config_files import preset_of
 
 __all__ = ["BenchConfig", "COPY_PARTS", "DEFAULT_PRESET", "FULL", "METHODS", "PARTS", "PRESETS", "load_config"]
 

@@ -94,7 +94,7 @@ def _instead(plan: HostMemoryPlan, room: int, **plan_args) -> str:
     """What to run instead of a plan that does not fit in ``room`` bytes: the largest shipped
     preset whose plan (estimated from its config) fits, for the refusal's message."""
     from chatlearn_mem_bench.config import load_config
-    from chatlearn_mem_cli.config_files import preset_names
+    from chatlearn_mem_config_files import preset_names
 
     fits = []
     for name in preset_names(PRESETS):

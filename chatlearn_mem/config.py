@@ -1,7 +1,7 @@
 """The memory managers' configuration, :class:`MemoryConfig`.
 
 Reading configs from YAML files and ``key=value`` overrides is the command line's business
-(``chatlearn_mem_cli.config_files``); the core builds its config from Python only.
+(``chatlearn_mem_config_files``, below the PPO app and the benchmark); the core builds its config from Python only.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def presets() -> None:
     """List the presets of `ppo` and `bench`, one line on each (use them with --config NAME)."""
     from importlib import resources
 
-    from chatlearn_mem_cli.config_files import preset_description, preset_names
+    from chatlearn_mem_config_files import preset_description, preset_names
 
     def show(label: str, module: str, default: Optional[str]) -> None:
         where = resources.files(module)

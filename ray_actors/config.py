@@ -3,7 +3,7 @@
 A run is described by :class:`RunConfig`. :func:`load_config` reads a preset or a YAML file,
 applies ``key=value`` overrides (dotted keys, YAML-typed values: ``ppo.iterations=5``,
 ``memory.enabled=false``) and validates everything at once with the project's one loader
-(:func:`chatlearn_mem_cli.config_files.load_config`); its ``ConfigError`` lists every problem, so a bad
+(:func:`chatlearn_mem_config_files.load_config`); its ``ConfigError`` lists every problem, so a bad
 run fails before Ray or any model starts.
 """
 
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from chatlearn_mem import MemoryConfig
 from chatlearn_mem.models.gpt import GPTTrainerConfig
-from chatlearn_mem_cli.config_files import load_config as _load
+from chatlearn_mem_config_files import load_config as _load
 
 __all__ = [
     "CheckpointConfig",

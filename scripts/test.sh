@@ -99,7 +99,7 @@ install_312() {  # the Python 3.12 venv with megatron-core 0.19
   [ -x .venv312/bin/python ] || "$py312" -m venv .venv312 || return 1
   pip_quiet .venv312/bin/python torch==2.13.0
   pip_quiet .venv312/bin/python -e '.[test]' megatron-core==0.19.2
-  .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" \
+  .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_config_files, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" \
     || return 1
   echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
 }
@@ -134,7 +134,7 @@ if has_leg 0.16 || has_leg 0.13; then
   start=$SECONDS
   pip_quiet python torch==2.13.0
   pip_quiet python -e '.[test]'
-  python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" # fail early if the install did not work
+  python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_config_files, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" # fail early if the install did not work
   echo "== installed for Python 3.11 in $((SECONDS - start)) s"
   lint python
   if has_leg 0.13 && [ ! -f .mcore013/megatron/core/package_info.py ]; then

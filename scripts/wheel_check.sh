@@ -27,7 +27,7 @@ from email.parser import Parser
 wheel = zipfile.ZipFile(sys.argv[1])
 names = wheel.namelist()
 top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-assert top == {"chatlearn_mem", "chatlearn_mem_ray", "chatlearn_mem_bench", "chatlearn_mem_cli"}, f"top-level names: {sorted(top)}"
+assert top == {"chatlearn_mem", "chatlearn_mem_ray", "chatlearn_mem_bench", "chatlearn_mem_config_files", "chatlearn_mem_cli"}, f"top-level names: {sorted(top)}"
 for preset in ("chatlearn_mem_ray/presets/cpu_tiny.yaml", "chatlearn_mem_ray/presets/gpu.yaml",
                "chatlearn_mem_bench/presets/cpu.yaml", "chatlearn_mem_bench/presets/tiny.yaml"):
     assert preset in names, f"{preset} is not in the wheel"
@@ -46,8 +46,8 @@ pip_quiet "$work/app/bin/python" -m pip install "${wheel}[ray]"
 cd "$work"  # outside the repository: nothing may be read from the checkout
 export PATH="$work/app/bin:$PATH"
 "$work/app/bin/python" - <<'EOF'
-import chatlearn_mem, chatlearn_mem_bench, chatlearn_mem_cli, chatlearn_mem_ray
-for m in (chatlearn_mem, chatlearn_mem_bench, chatlearn_mem_cli, chatlearn_mem_ray):
+import chatlearn_mem, chatlearn_mem_bench, chatlearn_mem_cli, chatlearn_mem_config_files, chatlearn_mem_ray
+for m in (chatlearn_mem, chatlearn_mem_bench, chatlearn_mem_cli, chatlearn_mem_config_files, chatlearn_mem_ray):
     assert "site-packages" in m.__file__, f"{m.__name__} imported from {m.__file__}, not the installed wheel"
 EOF
 step "chatlearn-mem ppo ppo.iterations=2 (from $work)"

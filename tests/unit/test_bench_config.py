@@ -12,7 +12,7 @@ from chatlearn_mem import ConfigError  # noqa: E402
 from chatlearn_mem.models.gpt import estimate_part_bytes  # noqa: E402
 from chatlearn_mem_bench import BenchConfig, load_config  # noqa: E402
 from chatlearn_mem_bench.config import PRESETS  # noqa: E402
-from chatlearn_mem_cli.config_files import preset_names  # noqa: E402
+from chatlearn_mem_config_files import preset_names  # noqa: E402
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs" / "bench"
 

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDER_NAMES = {"ray_actors": "chatlearn_mem_ray", "benchmarks": "chatlearn_mem_bench", "cli": "chatlearn_mem_cli"}
+FOLDER_NAMES = {
+    "ray_actors": "chatlearn_mem_ray",
+    "benchmarks": "chatlearn_mem_bench",
+    "config_files": "chatlearn_mem_config_files",
+    "cli": "chatlearn_mem_cli",
+}
 
 
 def _setuptools_table() -> dict:
@@ -22,7 +27,17 @@ def test_code_imports_the_installed_names_not_the_folder_names():
     """``import ray_actors`` works only from a checkout's root (the folder is on sys.path there)
     and gives a second copy of the package beside ``chatlearn_mem_ray``; installed, it fails."""
     bad = []
-    for folder in ("chatlearn_mem", "ray_actors", "benchmarks", "cli", "configs", "tests", "examples", "scripts"):
+    for folder in (
+        "chatlearn_mem",
+        "ray_actors",
+        "benchmarks",
+        "config_files",
+        "cli",
+        "configs",
+        "tests",
+        "examples",
+        "scripts",
+    ):
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 names = (
@@ -52,7 +67,7 @@ def test_every_package_folder_ships_in_the_wheel():
     shipped = {_folder(p, table["package-dir"]) for p in table["packages"]}
     present = {
         str(init.parent.relative_to(ROOT))
-        for top in ("chatlearn_mem", "ray_actors", "benchmarks", "cli", "configs")
+        for top in ("chatlearn_mem", "ray_actors", "benchmarks", "config_files", "cli", "configs")
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert present == shipped, (
@@ -63,7 +78,16 @@ def test_every_package_folder_ships_in_the_wheel():
 def test_the_core_imports_nothing_of_the_command_line():
     """``chatlearn_mem`` is a library: YAML, typer and Ray belong to the command line and the apps
     (the config loader lived in ``chatlearn_mem.config`` and imported yaml there)."""
-    edge = {"yaml", "typer", "click", "ray", "chatlearn_mem_cli", "chatlearn_mem_ray", "chatlearn_mem_bench"}
+    edge = {
+        "yaml",
+        "typer",
+        "click",
+        "ray",
+        "chatlearn_mem_cli",
+        "chatlearn_mem_ray",
+        "chatlearn_mem_bench",
+        "chatlearn_mem_config_files",
+    }
     bad = []
     for path in (ROOT / "chatlearn_mem").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

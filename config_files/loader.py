@@ -1,4 +1,5 @@
-"""The one loader of YAML configs, shared by ``chatlearn-mem ppo`` and ``chatlearn-mem bench``.
+"""The one loader of YAML configs, shared by the PPO app and the benchmark (``chatlearn-mem ppo``
+and ``chatlearn-mem bench``).
 
 :func:`load_config` builds a pydantic config from a preset name or a YAML file, then dotted
 ``key=value`` overrides, validated at once, with every problem listed by its dotted key in one
