@@ -7,7 +7,9 @@ manager releases, or rebind tensors to the host, without telling it. A manager t
 regardless would restore stale bytes, copy from released memory or report a clean audit of a
 broken trainer. After each of its calls the manager records, per part, which storages it left
 resident and which tensors lived on its device (:class:`Placement`); before the next call it
-compares (:func:`changes`) and refuses with :class:`ExternalChangeError` if anything moved.
+compares (:func:`changes`) and refuses with :class:`ExternalChangeError` if anything moved, or
+was replaced by new device memory (``restore_from_cpu()`` brings the optimizer's tensors back as new
+tensors: an offload would then free the manager's stale storages and leave the live ones resident).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Hashable, Iterable, Optional
 
 import torch
 
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ExternalChangeError
 
 __all__ = ["ExternalChangeError", "Placement", "changes"]
@@ -33,6 +36,10 @@ _BUILT_IN_MOVE = (
     "megatron-core's MegatronOptimizer.offload_to_cpu() moves main weights and optimizer "
     "states this way; restore_from_cpu() moves them back as new tensors"
 )
+_READOPT = (
+    "close() this manager and create a new one for the trainer (it takes the tensors as they are "
+    "now), and use one offload mechanism per trainer"
+)
 
 
 @dataclass
@@ -40,16 +47,17 @@ class Placement:
     """Where one part's tensors were when the manager last touched the part.
 
     Attributes:
-        on_device: slot -> True for every tensor slot (a tensor, or an optimizer state entry) that
-            held device memory of the manager's device.
+        on_device: slot -> the identity of its storage (:func:`~chatlearn_mem.device_memory.storage_key`)
+            for every tensor slot (a tensor, or an optimizer state entry) that held device memory
+            of the manager's device.
     """
 
-    on_device: dict[Hashable, bool] = field(default_factory=dict)
+    on_device: dict[Hashable, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, slots: Iterable[tuple[Hashable, torch.Tensor]], device: torch.device) -> "Placement":
-        """Record the slots whose tensor lives on ``device``."""
-        return cls({slot: True for slot, t in slots if t.device == device})
+        """Record the slots whose tensor lives on ``device``, with the storage each one uses."""
+        return cls({slot: storage_key(t) for slot, t in slots if t.device == device})
 
 
 def _released(t: torch.Tensor) -> bool:
@@ -88,12 +96,15 @@ def changes(
                 "offload_to_cpu()) and call onload(), and use one offload mechanism per trainer"
             )
         return out
-    short = moved = 0
+    short = moved = rebound = 0
     for slot, t in slots:
+        seen = before.on_device.get(slot) if before is not None else None
         if t.device == device:
             if _released(t):
                 short += 1
-        elif before is not None and before.on_device.get(slot):
+            elif seen is not None and storage_key(t) != seen:
+                rebound += 1
+        elif seen is not None:
             moved += 1
     if short:
         out.append(
@@ -106,7 +117,13 @@ def changes(
         out.append(
             f"{part}: {moved} tensor(s) the manager saw on {device} now live elsewhere (p.data or an "
             f"optimizer state rebound to the host); {_BUILT_IN_MOVE}, which breaks the views the "
-            "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), "
-            "check audit(), and use one offload mechanism per trainer"
+            "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), then " + _READOPT
+        )
+    if rebound:
+        out.append(
+            f"{part}: {rebound} tensor(s) on {device} use new memory the manager does not manage "
+            "(p.data or an optimizer state replaced since the manager's last call; megatron-core's "
+            "MegatronOptimizer.restore_from_cpu() and optimizer.load_state_dict() do this), so an "
+            "offload would free the manager's stale copies and leave them on the device; " + _READOPT
         )
     return out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the wheelhouse copied along with the repository (.whl/, made by
 # scripts/gpu_wheelhouse.sh) into /tmp/site, then run scripts/gpu_validate.py with the given arguments.
-# From the repository root, in one command of at most 10 minutes (the steps take at most 480 s):
+# From the repository root, in one command of at most 10 minutes (the steps take at most 560 s):
 #   bash scripts/gpu_validate.sh --out "$OUT"
 # Everything is written under --out as it happens, so a command cut short still leaves what it
 # measured. The PPO step runs last and is optional; to give it a command of its own (a fresh

@@ -54,3 +54,34 @@ def test_release_bound_frees_for_real_and_fresh_host_alloc_pins_anew(dist1):
         assert all(a.equal(b) for a, b in zip(before, states)) and mm.audit().ok
     finally:
         mm.close()
+
+
+def test_megatron_builtin_full_cycle_hands_the_manager_back_its_storages(dist1):
+    """megatron's MegatronOptimizer.offload_to_cpu / restore_from_cpu bring main weights and states
+    back as new device tensors. The benchmark's restore copies them into the manager's storages:
+    before, the manager's later full offloads left 7.3 GB of 18.4 GB allocated on an H200."""
+    from chatlearn_mem_bench.config import FULL
+    from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors
+
+    trainer = gpt.build_gpt_trainer(CFG)
+    trainer.train_step(gpt.synthetic_batch(CFG, 0, batch_size=BATCH))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
+    try:
+        method = MegatronBuiltin(mm, trainer, pin=True)
+        parts = ("main_weights", "optimizer_states")
+        before = {p: [t.detach().cpu() for t in logical_tensors(mm, trainer, p)] for p in parts}
+        method.offload(FULL)
+        method.onload(FULL)
+        method.restore(FULL)
+        assert mm.audit().ok, mm.audit()
+        for p in parts:
+            assert all(a.equal(b.cpu()) for a, b in zip(before[p], logical_tensors(mm, trainer, p)))
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        managed = mm.residency().device_bytes
+        mm.offload()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= allocated - managed + 8 * MiB  # all of it released
+        mm.onload()
+    finally:
+        mm.close()

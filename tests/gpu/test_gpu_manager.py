@@ -223,3 +223,35 @@ def test_swap_moves_both_directions_and_stays_exact(dist1):
     assert bit_equal(snapshot(a), sa)
     la.append(a.train_step(_batch(CFG, 1)))
     assert ma.audit().ok and mb.audit().ok
+
+
+def test_megatron_optimizer_offload_then_restore_is_refused_and_a_new_manager_takes_the_tensors(dist1):
+    """megatron's own optimizer offload and restore, for real: restore_from_cpu() brings main
+    weights and states back as new device tensors, which the manager did not notice (audit ok; its
+    offload then freed its stale storages and left the live ones). It now refuses, and a new manager
+    takes them and releases them."""
+    from chatlearn_mem import ExternalChangeError
+
+    trainer = gpt.build_gpt_trainer(CFG)
+    trainer.train_step(_batch(CFG, 0))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    trainer.optimizer.offload_to_cpu()
+    with pytest.raises(ExternalChangeError, match="now live elsewhere"):
+        mm.offload()
+    trainer.optimizer.restore_from_cpu()
+    with pytest.raises(ExternalChangeError, match="use new memory the manager does not manage"):
+        mm.offload()
+    assert not mm.audit().ok
+    mm.close()
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    try:
+        torch.cuda.synchronize()
+        allocated, managed = torch.cuda.memory_allocated(), mm.residency().device_bytes
+        mm.offload()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= allocated - managed + 8 * 2**20
+        mm.onload()
+        assert mm.audit().ok, mm.audit()
+        trainer.train_step(_batch(CFG, 1))
+    finally:
+        mm.close()

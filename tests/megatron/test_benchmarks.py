@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("matplotlib")
 pytest.importorskip("psutil")
 
+import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from chatlearn_mem_bench import PARTS  # noqa: E402
@@ -345,6 +346,62 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
             assert sorted(fake_cuda_pinning["unregister"]) == sorted(p for p, _ in fake_cuda_pinning["register"])
             assert fresh.host_bytes() == (0, 0)
         assert all(a.equal(b) for a, b in zip(before, states)) and mm.audit().ok
+    finally:
+        mm.close()
+
+
+def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, monkeypatch):
+    """On a GPU megatron's optimizer offload moves main weights and states to the host and its
+    restore brings them back as new device tensors. The benchmark left them so: the manager then
+    offloaded its stale storages while the live ones stayed (7.3 GB of 18.4 GB still allocated after
+    a full offload on an H200) and the integrity checksum differed. restore() now copies them back
+    into the manager's storages. On CPU megatron's calls are no-ops, so they are replaced here by
+    what they do on a GPU (a new tensor each way)."""
+    from chatlearn_mem import MemoryConfig, TrainerMemoryManager
+    from chatlearn_mem.models import gpt
+    from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors, part_storages
+
+    cfg = gpt.GPTTrainerConfig()
+    trainer = gpt.build_gpt_trainer(cfg)
+    trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=2))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
+    try:
+        method = MegatronBuiltin(mm, trainer, pin=False)
+        if not method.available:
+            pytest.skip("this megatron-core has no built-in offload (added in 0.16)")
+
+        def move(opt):  # megatron's offload_to_cpu / restore_from_cpu, as on a GPU
+            for leaf in opt.chained_optimizers:
+                for p in (p for g in leaf.optimizer.param_groups for p in g["params"]):
+                    p.data = p.data.clone()
+                for st in leaf.optimizer.state.values():
+                    for k, v in st.items():
+                        if torch.is_tensor(v):
+                            st[k] = v.clone()
+
+        monkeypatch.setattr(trainer.optimizer, "offload_to_cpu", lambda: move(trainer.optimizer))
+        monkeypatch.setattr(trainer.optimizer, "restore_from_cpu", lambda: move(trainer.optimizer))
+        parts = ("main_weights", "optimizer_states")
+        before = {p: [t.detach().clone() for t in logical_tensors(mm, trainer, p)] for p in parts}
+        storages = {p: part_storages(mm, p) for p in parts}
+        method.offload(FULL)
+        assert all(s.nbytes() == 0 for p in parts for s in storages[p])  # released, as megatron drops them
+        method.onload(FULL)
+        method.restore(FULL)
+        assert mm.audit().ok, mm.audit()
+        for p in parts:
+            now = logical_tensors(mm, trainer, p)
+            assert all(a.equal(b) for a, b in zip(before[p], now)) and len(now) == len(before[p])
+        mm.offload()  # frees the optimizer's live tensors: they are the manager's storages again
+        live = [
+            v
+            for leaf in trainer.optimizer.chained_optimizers
+            for st in leaf.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.numel() > 1
+        ]
+        assert live and all(v.untyped_storage().nbytes() == 0 for v in live)
+        mm.onload()
     finally:
         mm.close()
 

@@ -141,6 +141,64 @@ def test_optimizer_states_moved_off_the_device_are_named_and_refused(baseline):
     assert losses == baseline[0] and bit_equal(weights, baseline[1])
 
 
+def _restore_from_cpu_as_on_a_gpu(trainer) -> int:
+    """What ``MegatronOptimizer.restore_from_cpu()`` leaves on a GPU after ``offload_to_cpu()``: every
+    main weight's ``p.data`` and every state entry replaced by a new device tensor, same values.
+    (On CPU both calls are no-ops.) Returns how many tensors were replaced."""
+    n = 0
+    for opt in trainer.optimizer.chained_optimizers:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                p.data = p.data.clone()
+                n += 1
+        for state in opt.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.numel():
+                    state[k] = v.clone()
+                    n += 1
+    return n
+
+
+def test_optimizer_tensors_brought_back_as_new_device_tensors_are_refused_and_a_new_manager_takes_them(baseline):
+    """megatron's optimizer offload then restore, on a GPU, leaves main weights and states on the
+    device in new memory. The manager used to accept that (audit ok) and then offload its own stale
+    storages, leaving the live ones resident: 7.3 GB of 18.4 GB stayed allocated after a "full
+    offload" in the GPU benchmark. Now it is named, refused, and a new manager takes the tensors."""
+    _, _, mm, trainer = train(CFG, steps=AT + 1)
+    _needs_builtin_offload(trainer)
+    replaced = _restore_from_cpu_as_on_a_gpu(trainer)
+    assert replaced > 0
+    message = _refused(mm, mm.offload, "main_weights:", "optimizer_states:", "restore_from_cpu", "close()")
+    assert "use new memory the manager does not manage" in message
+    problems = mm.audit().problems
+    assert any(p.startswith("main_weights:") for p in problems) and any(
+        p.startswith("optimizer_states:") for p in problems
+    ), problems
+    mm.close()
+
+    from chatlearn_mem import TrainerMemoryManager
+
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
+    live = [
+        v
+        for opt in trainer.optimizer.chained_optimizers
+        for t in (
+            [p for g in opt.optimizer.param_groups for p in g["params"]]
+            + [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        )
+        for v in [t]
+        if v.numel()
+    ]
+    mm.offload()
+    assert all(t.untyped_storage().nbytes() == 0 for t in live)  # the live tensors' memory is released
+    mm.onload()
+    assert mm.audit().ok, mm.audit()
+    losses = []
+    for step in range(AT + 1, STEPS):
+        losses.append(trainer.train_step(gpt.synthetic_batch(CFG, step, batch_size=BATCH)))
+    assert losses == baseline[0][AT + 1 :]
+
+
 def test_a_rebound_main_weight_is_recognised_by_its_slot():
     """``p.data = p.data.cpu()`` keeps the tensor object: its slot is the tensor, found off the device."""
     from chatlearn_mem import external
