@@ -127,7 +127,11 @@ def markdown(res: dict) -> str:
         lines += [
             "",
             f"Integrity: tensors bit-identical after every method: "
-            f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}.",
+            f"{integ['tensors_bit_identical_after_all_methods']}; audit ok: {integ['audit_ok']}."
+            + "".join(
+                f" {m} left {', '.join(ps)} with other bytes than before its rounds."
+                for m, ps in (integ.get("changed_by") or {}).items()
+            ),
             "",
         ]
     for method, parts in (res.get("detached_grad_hooks") or {}).items():

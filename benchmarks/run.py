@@ -55,11 +55,11 @@ __all__ = ["PARTS", "check_writable", "run_and_report", "run_benchmark"]
 log = logging.getLogger("benchmarks")
 
 
-def _checksum(mm, trainer) -> list[int]:
-    """Integer checksum of every tensor the copy parts hold (bit-exactness after all methods)."""
+def _checksum(mm, trainer, parts=COPY_PARTS) -> list[int]:
+    """Integer checksum of every tensor ``parts`` hold (bit-exactness after all methods)."""
     out = []
     with torch.no_grad():
-        for part in COPY_PARTS:
+        for part in parts:
             for t in logical_tensors(mm, trainer, part):
                 flat = t.detach().reshape(-1)
                 iview = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
@@ -239,6 +239,7 @@ def run_benchmark(
     publish = sink or (lambda r: None)
     publish(res)
     checksum_before = _checksum(mm, trainer)
+    changed_by: dict[str, list[str]] = {}  # method -> parts whose bytes differed after its restore
     # One host buffer for every part's copy (the largest: the full cycle), none for grads; one
     # device buffer for the largest part, grads' zero-fill included.
     ceiling.prepare(device_bytes=max(nbytes.values()), host_bytes=nbytes[FULL])
@@ -246,7 +247,7 @@ def run_benchmark(
         for part in PARTS:
             t_part = time.perf_counter()
             res["timings"] += _time_part(
-                part, cfg, nbytes, device, manager, ceiling, bound, alternatives, res["memory"]
+                part, cfg, nbytes, device, manager, ceiling, bound, alternatives, res["memory"], changed_by
             )
             res["part_seconds"][part] = time.perf_counter() - t_part
             res["missing_parts"].remove(part)
@@ -274,6 +275,7 @@ def run_benchmark(
     audit = mm.audit()
     res["integrity"] = {
         "tensors_bit_identical_after_all_methods": checksum_before == checksum_after,
+        "changed_by": changed_by,
         "audit_ok": audit.ok,
         "audit_problems": list(audit.problems),
     }
@@ -312,9 +314,14 @@ def _time_part(
     bound,
     alternatives: list,
     memory: list,
+    changed_by: dict,
 ) -> list[dict]:
-    """``warmup + repeats`` interleaved rounds of every method on ``part``; its timing rows."""
+    """``warmup + repeats`` interleaved rounds of every method on ``part``; its timing rows. In the
+    first round the part's bytes are checked after each method against those before it: a method
+    that changed them is added to ``changed_by`` (method -> parts)."""
     methods = [manager, ceiling, bound] + [a for a in alternatives if part in a.parts()]
+    checked = COPY_PARTS if part == FULL else [part] if part in COPY_PARTS else []
+    reference = _checksum(manager.mm, manager.trainer, checked)
     ceiling.use(nbytes[part])
     bound.prepare(nbytes[part])
     samples = {(m.name, d): [] for m in methods for d in ("offload", "onload")}
@@ -341,6 +348,11 @@ def _time_part(
             snap("after_onload")
             m.restore(part)
             trim_host_heap()  # untimed: the next method must not count this one's copies
+            if r == 0:
+                now = _checksum(manager.mm, manager.trainer, checked)
+                if now != reference:
+                    changed_by.setdefault(m.name, []).append(part)
+                reference = now  # the next method's start
             if r >= cfg.warmup:
                 samples[(m.name, "offload")].append(t_off)
                 samples[(m.name, "onload")].append(t_on)
@@ -479,7 +491,18 @@ def check_targets(res: dict) -> list[dict]:
             {
                 "name": "integrity: tensors bit-identical after every method, audit ok",
                 "passed": integ["tensors_bit_identical_after_all_methods"] and integ["audit_ok"],
-                "detail": "; ".join(integ["audit_problems"]) or "checksums equal, audit ok",
+                "detail": "; ".join(
+                    [
+                        "bytes changed by "
+                        + ", ".join(f"{m} ({', '.join(ps)})" for m, ps in integ.get("changed_by", {}).items())
+                        if integ.get("changed_by")
+                        else "checksums equal"
+                        if integ["tensors_bit_identical_after_all_methods"]
+                        else "checksums differ after all methods",
+                        *integ["audit_problems"][:3],
+                    ]
+                )
+                + ("" if integ["audit_problems"] else "; audit ok"),
             }
         )
     return out

@@ -122,6 +122,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert len(cycles) == res["config"]["cycles"]
     assert all(c["device_bytes_after_offload"] == 0 for c in cycles)
     assert res["integrity"]["tensors_bit_identical_after_all_methods"] and res["integrity"]["audit_ok"]
+    assert res["integrity"]["changed_by"] == {}
     assert res["detached_grad_hooks"] == {}  # on one device no method drops an accumulator node
 
     # the repeated rows: the weights onload beside a plain copy, and the soak with training between cycles
@@ -191,6 +192,36 @@ def test_benchmark_end_to_end(dist1, tmp_path):
 
 
 # -- a run cut short ---------------------------------------------------------------------------
+def test_the_integrity_row_names_the_method_and_part_whose_bytes_changed(dist1, tmp_path, monkeypatch):
+    """The integrity row once said only that the bytes differed after all methods (two GPU runs);
+    each method's last round is now checked against the bytes before the part's rounds."""
+    from chatlearn_mem_bench import methods
+
+    restore = methods.ReplaceRebuild.restore
+
+    def corrupting_restore(self, part):
+        restore(self, part)
+        if part == "main_weights":
+            with torch.no_grad():
+                methods.logical_tensors(self.mm, self.trainer, part)[0].view(-1)[0] += 1
+
+    monkeypatch.setattr(methods.ReplaceRebuild, "restore", corrupting_restore)
+    overrides = ["methods=[replace_rebuild]", "overlap=false", "soak_cycles=0", "tail_onloads=0", "repeats=3"]
+    result = CliRunner().invoke(
+        app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=broken", "-q", *overrides]
+    )
+    assert result.exit_code == 0, result.output
+    res = json.loads((tmp_path / "broken.json").read_text())
+    assert res["integrity"]["changed_by"] == {"replace_rebuild": ["main_weights"]}
+    assert not res["integrity"]["tensors_bit_identical_after_all_methods"]
+    (row,) = [t for t in res["targets"] if t["name"].startswith("integrity")]
+    assert not row["passed"] and row["detail"] == "bytes changed by replace_rebuild (main_weights); audit ok"
+    assert (
+        "replace_rebuild left main_weights with other bytes than before its rounds."
+        in (tmp_path / "broken.md").read_text()
+    )
+
+
 def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_ones(tmp_path):
     """SIGKILL once the first part's rows are in the JSON: those rows stay, and the markdown and the
     PNG are rebuilt from the JSON alone, naming what is missing. Before: results were written only
