@@ -327,6 +327,21 @@ class TrainerActor(_ManagedActor):
 
         yield from hf.hf_weight_buckets(self.manager.weights_state_dict(), self.config, int(bucket_bytes))
 
+    def host_weights_copy_seconds(self) -> dict:
+        """A plain copy of this rank's weights, read where :meth:`hf_weight_buckets` reads them (the
+        host store when asleep), into preallocated host tensors: ``{"seconds", "bytes"}`` of the
+        second of two copies (the first touches the new pages). The vLLM weight sync's baseline."""
+        import time
+
+        tensors = [t for t in self.manager.weights_state_dict().values() if torch.is_tensor(t)]
+        copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in tensors]
+        for _ in range(2):
+            t0 = time.perf_counter()
+            for dst, src in zip(copies, tensors):
+                dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
     def weights_for_sync(
         self, with_digest: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, int], Optional[str]]:

@@ -290,6 +290,11 @@ class RolloutConfig(_Strict):
     """vllm: the most bytes of converted weights in flight between the policy and the engine."""
     kv_cache_gib: int = Field(1, ge=1)
     """vllm on a CPU-only machine: the engine's KV cache."""
+    sync_baseline: bool = False
+    """vllm: after each weight sync, time a plain copy of the same weights from the policy's host
+    store into preallocated host tensors, the sync's baseline (``log.json``: each iteration's
+    ``weight_sync``, and ``summary.weight_sync``). The copy holds a second copy of the policy's
+    weights on the host while it runs."""
     mismatch_warn: float = Field(1e-2, gt=0)
     """vllm: warn when the policy's and the engine's log-probs of the same sampled tokens differ by
     more than this (max absolute difference; every iteration's is in ``log.json``)."""

@@ -32,13 +32,13 @@ import functools
 import json
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from chatlearn_mem import Part
+from chatlearn_mem_ray import vllm_sync
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import AuditFailedError, BudgetError, NonFiniteLossError, WeightSyncError
 from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of
@@ -162,6 +162,7 @@ class PPORun:
         self.timeline = MemoryTimeline()
         self.iterations: list[dict] = []
         self.sync_checks: list[dict] = []
+        self.weight_sync: Optional[dict] = None  # the vLLM rollout's, for the iteration in progress
         self.audits = {"runs": 0, "checks_clean": 0}
         self.manager_on = cfg.memory.enabled
         self.schedule: Optional[ResidencySchedule] = None  # with memory.device_budget_mb: see plan_memory()
@@ -427,7 +428,7 @@ class PPORun:
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
         if self.cfg.rollout.engine == "vllm":
-            self._sync_engine(index, senders[0])
+            self.weight_sync = vllm_sync.sync_engine(self, index, senders[0])
         else:
             self._sync_rollout_model(index, senders)
         seed = ppo.seed * 1_000_003 + index
@@ -463,51 +464,7 @@ class PPORun:
             if mismatch:
                 raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
 
-    def _sync_engine(self, index: int, sender) -> None:
-        """vLLM: the engine pulls the policy's weights from its host store, streamed in buckets. A
-        stream that missed a tensor is an error there; whether the engine serves the policy's
-        weights is checked in the train_policy phase (:meth:`_recompute_old_logprobs`)."""
-        c = self.colo
-        bucket = int(self.cfg.rollout.sync_bucket_mb * 2**20)
-        sync = c.call("generate", {c.rollout: c.rollout.sync_from.remote(sender, bucket)})[c.rollout]
-        number, _ = self.number(index)
-        self.sync_checks.append({"iteration": number, "manager_on": self.manager_on, "engine": "vllm", **sync})
-
-    def _recompute_old_logprobs(
-        self, index: int, tokens: torch.Tensor, engine_old: torch.Tensor
-    ) -> tuple[torch.Tensor, dict]:
-        """vLLM: the policy's own log-probs of the sampled tokens (PPO's old log-probs), and the
-        training-inference mismatch against the engine's (``{"mean", "max"}``), also recorded with
-        the iteration's sync.
-
-        Raises:
-            WeightSyncError: The two differ by more than 10x ``rollout.mismatch_warn``: the engine
-                does not serve the policy's weights.
-        """
-        P = self.cfg.ppo.prompt_length
-        old = self._forward("train_policy", self.colo.policy, tokens, self.cfg.ppo.temperature)[:, P - 1 :]
-        diff = (old - engine_old).abs()
-        mismatch = {"mean": diff.mean().item(), "max": diff.max().item()}
-        number, comparison = self.number(index)
-        record = next((r for r in reversed(self.sync_checks) if r["iteration"] == number), None)
-        limit = self.cfg.rollout.mismatch_warn
-        if record is not None:
-            record.update(logprob_mismatch=mismatch, equal=mismatch["max"] <= 10 * limit)
-        if mismatch["max"] > 10 * limit:
-            raise WeightSyncError(
-                f"{iteration_label(number, comparison)}: the engine's log-probs differ from the policy's by "
-                f"{mismatch['max']:.3g} (more than 10x rollout.mismatch_warn={limit:g}): the engine does not "
-                "serve the policy's weights"
-            )
-        if mismatch["max"] > limit:
-            warnings.warn(
-                f"{iteration_label(number, comparison)}: training-inference mismatch {mismatch['max']:.3g} "
-                f"(max |policy - engine| log-prob) exceeds rollout.mismatch_warn={limit:g}",
-                stacklevel=2,
-            )
-        return old, mismatch
-
-    def _forward(self, phase: str, group: list, tokens: torch.Tensor, *args) -> torch.Tensor:
+    def forward_on(self, phase: str, group: list, tokens: torch.Tensor, *args) -> torch.Tensor:
         """``forward(tokens, *args)`` on every rank of ``group``, each data-parallel rank on its
         share of ``tokens``; the outputs of tensor-parallel rank 0, concatenated."""
         c = self.colo
@@ -521,7 +478,7 @@ class PPORun:
         return self._first_tp_outputs(group, results)
 
     def _critic_values(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._forward("values", self.colo.critic, tokens)
+        return self.forward_on("values", self.colo.critic, tokens)
 
     def _train(self, phase: str, group: list, batch: dict, loss_fn: Callable, index: int) -> dict:
         c, ppo = self.colo, self.cfg.ppo
@@ -609,7 +566,7 @@ class PPORun:
         def train_policy():
             own = old
             if cfg.rollout.engine == "vllm":  # PPO's old log-probs are the policy's own, recomputed
-                own, found = self._recompute_old_logprobs(index, tokens, old)
+                own, found = vllm_sync.recompute_old_logprobs(self, index, tokens, old)
                 mismatch.update(found)
             return self._train(
                 "train_policy",
@@ -647,6 +604,9 @@ class PPORun:
         }
         if mismatch:
             out["logprob_mismatch"] = mismatch
+        if cfg.rollout.engine == "vllm" and self.weight_sync is not None:
+            out["weight_sync"] = dict(self.weight_sync, share_of_iteration=self.weight_sync["seconds"] / out["seconds"])
+            self.weight_sync = None
         if self.schedule is not None and self.manager_on:
             out["budget_bytes"] = {str(b): v for b, v in self.schedule.budget.items()}
         self.iterations.append(out)

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from chatlearn_mem_ray import vllm_sync
 from chatlearn_mem_ray.checkpoints import (
     RunCheckpointer,
     check_checkpoint_dir,
@@ -251,14 +252,21 @@ def run_ppo(
         out_dir / "memory_timeline.png",
         f"colocated PPO, {cfg.parallel.world_size} rank(s), {main} iterations{compared}, "
         f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}",
+        mismatch={
+            (m["iteration"], m["manager_on"]): m["logprob_mismatch"]["max"]
+            for m in run.iterations
+            if m.get("logprob_mismatch")
+        },
     )
     for key, s in log["summary"].items():
-        if isinstance(s, dict):
+        if isinstance(s, dict) and "peak_colocated_bytes" in s:
             progress(
                 f"{key.replace('_', ' ')}: peak colocated {s['peak_colocated_bytes'] / 2**20:.2f} MiB "
                 f"({s['peak_phase']}) / largest phase {s['largest_phase_bytes'] / 2**20:.2f} MiB "
                 f"({s['largest_phase']}) = {s['ratio']:.3f}"
             )
+    if log["summary"].get("weight_sync"):
+        progress(vllm_sync.sync_summary_line(log["summary"]["weight_sync"]))
     progress(f"wrote {log_path} and {out_dir / 'memory_timeline.png'}")
     return log
 
@@ -458,6 +466,7 @@ def _log(
             "memory_manager_on": timeline.summary(True),
             "memory_manager_off": timeline.summary(False),
             "seconds": seconds,
+            **({"weight_sync": sync} if (sync := vllm_sync.sync_summary(run.iterations if run else [])) else {}),
         },
         **(extra or {}),
     }

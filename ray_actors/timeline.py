@@ -349,6 +349,35 @@ def _plot_detail(ax, stat: dict, actors: list[str], colors: dict) -> None:
     ax.legend(fontsize=8, loc="upper left")
 
 
+def _plot_mismatch(ax, stats: list[dict], mismatch: dict[tuple[int, bool], float]) -> None:
+    """Panel 2's right axis: the training-inference mismatch of each iteration that has one."""
+    pts = [
+        (s["x"], mismatch[(s["iteration"], s["manager_on"])])
+        for s in stats
+        if (s["iteration"], s["manager_on"]) in mismatch
+    ]
+    pts = [(x, max(v, 1e-12)) for x, v in pts]  # an exact match still gets a point on a log axis
+    if not pts:
+        return
+    right = ax.twinx()
+    right.scatter(
+        [x for x, _ in pts],
+        [v for _, v in pts],
+        marker="^",
+        color="tab:green",
+        s=26,
+        zorder=4,
+        label="log-prob mismatch (right)",
+    )
+    right.set_yscale("log")
+    low, high = min(v for _, v in pts), max(v for _, v in pts)
+    right.set_ylim(low / 3, high * 3)
+    right.tick_params(which="both", labelsize=8, colors="tab:green")  # the legend names the axis
+    handles, labels = ax.get_legend_handles_labels()
+    more, more_labels = right.get_legend_handles_labels()
+    ax.legend(handles + more, labels + more_labels, fontsize=8, loc="lower left", ncol=2)
+
+
 def _plot_peaks(ax, stats: list[dict]) -> None:
     """Panel 2: per iteration, the worst phase's colocated bytes and the largest phase's need; the
     comparison iterations follow the others, their ticks labelled ``off 1``, ``off 2``, ..."""
@@ -451,14 +480,18 @@ def _plot_on_off(ax, on: Optional[dict], off: Optional[dict], actors: list[str],
         )
 
 
-def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path:
+def plot_timeline(
+    timeline: MemoryTimeline, path: Path, title: str = "", mismatch: Optional[dict[tuple[int, bool], float]] = None
+) -> Path:
     """The run's memory in three panels, about 1300 x 960 pixels whatever the run's length.
 
     1. One iteration in detail (the last with the manager on, else the last): a stacked bar per
        phase whose segments are each actor's parts (colour = actor, hatch and shade = part), with
        the phase's need dashed. With the manager on, each bar is the active model only.
     2. Per iteration, the peak colocated bytes (all actors at the worst phase) and the largest
-       phase's need; manager-off iterations are red squares on a shaded band.
+       phase's need; manager-off iterations are red squares on a shaded band. With ``mismatch``
+       (``(iteration, manager_on) -> max |policy - engine| log-prob``, the vLLM rollout's
+       training-inference mismatch), green triangles on a log scale at the right.
     3. An iteration with the manager on next to one with it off (the last of each), stacked by
        actor, with each one's ratio peak colocated / largest phase in the title.
 
@@ -502,7 +535,7 @@ def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path
         top=0.86 - 0.03 * (legend_rows - 1),
         bottom=0.055,
         hspace=0.3,
-        wspace=0.14,
+        wspace=0.2 if mismatch else 0.14,  # room for panel 2's right axis
     )
     ax1, ax2, ax3 = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     if detail is None:
@@ -511,6 +544,8 @@ def plot_timeline(timeline: MemoryTimeline, path: Path, title: str = "") -> Path
     else:
         _plot_detail(ax1, detail, actors, colors)
         _plot_peaks(ax2, stats)
+        if mismatch:
+            _plot_mismatch(ax2, stats, mismatch)
         _plot_on_off(ax3, last_on, last_off, actors, colors)
     for ax in (ax1, ax2, ax3):
         ax.tick_params(labelsize=9)

@@ -229,3 +229,31 @@ def test_plot_with_more_actors_and_a_zero_need(tmp_path):
     assert isinstance(t.records[0], PhaseRecord) and t.records[0].need_bytes == 0
     w, h = png_size(plot_timeline(t, tmp_path / "many.png"))
     assert w <= MAX_PX[0] and h <= MAX_PX[1]
+
+
+def test_the_mismatch_goes_on_panel_two_on_a_log_scale(tmp_path):
+    """The vLLM rollout's training-inference mismatch per iteration: green triangles on panel 2's
+    right axis, log scale; an iteration without one gets no point, an exact match one at 1e-12."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from chatlearn_mem_ray.timeline import _iteration_stats, _plot_mismatch
+
+    timeline = make_timeline(3, 1)
+    stats = _iteration_stats(timeline)
+    its = [(s["iteration"], s["manager_on"]) for s in stats]
+    mismatch = {its[0]: 2e-6, its[1]: 0.0, its[-1]: 5e-7}  # the third on-iteration has none
+    fig, ax = plt.subplots()
+    _plot_mismatch(ax, stats, mismatch)
+    (right,) = [a for a in fig.axes if a is not ax]
+    assert right.get_yscale() == "log"
+    (points,) = right.collections
+    xs = {s["x"]: (s["iteration"], s["manager_on"]) for s in stats}
+    got = {xs[x]: y for x, y in points.get_offsets().tolist()}
+    assert got == {its[0]: 2e-6, its[1]: 1e-12, its[-1]: 5e-7}
+    assert "log-prob mismatch (right)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+    w, h = png_size(plot_timeline(timeline, tmp_path / "mm.png", "vllm", mismatch=mismatch))
+    assert w <= MAX_PX[0] and h <= MAX_PX[1]

@@ -33,12 +33,23 @@ def test_ppo_with_the_vllm_engine_syncs_every_iteration_and_learns(local_ray, tm
     first, last = its[:5], its[-5:]
     mean = lambda ms: sum(m["reward"] for m in ms) / len(ms)  # noqa: E731
     assert mean(last) > mean(first) + 0.05, [round(m["reward"], 3) for m in its]  # it learns
+    # the sync's time against a plain copy of the same weights from the host store, in the same run
+    for m in its:
+        ws = m["weight_sync"]
+        assert ws["bytes"] > 0 and 0 < ws["share_of_iteration"] < 1 and ws["seconds"] <= m["seconds"]
+        assert ws["plain_copy_bytes"] > 0 and ws["vs_plain_copy"] == pytest.approx(
+            ws["seconds"] / ws["plain_copy_seconds"]
+        )
+    summary = log["summary"]["weight_sync"]
+    assert summary["iterations"] == ITERATIONS - 1 and summary["vs_plain_copy"]["median"] > 0
+    (line,) = [x for x in lines if x.startswith("weight sync: ")]
+    assert "of the iteration" in line and "a plain copy of the same weights from the host store" in line
     # on the CPU build the engine cannot sleep: its memory is resident in every phase, and counted
     timeline = [r for r in log["memory_timeline"] if r["manager_on"]]
     assert all(r["device_bytes"]["rollout"] > 2**30 for r in timeline)
 
 
-TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes")
+TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes", "weight_sync")
 SHORT = ["ppo.iterations=4", "memory.compare_iterations=0", "ray.phase_timeout_s=180"]
 
 
