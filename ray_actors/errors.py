@@ -36,6 +36,11 @@ class BudgetError(RunError):
     the budget."""
 
 
+class EngineMissingError(RunError):
+    """The config asks for a rollout engine that is not installed (checked before Ray starts); the
+    message gives the install command."""
+
+
 class ResourceError(RunError):
     """The run asks for more CPUs or GPUs than the machine or cluster has."""
 

@@ -15,11 +15,13 @@ What a run needs around the recipe, and what a reader copying the recipe need no
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -46,6 +48,7 @@ from chatlearn_mem_ray.errors import (
     ActorFailedError,
     BudgetError,
     CheckpointDirError,
+    EngineMissingError,
     OutputDirError,
     PhaseTimeoutError,
     ResourceError,
@@ -107,6 +110,7 @@ def run_ppo(
             it was in, saved a checkpoint of it (``checkpoint.on_sigterm``), wrote the log
             (``status``: ``terminated``) and shut Ray down. Only when called from the main thread.
     """
+    check_engine_installed(cfg)
     resume = find_resume_point(cfg, progress)
     check_budget(cfg)
     log_path = prepare_output_dir(cfg, resuming=resume is not None)
@@ -401,6 +405,26 @@ def check_budget(cfg: RunConfig) -> None:
         ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20))
     except ValueError as e:
         raise BudgetError(f"{e} (estimated from the config, before starting)") from None
+
+
+def check_engine_installed(cfg: RunConfig) -> None:
+    """Before Ray starts: the rollout engine the config names can be imported here (the actors run
+    in this Python's environment). Without it the run used to fail only once the actors had
+    started, some 30 s later.
+
+    Raises:
+        EngineMissingError: ``rollout.engine`` is ``vllm`` and vLLM is not installed; the message
+            gives the install commands.
+    """
+    if cfg.rollout.engine != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return
+    from chatlearn_mem.engines.vllm_rollout import INSTALL_CPU, INSTALL_CUDA
+
+    raise EngineMissingError(
+        f"rollout.engine=vllm needs vLLM, which is not installed for {sys.executable}. On a CPU-only "
+        f"machine (Python 3.11): {INSTALL_CPU}; with CUDA: {INSTALL_CUDA} (docs/vllm.md). Or generate "
+        "with the policy's own loop: rollout.engine=megatron"
+    )
 
 
 def _prepare_hf_checkpoint(cfg: RunConfig, progress: Callable[[str], None]) -> None:

@@ -84,7 +84,10 @@ class VLLMRolloutActor(_ManagedActor):
         self, prompts: torch.Tensor, response_length: int, temperature: float, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the megatron rollout's: ``(tokens (B, P+R), logprobs (B, P+R-1))``; the log-probs of
-        the prompt's positions, which the engine does not compute, are NaN (PPO reads the last R)."""
+        the prompt's positions, which the engine does not compute, are NaN (PPO reads the last R).
+        CUDA: the KV cache wakes here, after the weight update (:meth:`onload` woke the weights)."""
+        if "kv_cache" in self.engine.sleeping:
+            self.engine.wake_up(tags=["kv_cache"])
         tokens, logprobs = self.engine.generate(prompts, response_length, temperature, seed=seed)
         pad = torch.full((tokens.shape[0], prompts.shape[1] - 1), float("nan"))
         return tokens, torch.cat([pad, logprobs], dim=1)
@@ -97,8 +100,10 @@ class VLLMRolloutActor(_ManagedActor):
         return []
 
     def onload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
-        """CUDA: the engine wakes up (weights and KV cache)."""
-        self.engine.wake_up()
+        """CUDA: the engine's weights wake up, for the update that comes next; its KV cache waits
+        for :meth:`generate`. The generate phase is then: weights wake, update, KV cache wakes,
+        generate, and at the phase's end (:meth:`offload`) sleep level 2."""
+        self.engine.wake_up(tags=["weights"])
         return []
 
     def settle(self) -> dict:
@@ -116,7 +121,7 @@ class VLLMRolloutActor(_ManagedActor):
     def residency(self) -> dict:
         """What the engine holds, counted as its ``weights`` part (what a generate phase needs:
         weights and KV cache): on the CPU build always (vLLM cannot sleep there), on CUDA while awake."""
-        awake = self.engine is not None and not self.engine.asleep
+        awake = self.engine is not None and "weights" not in self.engine.sleeping
         held = self._engine_bytes() if awake else 0
         out = {
             "device_bytes": held,

@@ -82,6 +82,10 @@ def _import_vllm():
     return vllm
 
 
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What a sleeping engine releases and ``wake_up(tags=...)`` brings back, each on its own."""
+
+
 def expected_names(config: GPTTrainerConfig) -> set[str]:
     """The Hugging Face tensor names of ``config``'s model: what a complete weight update streams."""
     from chatlearn_mem.models import hf
@@ -144,6 +148,7 @@ class VLLMRollout:
         self._sampling = vllm.SamplingParams
         self._said_no_sleep = False
         self._stale: Optional[str] = None  # why the weights are a mix of two versions
+        self._sleeping: set[str] = set()  # of SLEEP_TAGS: what sleep() released and no wake_up brought back
         t0 = time.perf_counter()
         try:
             self._llm = vllm.LLM(**kwargs)
@@ -151,7 +156,6 @@ class VLLMRollout:
         except (RuntimeError, ValueError, NotImplementedError) as e:
             raise EngineError(f"vLLM could not run {config_summary(config)} from {model_dir}: {e}") from e
         self.start_seconds = time.perf_counter() - t0
-        self.asleep = False
 
     # -- sampling ---------------------------------------------------------------------------
     def generate(
@@ -238,6 +242,11 @@ class VLLMRollout:
                     nbytes += t.numel() * t.element_size()
                     yield name, t
 
+        if "weights" in self._sleeping:
+            raise EngineError(
+                "sync_weights: the engine's weights are asleep (released by sleep()): call "
+                "wake_up(tags=['weights']) first, which brings back their memory for the update"
+            )
         t0 = time.perf_counter()
         self._stale = "a weight update is in progress"
         try:
@@ -280,13 +289,29 @@ class VLLMRollout:
                 self._said_no_sleep = True
             return
         self._llm.sleep(level=level)
-        self.asleep = True
+        self._sleeping = set(SLEEP_TAGS)  # level 1 keeps a host copy of the weights, level 2 none
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """CUDA: bring back ``tags`` (``["weights"]``, ``["kv_cache"]``; all by default)."""
+        """CUDA: bring back ``tags`` (of :data:`SLEEP_TAGS`; all by default). A colocated loop
+        wakes the weights, updates them, then wakes the KV cache just before generating, so that
+        the update never holds the KV cache's memory."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise ValueError(f"wake_up: unknown tag(s) {unknown}; the engine's are {list(SLEEP_TAGS)}")
         if self.cuda:
             self._llm.wake_up(tags=tags)
-            self.asleep = tags is not None and "kv_cache" not in tags
+            self._sleeping -= set(tags)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether anything of the engine is released (always False on the CPU build)."""
+        return bool(self._sleeping)
+
+    @property
+    def sleeping(self) -> frozenset[str]:
+        """What is released now, of :data:`SLEEP_TAGS`."""
+        return frozenset(self._sleeping)
 
     def close(self) -> None:
         """Stop the engine and free its memory."""
@@ -297,6 +322,10 @@ class VLLMRollout:
     def _check_usable(self, what: str) -> None:
         if self._llm is None:
             raise EngineError(f"{what}: the engine is closed")
+        if self._sleeping:
+            raise EngineError(
+                f"{what}: the engine's {' and '.join(sorted(self._sleeping))} are asleep: call wake_up() first"
+            )
         if self._stale is not None:
             raise EngineError(f"{what}: {self._stale}")
 

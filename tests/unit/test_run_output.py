@@ -82,7 +82,9 @@ def fake_run(monkeypatch):
 
     monkeypatch.setattr(supervisor, "Colocation", FakeColocation)
     monkeypatch.setattr(PPORun, "iteration", iteration)
-    monkeypatch.setattr(supervisor, "plot_timeline", lambda timeline, path, title: path.write_bytes(b"\x89PNG fake"))
+    monkeypatch.setattr(
+        supervisor, "plot_timeline", lambda timeline, path, title, mismatch=None: path.write_bytes(b"\x89PNG fake")
+    )
     return script
 
 
