@@ -319,16 +319,17 @@ class TrainerActor(_ManagedActor):
                 steps += 1
         return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
 
-    def hf_weight_buckets(self, bucket_bytes: int):
-        """This policy's weights as Hugging Face tensors, in buckets (lists of ``(name, tensor)``) of
-        at most ``bucket_bytes``, read from the host store when asleep: a generator, called with
-        ``num_returns="streaming"`` by the vLLM rollout (one tensor-parallel rank only)."""
+    def megatron_weight_buckets(self, tp: int, bucket_bytes: int):
+        """This rank's own megatron weights in buckets of at most ``bucket_bytes``, read from the
+        host store when asleep (:func:`chatlearn_mem.models.hf.megatron_shard_buckets`: every
+        tensor-parallel rank's buckets hold the same names): a generator, called with
+        ``num_returns="streaming"`` by the vLLM rollout, which merges the ranks' buckets."""
         from chatlearn_mem.models import hf
 
-        yield from hf.hf_weight_buckets(self.manager.weights_state_dict(), self.config, int(bucket_bytes))
+        yield from hf.megatron_shard_buckets(self.manager.weights_state_dict(), self.config, int(tp), int(bucket_bytes))
 
     def host_weights_copy_seconds(self) -> dict:
-        """A plain copy of this rank's weights, read where :meth:`hf_weight_buckets` reads them (the
+        """A plain copy of this rank's weights, read where :meth:`megatron_weight_buckets` reads them (the
         host store when asleep), into preallocated host tensors: ``{"seconds", "bytes"}`` of the
         second of two copies (the first touches the new pages). The vLLM weight sync's baseline."""
         import time

@@ -479,8 +479,6 @@ class RunConfig(_Strict):
                 problems.append(
                     "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"
                 )
-            if self.parallel.tensor_model_parallel_size != 1:
-                problems.append("rollout.engine: vllm needs parallel.tensor_model_parallel_size: 1 (for now)")
             if self.memory.device_budget_mb is not None:
                 problems.append(
                     "rollout.engine: vllm with memory.device_budget_mb is not supported yet: the residency plan "

@@ -428,7 +428,7 @@ class PPORun:
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
         if self.cfg.rollout.engine == "vllm":
-            self.weight_sync = vllm_sync.sync_engine(self, index, senders[0])
+            self.weight_sync = vllm_sync.sync_engine(self, index, senders)
         else:
             self._sync_rollout_model(index, senders)
         seed = ppo.seed * 1_000_003 + index

@@ -2,9 +2,10 @@
 
 It speaks the same protocol as the other actors of a run (residency, transitions, audit, node
 information), so the PPO loop, the timeline and the supervisor treat it like the megatron rollout.
-Its weights come from the policy before every generate phase: the policy's actor streams its host
-store's weights as Hugging Face buckets (:meth:`TrainerActor.hf_weight_buckets`) and the engine
-loads them one tensor at a time (:meth:`chatlearn_mem.engines.vllm_rollout.VLLMRollout.sync_weights`).
+Its weights come from the policy before every generate phase: each tensor-parallel rank of the
+policy streams its host store's shards in buckets (:meth:`TrainerActor.megatron_weight_buckets`),
+this actor merges one bucket of every rank at a time into Hugging Face tensors and the engine loads
+them one tensor at a time (:meth:`chatlearn_mem.engines.vllm_rollout.VLLMRollout.sync_weights`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from chatlearn_mem_ray.config import RolloutConfig, TrainerModelConfig
 __all__ = ["VLLMRolloutActor"]
 
 _BACKPRESSURE = 2
-"""Buckets the policy may have produced ahead of the engine: the host holds at most this many
-converted buckets beside the host store."""
+"""Buckets each policy rank may have produced ahead of the engine: the host holds at most this
+many buckets per rank beside the host stores."""
 
 
 class VLLMRolloutActor(_ManagedActor):
@@ -57,27 +58,34 @@ class VLLMRolloutActor(_ManagedActor):
         return ""  # no process group to join
 
     # -- the work -------------------------------------------------------------------------
-    def sync_from(self, policy: Any, bucket_bytes: int) -> dict:
-        """Load the policy's current weights into the engine, streamed from its actor.
+    def sync_from(self, policies: list, bucket_bytes: int) -> dict:
+        """Load the policy's current weights into the engine, streamed from its actors: one per
+        tensor-parallel rank, in rank order, each sending its own shards in buckets of at most
+        ``bucket_bytes``; a bucket of every rank is merged into Hugging Face tensors at a time.
 
         Returns:
             ``{"tensors", "bytes", "seconds", "gb_per_s"}`` of the update.
 
         Raises:
-            EngineError: The stream was incomplete or the engine failed while loading (the engine
-                then refuses to generate until a complete update).
+            EngineError: The streams were incomplete or disagreed, or the engine failed while
+                loading (the engine then refuses to generate until a complete update).
         """
         import ray
 
-        stream = policy.hf_weight_buckets.options(
-            num_returns="streaming", _generator_backpressure_num_objects=_BACKPRESSURE
-        ).remote(int(bucket_bytes))
+        from chatlearn_mem.models import hf
 
-        def pairs():
-            for ref in stream:
-                yield from ray.get(ref)
+        streams = [
+            p.megatron_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=_BACKPRESSURE
+            ).remote(len(policies), int(bucket_bytes))
+            for p in policies
+        ]
 
-        stats = self.engine.sync_weights(pairs())
+        def steps():
+            for refs in zip(*streams):
+                yield ray.get(list(refs))
+
+        stats = self.engine.sync_weights(hf.merge_shard_buckets(steps(), self.config))
         return {"tensors": stats.tensors, "bytes": stats.nbytes, "seconds": stats.seconds, "gb_per_s": stats.gb_per_s}
 
     def generate(

@@ -7,8 +7,9 @@ Per iteration (``log.json``, each iteration's ``weight_sync``):
   in buckets of ``rollout.sync_bucket_mb`` (the policy asleep throughout);
 - ``share_of_iteration``: those seconds over the iteration's;
 - with ``rollout.sync_baseline``: ``plain_copy_seconds`` and ``plain_copy_bytes``, a plain copy of the
-  same weights from the same host store into preallocated host tensors, timed by the policy's actor
-  right after the sync, and ``vs_plain_copy``, the sync's time over the copy's.
+  same weights from the same host stores into preallocated host tensors, timed by the policy's
+  actors (every tensor-parallel rank at once: the slowest one's seconds) right after the sync, and
+  ``vs_plain_copy``, the sync's time over the copy's.
 
 The run's summary (``summary.weight_sync``) gives the medians and quartiles of these and says them
 in one line at the end.
@@ -30,21 +31,22 @@ if TYPE_CHECKING:
 __all__ = ["recompute_old_logprobs", "sync_engine", "sync_summary", "sync_summary_line"]
 
 
-def sync_engine(run: "PPORun", index: int, sender) -> dict:
+def sync_engine(run: "PPORun", index: int, senders: list) -> dict:
     """The engine pulls the policy's weights from its host store, streamed in buckets; returns the
     iteration's ``weight_sync`` record (without its share of the iteration, known at the end). A
     stream that missed a tensor is an error there; whether the engine serves the policy's weights
     is checked in train_policy (:func:`recompute_old_logprobs`)."""
     c, rollout = run.colo, run.cfg.rollout
     bucket = int(rollout.sync_bucket_mb * 2**20)
-    sync = c.call("generate", {c.rollout: c.rollout.sync_from.remote(sender, bucket)})[c.rollout]
+    sync = c.call("generate", {c.rollout: c.rollout.sync_from.remote(senders, bucket)})[c.rollout]
     record = {"seconds": sync["seconds"], "bytes": sync["bytes"], "gb_per_s": sync["gb_per_s"]}
-    if rollout.sync_baseline:
-        copy = c.call("generate", {sender: sender.host_weights_copy_seconds.remote()})[sender]
+    if rollout.sync_baseline:  # every tensor-parallel rank copies its shards at once
+        copies = c.call("generate", {a: a.host_weights_copy_seconds.remote() for a in senders})
+        seconds = max(x["seconds"] for x in copies.values())
         record.update(
-            plain_copy_seconds=copy["seconds"],
-            plain_copy_bytes=copy["bytes"],
-            vs_plain_copy=sync["seconds"] / copy["seconds"] if copy["seconds"] > 0 else None,
+            plain_copy_seconds=seconds,
+            plain_copy_bytes=sum(x["bytes"] for x in copies.values()),
+            vs_plain_copy=sync["seconds"] / seconds if seconds > 0 else None,
         )
     number, _ = run.number(index)
     run.sync_checks.append({"iteration": number, "manager_on": run.manager_on, "engine": "vllm", **sync})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -39,6 +40,8 @@ __all__ = [
     "iter_hf_weights",
     "hf_shapes",
     "hf_weight_buckets",
+    "megatron_shard_buckets",
+    "merge_shard_buckets",
     "hf_digest",
     "gather_tensor_parallel",
     "save_hf",
@@ -630,15 +633,18 @@ def iter_hf_weights(weights: WeightsArg, config: GPTTrainerConfig) -> Iterator[t
     return _hf_tensors(shards, entries, config, tp)
 
 
-def _check_shards(shards: list, entries: list[_Entry], family: Family, tp: int) -> None:
+def _check_shards(shards: list, entries: list[_Entry], family: Family, tp: int, who: Optional[str] = None) -> None:
+    """Every shard dict holds exactly ``entries``' tensors in their shapes on ``tp`` ranks; ``who``
+    names a lone shard in the messages (else its tensor-parallel rank)."""
     names = {e.megatron for e in entries}
+    label = (lambda r: who) if who else (lambda r: f"tensor-parallel rank {r}")
     for r, sd in enumerate(shards):
         tensors = {k for k, v in sd.items() if torch.is_tensor(v) and not k.endswith("._extra_state")}
         missing, extra = sorted(names - tensors), sorted(tensors - names)
         if missing or extra:
             problem = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the mapping does not know"
             raise ValueError(
-                f"the state dict of tensor-parallel rank {r} {problem}: pass the weights of a whole "
+                f"the state dict of {label(r)} {problem}: pass the weights of a whole "
                 f"{family.architecture} language model built from its config (not a critic's trunk)"
             )
     for e in entries:
@@ -646,7 +652,7 @@ def _check_shards(shards: list, entries: list[_Entry], family: Family, tp: int) 
         for r, sd in enumerate(shards):
             if tuple(sd[e.megatron].shape) != want:
                 raise ValueError(
-                    f"{e.megatron} of tensor-parallel rank {r} has shape {list(sd[e.megatron].shape)}, expected "
+                    f"{e.megatron} of {label(r)} has shape {list(sd[e.megatron].shape)}, expected "
                     f"{list(want)} for {tp} rank(s): pass the state dicts of every tensor-parallel rank, in order"
                 )
 
@@ -702,6 +708,84 @@ def hf_weight_buckets(
             yield bucket
 
     return buckets()
+
+
+def megatron_shard_buckets(
+    weights: Mapping[str, torch.Tensor], config: GPTTrainerConfig, tp: int, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """One tensor-parallel rank's own megatron tensors, in the checkpoint's order, in buckets of at
+    most ``bucket_bytes`` (a tensor larger than that is a bucket of its own). The boundaries
+    depend only on the config and ``tp``, so every rank's stream has the same names in the same
+    buckets: :func:`merge_shard_buckets` takes one bucket of each rank at a time. This is how a
+    tensor-parallel policy feeds an engine without any process holding a whole copy of the model:
+    each rank sends its shards bucket by bucket, and the receiver merges and converts one bucket
+    at a time. Every tensor is checked before the first bucket is yielded.
+
+    Raises:
+        ValueError: ``bucket_bytes`` is not positive, or ``weights`` is not one rank's state dict
+            of ``config``'s model at this ``tp`` (a tensor missing, unknown or of another shape).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    family = _family_of(config)
+    _check_divisible(config, tp, "megatron_shard_buckets")
+    entries = _entries(config, family)
+    _check_shards([weights], entries, family, tp, who=f"this rank (of {tp})")
+
+    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for e in entries:
+            t = weights[e.megatron].detach()
+            n = math.prod(e.shard_shape(tp)) * t.element_size()
+            if bucket and size + n > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((e.megatron, t.cpu()))
+            size += n
+        if bucket:
+            yield bucket
+
+    return buckets()
+
+
+def merge_shard_buckets(
+    steps: Iterable[Sequence[list[tuple[str, torch.Tensor]]]], config: GPTTrainerConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face tensors from the buckets of :func:`megatron_shard_buckets`, taken one bucket of
+    every tensor-parallel rank (in rank order) at a time: the same tensors, in the same order, as
+    :func:`iter_hf_weights` of the whole state dicts, holding one step's buckets at a time.
+
+    Raises:
+        ValueError: The ranks' buckets name different tensors, a shard has the wrong shape, a tensor
+            comes twice, or the streams ended before every tensor came (raised at the end).
+    """
+    family = _family_of(config)
+    entries = {e.megatron: e for e in _entries(config, family)}
+    seen: set[str] = set()
+    for step in steps:
+        tp = len(step)
+        names = [n for n, _ in step[0]]
+        for r, bucket in enumerate(step[1:], 1):
+            if [n for n, _ in bucket] != names:
+                raise ValueError(
+                    f"tensor-parallel rank {r}'s bucket names other tensors than rank 0's: the ranks' "
+                    "streams must come from megatron_shard_buckets with the same config, tp and bucket size"
+                )
+        unknown = [n for n in names if n not in entries]
+        twice = [n for n in names if n in seen]
+        if unknown or twice:
+            raise ValueError(f"{(unknown or twice)[0]} {'is not a tensor of this model' if unknown else 'came twice'}")
+        seen.update(names)
+        shards = [dict(bucket) for bucket in step]
+        batch = [entries[n] for n in names]
+        _check_shards(shards, batch, family, tp)
+        yield from _hf_tensors(shards, batch, config, tp)
+    missing = [n for n in entries if n not in seen]
+    if missing:
+        raise ValueError(
+            f"the shard streams ended before {missing[0]} ({len(missing)} tensor(s) missing): an incomplete stream"
+        )
 
 
 def hf_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

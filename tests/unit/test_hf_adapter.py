@@ -189,3 +189,36 @@ def test_digest_tells_one_changed_bit_and_a_renamed_tensor():
     assert hf.hf_digest({k: v.clone() for k, v in whole.items()}.items()) == base
     with pytest.raises(ValueError, match="occurs twice"):
         hf.hf_digest([(name, whole[name]), (name, whole[name])])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shard_streams_of_every_rank_merge_into_the_whole_export_bucket_by_bucket(tp):
+    """A tensor-parallel policy feeds an engine without a whole copy anywhere: each rank streams
+    its own shards in buckets with the same boundaries, the receiver merges one bucket of each."""
+    cfg = GPTTrainerConfig(**{**LLAMA, "precision": "bf16"})
+    shards = [{k: v.bfloat16() for k, v in _megatron_state_dict(cfg, tp, r).items()} for r in range(tp)]
+    whole = list(hf.iter_hf_weights(shards, cfg))
+    bucket = 40_000
+    streams = [list(hf.megatron_shard_buckets(sd, cfg, tp, bucket)) for sd in shards]
+    assert len({len(s) for s in streams}) == 1 and len(streams[0]) > 2
+    for stream in streams:  # at most one bucket's bytes, unless a single tensor is larger
+        assert all(len(b) == 1 or sum(t.numel() * t.element_size() for _, t in b) <= bucket for b in stream)
+    merged = list(hf.merge_shard_buckets(zip(*streams), cfg))
+    assert [n for n, _ in merged] == [n for n, _ in whole]
+    assert all(torch.equal(a, b) and a.dtype == torch.bfloat16 for (_, a), (_, b) in zip(merged, whole))
+
+
+def test_shard_streams_that_disagree_or_end_early_are_refused():
+    cfg = GPTTrainerConfig(**LLAMA)
+    shards = [_megatron_state_dict(cfg, 2, r) for r in range(2)]
+    streams = [list(hf.megatron_shard_buckets(sd, cfg, 2, 40_000)) for sd in shards]
+    with pytest.raises(ValueError, match="ended before .* tensor\\(s\\) missing"):
+        list(hf.merge_shard_buckets(list(zip(*streams))[:-1], cfg))
+    with pytest.raises(ValueError, match="rank 1's bucket names other tensors"):
+        list(hf.merge_shard_buckets(zip(streams[0], streams[0][1:] + streams[0][:1]), cfg))
+    with pytest.raises(ValueError, match="came twice"):
+        list(hf.merge_shard_buckets([s for s in zip(*streams)] + [next(zip(*streams))], cfg))
+    with pytest.raises(ValueError, match=r"this rank \(of 2\) has shape"):
+        hf.megatron_shard_buckets(_megatron_state_dict(cfg), cfg, 2, 2**20)  # a whole model is no shard
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        hf.megatron_shard_buckets(shards[0], cfg, 2, 0)

@@ -208,8 +208,8 @@ def test_the_vllm_rollout_is_refused_where_it_cannot_run_yet():
     assert cfg.rollout.engine == "vllm" and cfg.policy.from_hf is not None and cfg.policy.precision == "fp32"
     with pytest.raises(ConfigError, match=r"rollout.engine: vllm starts the engine from .*set policy.from_hf"):
         load_config(None, ["rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match=r"needs parallel.tensor_model_parallel_size: 1"):
-        load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
+    tp2 = load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
+    assert tp2.parallel.tensor_model_parallel_size == 2  # the sync merges the ranks' shards (tests/vllm)
     with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported yet"):
         load_config("cpu_vllm", ["memory.device_budget_mb=100"])
     with pytest.raises(ConfigError, match=r"rollout.engine"):

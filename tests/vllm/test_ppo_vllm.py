@@ -86,3 +86,26 @@ def test_a_killed_engine_is_restarted_and_the_run_ends_as_the_undisturbed_one(lo
     # a new engine starts from the checkpoint file and takes the restored policy's weights at its
     # first generate; vLLM on CPU samples the same tokens for the same seeds: the same run
     assert _outcome(log) == _outcome(base)
+
+
+def test_a_tensor_parallel_policy_feeds_the_engine_one_merged_bucket_at_a_time(local_ray, tmp_path):
+    """TP=2: each policy rank streams its own shards from its host store in small buckets (about
+    50 KB: many per sync), the engine's actor merges one bucket of each rank at a time; the
+    engine's log-probs then equal the policy's every iteration."""
+    tp2 = ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2", "policy.num_query_groups=2"]
+    cfg = load_config(
+        "cpu_vllm",
+        [
+            *tp2,
+            "ppo.iterations=3",
+            "memory.compare_iterations=0",
+            "rollout.sync_bucket_mb=0.05",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    log = run_ppo(cfg, progress=lambda line: None)
+    assert log["status"] == "completed", log.get("error")
+    names = len(expected_names(cfg.policy))
+    assert [(c["iteration"], c["tensors"]) for c in log["sync_checks"]] == [(i, names) for i in (1, 2, 3)]
+    assert all(m["logprob_mismatch"]["max"] < 1e-4 for m in log["iterations"])
+    assert log["iterations"][-1]["kl"] > 0  # the engine followed a policy that changed
