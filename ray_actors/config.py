@@ -479,10 +479,10 @@ class RunConfig(_Strict):
                 problems.append(
                     "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"
                 )
-            if self.memory.device_budget_mb is not None:
+            if self.memory.device_budget_mb is not None and self.ray.use_gpu is True:
                 problems.append(
-                    "rollout.engine: vllm with memory.device_budget_mb is not supported yet: the residency plan "
-                    "does not count the engine's memory"
+                    "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
+                    "plan does not know the size of the engine's KV cache there (vLLM's gpu_memory_utilization share)"
                 )
         if problems:
             raise ValueError("; ".join(problems))

@@ -41,7 +41,7 @@ from chatlearn_mem import Part
 from chatlearn_mem_ray import vllm_sync
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import AuditFailedError, BudgetError, NonFiniteLossError, WeightSyncError
-from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of
+from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, pinned_items
 from chatlearn_mem_ray.timeline import MemoryTimeline
 
 if TYPE_CHECKING:
@@ -265,8 +265,13 @@ class PPORun:
             budget = {b: max(0, free[a] - margin) for b, a in one.items()}
         else:
             budget = int(mem.device_budget_mb * 2**20)
+        if self.cfg.rollout.engine == "vllm" and c.use_gpu:
+            raise BudgetError(
+                "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
+                "plan does not know the size of the engine's KV cache there; set memory.device_budget_mb=null"
+            )
         try:
-            self.schedule = ResidencySchedule(sizes, budget)
+            self.schedule = ResidencySchedule(sizes, budget, pinned=pinned_items(self.cfg, c.use_gpu))
         except ValueError as e:
             raise BudgetError(str(e)) from None
         return self.schedule

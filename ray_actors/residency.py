@@ -28,11 +28,19 @@ again: :meth:`ResidencySchedule.update_sizes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 from chatlearn_mem import Part, ResidencyPlan, plan_residency
 
-__all__ = ["PHASES", "ResidencySchedule", "bundle_of", "estimate_sizes", "phase_needs", "phase_writes"]
+__all__ = [
+    "PHASES",
+    "ResidencySchedule",
+    "bundle_of",
+    "estimate_sizes",
+    "phase_needs",
+    "phase_writes",
+    "pinned_items",
+]
 
 PHASES = ("generate", "reference", "values", "train_critic", "train_policy")
 _TRAINED = (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
@@ -98,6 +106,10 @@ def estimate_sizes(cfg) -> dict[str, dict[Part, int]]:
             out[f"{role}_{rank}"] = {Part(k): v for k, v in est.items()}
     for name in ("rollout", "reference"):
         out[name] = {Part.WEIGHTS: gpt.estimate_part_bytes(cfg.policy, trainer=False)["weights"]}
+    if cfg.rollout.engine == "vllm" and not runs_on_gpus(cfg):  # what the engine's actor reports
+        from chatlearn_mem_ray.vllm_actor import engine_bytes
+
+        out["rollout"] = {Part.WEIGHTS: engine_bytes(cfg.policy, cfg.rollout, cuda=False)}
     return out
 
 
@@ -110,19 +122,46 @@ class BoundaryPlan:
     into: dict[str, tuple[Part, ...]]
 
 
+def runs_on_gpus(cfg, use_gpu: Optional[bool] = None) -> bool:
+    """``use_gpu`` when known (the colocation's), else ``ray.use_gpu``, where ``auto`` means
+    whether this process sees a GPU (before Ray starts, on the driver's machine)."""
+    if use_gpu is not None:
+        return bool(use_gpu)
+    if cfg.ray.use_gpu == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return bool(cfg.ray.use_gpu)
+
+
+def pinned_items(cfg, use_gpu: Optional[bool] = None) -> set[Item]:
+    """Items that cannot leave the device, so the plan counts them in every phase: the vLLM
+    engine's weights and KV cache without GPUs (vLLM's CPU build cannot sleep). ``use_gpu``: as
+    :func:`runs_on_gpus`."""
+    if cfg.rollout.engine == "vllm" and not runs_on_gpus(cfg, use_gpu):
+        return {("rollout", Part.WEIGHTS)}
+    return set()
+
+
 class ResidencySchedule:
     """The residency plan of every bundle of a run, and what is resident now.
 
     Args:
         sizes: Actor name -> part -> device bytes when resident (every actor of the run).
         budget_bytes: Device bytes each bundle may hold (the same for all when an int).
+        pinned: Items resident in every phase, whatever the phase needs (:func:`pinned_items`).
 
     Raises:
         ValueError: A phase alone exceeds a bundle's budget (naming the bundle, the phase, its
             bytes and the budget).
     """
 
-    def __init__(self, sizes: Mapping[str, Mapping[Part, int]], budget_bytes: int | Mapping[int, int]):
+    def __init__(
+        self,
+        sizes: Mapping[str, Mapping[Part, int]],
+        budget_bytes: int | Mapping[int, int],
+        pinned: Iterable[Item] = (),
+    ):
         self.names = list(sizes)
         self.bundles = sorted({bundle_of(n) for n in self.names})
         self.budget = (
@@ -134,7 +173,11 @@ class ResidencySchedule:
         self.resident: set[Item] = set()  # what the driver has onloaded (or is onloading) and not offloaded
         self.plans: dict[int, ResidencyPlan] = {}
         self.replans = 0
-        self._needs = phase_needs(self.names)
+        self.pinned = {(a, Part(p)) for a, p in pinned if a in self.names}
+        self._needs = [
+            {**need, **{a: tuple(dict.fromkeys([*need.get(a, ()), p])) for a, p in sorted(self.pinned)}}
+            for need in phase_needs(self.names)
+        ]
         self._writes = phase_writes(self.names)
         self._plan(sizes)
 

@@ -58,7 +58,7 @@ from chatlearn_mem_ray.errors import (
 )
 from chatlearn_mem_ray.nodes import software_versions
 from chatlearn_mem_ray.ppo import PPORun, iteration_label
-from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes
+from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes, pinned_items
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
 __all__ = ["check_budget", "find_resume_point", "prepare_output_dir", "run_ppo"]
@@ -402,7 +402,7 @@ def check_budget(cfg: RunConfig) -> None:
     if budget is None or budget == "auto" or not cfg.memory.enabled:
         return
     try:
-        ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20))
+        ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20), pinned=pinned_items(cfg))
     except ValueError as e:
         raise BudgetError(f"{e} (estimated from the config, before starting)") from None
 

@@ -19,7 +19,7 @@ from chatlearn_mem.parts import PartsArg
 from chatlearn_mem_ray.actors import _ManagedActor, _process_memory
 from chatlearn_mem_ray.config import RolloutConfig, TrainerModelConfig
 
-__all__ = ["VLLMRolloutActor"]
+__all__ = ["VLLMRolloutActor", "engine_bytes"]
 
 _BACKPRESSURE = 2
 """Buckets each policy rank may have produced ahead of the engine: the host holds at most this
@@ -42,7 +42,6 @@ class VLLMRolloutActor(_ManagedActor):
         self.config = TrainerModelConfig(**model)
         self.rollout = RolloutConfig(**rollout)
         self.engine = None
-        self._weights_bytes = 0
 
     def setup(self, init_method: str = "") -> dict:
         """Start the engine from the policy's checkpoint (no process group: the engine has its own)."""
@@ -51,7 +50,6 @@ class VLLMRolloutActor(_ManagedActor):
         self.engine = VLLMRollout(
             self.config.from_hf, self.config, seed=self.config.seed, kv_cache_gib=self.rollout.kv_cache_gib
         )
-        self._weights_bytes = _weights_bytes(self.config)
         return {"rank": 0, "start_seconds": self.engine.start_seconds}
 
     def master_address(self) -> str:
@@ -118,10 +116,7 @@ class VLLMRolloutActor(_ManagedActor):
         return {"seconds": 0.0, "stats": []}
 
     def _engine_bytes(self) -> int:
-        """The engine's weights, and on the CPU build its KV cache (``rollout.kv_cache_gib``); on
-        CUDA the KV cache is the share of the GPU vLLM takes, which torch's counters show."""
-        cpu = self.engine is not None and not self.engine.cuda
-        return self._weights_bytes + (self.rollout.kv_cache_gib * 2**30 if cpu else 0)
+        return engine_bytes(self.config, self.rollout, cuda=self.engine is None or self.engine.cuda)
 
     def part_sizes(self) -> dict[str, int]:
         return {"weights": self._engine_bytes()}
@@ -142,6 +137,12 @@ class VLLMRolloutActor(_ManagedActor):
 
     def audit(self) -> list[str]:
         return []  # no memory manager: the engine's memory is its own
+
+
+def engine_bytes(config, rollout: RolloutConfig, cuda: bool) -> int:
+    """The engine's weights, and on the CPU build its KV cache (``rollout.kv_cache_gib``); on CUDA
+    the KV cache is the share of the GPU vLLM takes, which torch's counters show."""
+    return _weights_bytes(config) + (0 if cuda else rollout.kv_cache_gib * 2**30)
 
 
 def _weights_bytes(config) -> int:

@@ -210,7 +210,8 @@ def test_the_vllm_rollout_is_refused_where_it_cannot_run_yet():
         load_config(None, ["rollout.engine=vllm"])
     tp2 = load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
     assert tp2.parallel.tensor_model_parallel_size == 2  # the sync merges the ranks' shards (tests/vllm)
-    with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported yet"):
-        load_config("cpu_vllm", ["memory.device_budget_mb=100"])
+    with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported on GPUs yet"):
+        load_config("cpu_vllm", ["memory.device_budget_mb=100", "ray.use_gpu=true"])
+    assert load_config("cpu_vllm", ["memory.device_budget_mb=100"]).memory.device_budget_mb == 100  # CPU: pinned
     with pytest.raises(ConfigError, match=r"rollout.engine"):
         load_config("cpu_vllm", ["rollout.engine=sglang"])

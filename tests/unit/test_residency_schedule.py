@@ -145,3 +145,27 @@ def test_gradients_stay_when_they_fit_beside_every_phase():
     for budget in (largest(sizes), int(largest(sizes) * 1.5), total):
         s = ResidencySchedule(sizes, budget)
         assert all(sum(s.sizes[i] for i in s.target(p)) <= budget for p in range(len(PHASES)))
+
+
+def test_an_engine_that_cannot_sleep_is_planned_resident_in_every_phase():
+    """vLLM's CPU build cannot sleep: its weights and KV cache stay, so the plan counts them in
+    every phase and schedules the trainers in what is left; a budget below a phase plus the engine
+    is refused, naming it."""
+    from chatlearn_mem_ray.residency import pinned_items
+
+    cfg = load_config("cpu_vllm")
+    assert pinned_items(cfg) == {("rollout", Part.WEIGHTS)}
+    assert pinned_items(load_config("cpu_vllm", ["ray.use_gpu=true"])) == set()  # on CUDA it sleeps
+    assert pinned_items(load_config("cpu_tiny")) == set()
+    sizes = estimate_sizes(cfg)
+    engine = sizes["rollout"][Part.WEIGHTS]
+    assert engine > 2**30  # its KV cache (rollout.kv_cache_gib) included
+    trainer = max(sum(sizes[a].values()) for a in ("policy_0", "critic_0"))
+    s = ResidencySchedule(sizes, engine + trainer, pinned=pinned_items(cfg))
+    assert all("rollout/weights" in r for r in s.plans[0].resident)
+    assert all(("rollout", Part.WEIGHTS) in s.target(i) for i in range(len(PHASES)))
+    assert s.kept(3) == {}  # needed everywhere, so never "kept beyond need"
+    with pytest.raises(ValueError, match="train_.* needs .* but the budget is"):
+        ResidencySchedule(sizes, trainer + engine // 2, pinned=pinned_items(cfg))
+    with pytest.raises(BudgetError, match="before starting"):
+        check_budget(load_config("cpu_vllm", [f"memory.device_budget_mb={(trainer + engine // 2) // 2**20}"]))

@@ -109,3 +109,25 @@ def test_a_tensor_parallel_policy_feeds_the_engine_one_merged_bucket_at_a_time(l
     assert [(c["iteration"], c["tensors"]) for c in log["sync_checks"]] == [(i, names) for i in (1, 2, 3)]
     assert all(m["logprob_mismatch"]["max"] < 1e-4 for m in log["iterations"])
     assert log["iterations"][-1]["kl"] > 0  # the engine followed a policy that changed
+
+
+def test_a_device_budget_counts_the_engine_that_cannot_sleep_in_every_phase(local_ray, tmp_path):
+    """On vLLM's CPU build the engine stays resident: the residency plan keeps it in every phase
+    and fits the trainers in the rest (1032 MiB: the engine's 1025 MiB and about 7 MiB)."""
+    budget = 1032
+    cfg = load_config(
+        "cpu_vllm",
+        [
+            "ppo.iterations=3",
+            "memory.compare_iterations=0",
+            f"memory.device_budget_mb={budget}",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    log = run_ppo(cfg, progress=lambda line: None)
+    assert log["status"] == "completed", log.get("error")
+    plan = log["residency_plan"]["0"]
+    assert all("rollout/weights" in resident for resident in plan["resident"])
+    assert plan["bytes_moved"] > 0  # the trainers take turns in what the engine leaves
+    assert max(r["colocated_bytes"] for r in log["memory_timeline"]) <= budget * 2**20
+    assert not log["over_budget"] and all(m["logprob_mismatch"]["max"] < 1e-4 for m in log["iterations"])
