@@ -195,7 +195,7 @@ def test_cli_lists_presets_with_their_summaries():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
     lines = result.output.splitlines()
-    assert f"ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu (default: {DEFAULT_PRESET})" in lines
+    assert f"ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu, gpu_vllm (default: {DEFAULT_PRESET})" in lines
     assert f"bench: cpu, gpu, tiny (default: {BENCH_DEFAULT})" in lines
     for presets in (PRESETS, BENCH_PRESETS):
         for name in preset_names(presets):
@@ -208,6 +208,10 @@ def test_the_vllm_rollout_is_refused_where_it_cannot_run_yet():
     assert cfg.rollout.engine == "vllm" and cfg.policy.from_hf is not None and cfg.policy.precision == "fp32"
     with pytest.raises(ConfigError, match=r"rollout.engine: vllm starts the engine from .*set policy.from_hf"):
         load_config(None, ["rollout.engine=vllm"])
+    gpu = load_config("gpu_vllm")  # one GPU, a Qwen2-0.5B shape, written at first use
+    assert gpu.rollout.engine == "vllm" and gpu.ray.use_gpu is True and gpu.policy.add_qkv_bias
+    with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported on GPUs yet"):
+        load_config("gpu_vllm", ["memory.device_budget_mb=60000"])
     tp2 = load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
     assert tp2.parallel.tensor_model_parallel_size == 2  # the sync merges the ranks' shards (tests/vllm)
     with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported on GPUs yet"):
