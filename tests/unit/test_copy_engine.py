@@ -154,7 +154,7 @@ def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
 
     def probe(i):
         def hook(module, args):
-            seen[i] = (gt.batch.completed, gt.user_fence(mm._weights_in_flight[1][id(module)]).index)
+            seen[i] = (gt.batch.completed, gt.user_fence(mm.state.weight_user_of(module)).index)
 
         return hook
 
@@ -162,7 +162,7 @@ def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
         layer.register_forward_pre_hook(probe(i))  # after the manager's own pre-hook
     monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: time.sleep(0.002))
     handle = mm.onload(blocking=False)
-    gt = mm._pending[Part.WEIGHTS][1]
+    gt = mm.state.in_flight(Part.WEIGHTS)
     with torch.no_grad():
         got = model(x)
     assert torch.equal(got, expected)
@@ -185,7 +185,7 @@ def test_r4_blocking_onload_has_no_use_order_and_every_user_waits_for_all(monkey
         expected = model(x)
     mm = InferenceMemoryManager(model, CFG)
     mm.offload()
-    monkeypatch.setattr(mm, "_weight_user_ranges", lambda: pytest.fail("a blocking onload computed a use order"))
+    monkeypatch.setattr(mm.state, "weight_user_ranges", lambda: pytest.fail("a blocking onload computed a use order"))
     mm.onload()
     with torch.no_grad():
         assert torch.equal(model(x), expected)
@@ -206,8 +206,8 @@ def test_r4_weights_queued_in_forward_order():
     mm = InferenceMemoryManager(model, CFG)
     mm.offload()
     handle = mm.onload(blocking=False)
-    gt = mm._pending[Part.WEIGHTS][1]
-    fences = [gt.user_fence(u).index for u in range(len(mm._weight_users_of))]
+    gt = mm.state.in_flight(Part.WEIGHTS)
+    fences = [gt.user_fence(u).index for u in range(len(mm.state.weight_users))]
     assert fences == sorted(fences)
     handle.wait()
 
@@ -230,7 +230,7 @@ def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
     mm = InferenceMemoryManager(model, MemoryConfig(bucket_size_mb=1, copy_chunk_mb=8 / 1024, check_host_memory=False))
     mm.offload()
     handle = mm.onload(blocking=False)
-    gt = mm._pending[Part.WEIGHTS][1]
+    gt = mm.state.in_flight(Part.WEIGHTS)
     fences = [gt.user_fence(u).index for u in range(len(model))]
     assert fences == sorted(fences) and fences[0] < fences[-1]
     layer0 = sum(p.numel() * 4 for p in model[0].parameters())
@@ -300,7 +300,7 @@ def test_r7_close_waits_for_a_transfer_in_flight(monkeypatch):
     assert gate.reached.wait(10)
     threading.Timer(0.2, gate.open).start()
     mm.close()  # waits: the host store is freed only after every copy from it
-    assert handle.done() and mm._groups[Part.WEIGHTS].store is None
+    assert handle.done() and mm.state.group(Part.WEIGHTS).store is None
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
 
 
@@ -521,7 +521,7 @@ def test_ctrl_c_during_submission_rolls_back_and_reraises(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         mm.offload()
     monkeypatch.setattr(CopyEngine, "submit", real)
-    assert not mm.is_offloaded("weights") and not mm._pending
+    assert not mm.is_offloaded("weights") and not mm.state.any_in_flight()
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     mm.offload()
