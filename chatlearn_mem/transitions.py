@@ -123,7 +123,7 @@ class Transfer:
         with self._lock:
             if not self._settled:
                 for manager, part, gt in self._entries:
-                    if gt.batch._lane is None:  # never submitted (interrupted): nothing ran
+                    if not gt.batch.submitted:  # never submitted (interrupted): nothing ran
                         gt.cancel()
                         manager.state.transfer_settled(part, self, gt)
                         continue
