@@ -1,9 +1,12 @@
-"""What the trainer and inference managers share: the parts and their state machine.
+"""What the trainer and inference managers share: which tensors make up each part, and the calls.
 
 A part (:class:`~chatlearn_mem.parts.Part`) is a named :class:`~chatlearn_mem.storage.StorageGroup`;
 it is resident or offloaded, and moves between the two through the copy engine (submitted,
-settled, rolled back on failure). The guards that keep calls away from released memory live in
-:mod:`chatlearn_mem.guards`, the one-manager-per-model registry in :mod:`chatlearn_mem.owners`.
+settled, rolled back on failure). Everything that changes as parts move is owned by the manager's
+:class:`~chatlearn_mem.parts_state.PartsState` (``manager.state``), which asks the manager about
+its model through :class:`~chatlearn_mem.parts_state.ModelHooks`. The guards that keep calls away
+from released memory live in :mod:`chatlearn_mem.guards`, the one-manager-per-model registry in
+:mod:`chatlearn_mem.owners`.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class MemoryManagerBase(ModelGuards):
         self.state.settle([part])
         return self.state.offloaded(part)
 
-    # -- what the state asks (ModelHooks) ------------------------------------------------------
+    # -- the registry, and what the state asks (ModelHooks) ------------------------------------------------------
     def _claim(self, what: str) -> None:
         """Become the manager of every storage this manager moves (see :mod:`chatlearn_mem.owners`);
         call once the parts are known, before any hook."""
