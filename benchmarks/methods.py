@@ -116,7 +116,7 @@ def _view(storage: torch.UntypedStorage, dtype, offset, size, stride) -> torch.T
 
 def part_storages(mm, part: str) -> list[torch.UntypedStorage]:
     """The device storages the manager moves for ``part`` (the same bytes for every method)."""
-    return mm._storages(Part(part))
+    return mm.state.storages(Part(part))
 
 
 def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
@@ -126,7 +126,7 @@ def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
     if part == Part.WEIGHTS:
         cands = [t for c in layout.ddp_chunks(trainer.model) for t in list(c.parameters()) + layout.module_buffers(c)]
     else:
-        cands = list(mm._part_tensors(Part(part)))
+        cands = list(mm.state.hooks.part_tensors(Part(part)))
     seen, out = set(), []
     for t in cands:
         if t is not None and id(t) not in seen and t.untyped_storage()._cdata in keys and t.numel():

@@ -268,9 +268,9 @@ def _full_cycle(cfg, mm, device) -> dict:
     parts = list(mm.parts)
 
     def serial():
-        for p in mm._OFFLOAD_ORDER:
+        for p in mm.state.offload_order:
             mm.offload(p, force=True)
-        for p in mm._ONLOAD_ORDER:
+        for p in mm.state.onload_order:
             mm.onload(p)
 
     def overlapped():

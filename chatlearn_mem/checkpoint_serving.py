@@ -1,15 +1,15 @@
 """The trainer's side of a checkpoint: its host copies served to megatron while it sleeps, and
 its manager's state before and after a load.
 
-These functions read and change the trainer manager's own state (its storage groups, the thread
-being served, its claim on the model); :mod:`chatlearn_mem.checkpoint` calls them around
-megatron's ``dist_checkpointing`` save and load.
+These functions go through the manager's :class:`~chatlearn_mem.parts_state.PartsState`
+(``manager.state``: its storage groups, the thread being served, retaking the model after a
+load); :mod:`chatlearn_mem.checkpoint` calls them around megatron's ``dist_checkpointing`` save
+and load.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Callable
 
 import torch
@@ -28,7 +28,7 @@ def trainer_parts(manager: Any) -> tuple[list, Any, list]:
 
     if not isinstance(manager, TrainerMemoryManager):
         raise TypeError(f"expected a chatlearn_mem.TrainerMemoryManager, got {type(manager).__name__}")
-    return manager._chunks, manager._optimizer, manager._leaves
+    return manager.checkpoint_parts
 
 
 @serialized
@@ -50,29 +50,26 @@ def with_host_copies(
     The returned ExitStack holds :meth:`StorageGroup.reading` on every offloaded part: until it
     is closed, an offload that would overwrite those host stores waits.
     """
-    manager._settle()  # R5: read the host copies once written
-    served = {}
-    for g in manager._groups.values():
-        if g.offloaded and g.keep_contents:
-            for s, _ in g.released:
-                served[storage_key(s)] = g
-    live = manager._storage_keys()
+    state = manager.state
+    state.settle()  # R5: read the host copies once written
+    served = state.served_groups()
+    live = state.storage_keys()
+    chunks, _, leaves = manager.checkpoint_parts
     swapped = []
     readers = contextlib.ExitStack()
     try:
-        for t in checkpointing.checkpoint_read_tensors(manager._chunks, manager._leaves):
+        for t in checkpointing.checkpoint_read_tensors(chunks, leaves):
             group = served.get(storage_key(t))
             if group is not None:
                 view = group.host_view(t)
                 swapped.append((t, t.data))
                 t.data = view
-        manager._serving_host = threading.get_ident()
-        out = build(lambda t: storage_key(t) in live)
+        with state.serving_host_copies():
+            out = build(lambda t: storage_key(t) in live)
         for g in dict.fromkeys(served.values()):
             readers.enter_context(g.reading())
         return out, readers
     finally:
-        manager._serving_host = None
         for t, original in reversed(swapped):
             t.data = original
 
@@ -80,19 +77,15 @@ def with_host_copies(
 @serialized
 def prepare_load(manager) -> None:
     """Before a checkpoint is loaded: every part resident, optimizer states created."""
-    manager._settle()
-    offloaded = [p.value for p, g in manager._groups.items() if g.offloaded]
+    manager.state.settle()
+    offloaded = [p.value for p in manager.state.offloaded_parts()]
     if offloaded:
         raise OffloadedError(f"loading a checkpoint while {', '.join(offloaded)} are offloaded: call onload() first")
-    checkpointing.init_optimizer_states(manager._leaves)
+    checkpointing.init_optimizer_states(manager.checkpoint_parts[2])
 
 
 @serialized
 def after_load(manager) -> None:
     """After a checkpoint was loaded: the optimizer replaced its state tensors and every part
     changed, so host copies are stale and the manager takes the new tensors over."""
-    manager._dirty_epoch += 1
-    manager._release_claim()
-    manager._claim("this model" if len(manager._chunks) == 1 else "this list of model chunks")
-    manager._remember_weight_storages()
-    manager._record_placement()
+    manager.state.retake()

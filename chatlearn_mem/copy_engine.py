@@ -255,6 +255,11 @@ class Batch:
             raise IndexError(f"{self.label} has {len(self.steps)} steps, no step {index}")
         return Fence(self, index)
 
+    @property
+    def submitted(self) -> bool:
+        """Whether the batch was handed to a lane (its steps run or will run)."""
+        return self._lane is not None
+
     def done(self) -> bool:
         return self._lane is not None and (not self.steps or self.fence().done())
 

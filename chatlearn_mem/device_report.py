@@ -135,9 +135,10 @@ def reachable_tensors(
     or starting with ``names[i]`` when names are given) and ``owners`` are the objects on that path, outermost first (so a caller can tell who holds
     it). A tensor's ``main_grad`` and (leaf) ``.grad`` are followed too. Objects of the ``skip``
     types are not entered, and neither are memory managers (reached through the hooks they
-    register; what they hold is their host store).
+    register; what they hold is their host store), nor their parts' state.
     """
     from chatlearn_mem.manager import MemoryManagerBase
+    from chatlearn_mem.parts_state import PartsState
 
     stop = (
         str,
@@ -155,6 +156,7 @@ def reachable_tensors(
         torch.device,
         torch.Size,
         MemoryManagerBase,
+        PartsState,
         *skip,
     )
     pg = getattr(torch.distributed, "ProcessGroup", None)
@@ -259,7 +261,7 @@ def device_report(
 
     for i, mm in enumerate(managers):
         for part in mm.parts:
-            for t in mm._part_tensors(part):
+            for t in mm.state.hooks.part_tensors(part):
                 if t is not None:
                     claim(MANAGER_RESIDUE, f"manager{i}.{part}", t)
     for path, t in transient.global_memory_buffer_tensors():

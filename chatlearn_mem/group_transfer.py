@@ -278,8 +278,8 @@ class GroupTransfer:
         self._h2d_stream = self.engine.lanes["h2d"].stream if self._cuda else None
         self._caller_event = caller_event
         self._store = group.store
-        self._huge_pages = group._config.cpu_huge_pages
-        self._lazy = group._config.cpu_release == "lazy"
+        self._huge_pages = group.config.cpu_huge_pages
+        self._lazy = group.config.cpu_release == "lazy"
         self.batch = Batch(
             "d2h" if direction == "offload" else "h2d", f"{direction} {group.name}", steps=plan.steps, runner=self
         )
@@ -329,20 +329,15 @@ class GroupTransfer:
         s = self.storages[i]
         block = device_memory.release(s, lazy=self._lazy)
         if block is not None:
-            self.group._parked[storage_key(s)] = block
+            self.group.park(storage_key(s), block)
 
     def _grow(self, i: int) -> None:
         """Regrow storage ``i``: the memory its release kept, where there is one (CPU)."""
         s = self.storages[i]
         key = storage_key(s)
-        group = self.group
-        block = group._parked.get(key)
-        if block is not None and group._mapped.get(key) != block.address and self._huge_pages:
-            block = None  # torch's first allocation (4 KiB pages, maybe): map huge pages instead, once
+        block = self.group.parked(key, self._huge_pages)
         _grow_storage(s, self.sizes[i], block, self._huge_pages)
-        group._parked.pop(key, None)  # only once grown: a failed regrow keeps the block
-        if not self._cuda:
-            group._mapped[key] = s.data_ptr()
+        self.group.regrown(key, None if self._cuda else s.data_ptr())
 
     def describe(self, a: tuple) -> str:
         op, name = a[0], self.group.name
@@ -383,14 +378,8 @@ class GroupTransfer:
     def cancel(self) -> None:
         """Undo :meth:`StorageGroup.start_offload` / ``start_onload`` of a transition that was never
         submitted (nothing ran): the group is back where it was."""
-        assert self.batch._lane is None, "cancel() is for a transition that was never submitted"
-        group = self.group
-        if self.direction == "offload":
-            group._released = []
-            group.offloaded = False
-        else:
-            group.offloaded = True
-        group._transfer = None
+        assert not self.batch.submitted, "cancel() is for a transition that was never submitted"
+        self.group.transfer_cancelled(self.direction)
 
     def finish(self) -> TransferStats:
         """Settle the transition on the host, once its batch is done: record the outcome, or roll
@@ -411,7 +400,7 @@ class GroupTransfer:
         try:
             note = self._roll_back()
         finally:
-            self.group._transfer = None
+            self.group.transfer_ended()
         if hasattr(error, "add_note"):
             error.add_note(note)
         self.error = error
@@ -421,16 +410,10 @@ class GroupTransfer:
         group = self.group
         nbytes = sum(self.sizes)
         if self.direction == "offload":
-            if self.copy:
-                group._host_token = self.token
-                group._host_keys = tuple(s._cdata for s in self.storages)
             copied = nbytes if self.copy else 0
         else:
-            group._released = []
-            group._parked.clear()  # every block went back into its storage; nothing else is kept
             copied = nbytes if group.keep_contents else 0
-            group.set_host_token(self.token)
-        group._transfer = None
+        group.transfer_succeeded(self.direction, self.storages, self.copy, self.token)
         self.stats = TransferStats(group.name, self.direction, nbytes, copied, self.batch.seconds)
         logger.info(
             "%s %s: %.1f MB, %.1f MB copied (%.2f GB/s)",
@@ -447,7 +430,7 @@ class GroupTransfer:
         if self.direction == "onload":
             for i in self.grown:
                 self._release(i)
-            group.offloaded = True
+            group.onload_rolled_back()
             return (
                 f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "
                 "was released again; the part is still offloaded and its host copy is intact"
@@ -465,17 +448,13 @@ class GroupTransfer:
             _synchronize(device_of(self.storages))
         except BaseException as e:  # noqa: BLE001 - keep what is still released, offloaded
             left = [i for i in self.released if i not in restored]
-            group._released = [(self.storages[i], self.sizes[i]) for i in left]
-            group.offloaded = True
-            group._host_token = None
+            group.offload_rolled_back([(self.storages[i], self.sizes[i]) for i in left], offloaded=True)
             return (
                 f"chatlearn-mem: the offload of {group.name} failed and could not be fully rolled "
                 f"back ({e!r}): {len(left)} storage(s) stay released with complete host copies and the "
                 "part counts as offloaded; call onload() once memory is available"
             )
-        group._released = []
-        group.offloaded = False
-        group._host_token = None
+        group.offload_rolled_back([], offloaded=False)
         return (
             f"chatlearn-mem: the offload of {group.name} was rolled back: every storage it had released "
             "was regrown from its complete host copy; the part is resident"

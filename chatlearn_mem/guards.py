@@ -32,15 +32,15 @@ _READ_ONLY_CALLS = frozenset({"audit", "residency"})
 def serialized(method: Callable) -> Callable:
     """Run a public manager method under the manager's lock: concurrent calls queue, never interleave.
 
-    The outermost call also records itself in ``_active_call`` so that the forward and step guards
+    It also refuses a call after ``close()``. The outermost call also records itself in ``_active_call`` so that the forward and step guards
     (which run in the training thread, outside the lock) can refuse to run while another thread
     is releasing or restoring memory.
     """
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with self._lock:
-            self._check_open(method.__name__)
+        with self.state.lock:
+            self.state.check_open(method.__name__)
             outer = self._active_call is None
             if outer:
                 self._active_call = (method.__name__, threading.get_ident())
@@ -52,7 +52,7 @@ def serialized(method: Callable) -> Callable:
                 if outer:
                     self._active_call = None
                     if self._debug_guard is not None:
-                        self._debug_guard.update(self._released_keys(), self._moving_keys())
+                        self._debug_guard.update(self.state.released_keys(), self.state.moving_keys())
 
     return wrapper
 
@@ -82,23 +82,23 @@ class ModelGuards:
             )
 
     def _check_weights_resident(self, what: str) -> None:
-        if self._groups[Part.WEIGHTS].offloaded:  # also while an offload is in flight
+        if self.state.offloaded(Part.WEIGHTS):  # also while an offload is in flight
             raise OffloadedError(
                 f"{what} while the weights are offloaded: call {onload_call([Part.WEIGHTS])} (or onload()) first"
             )
-        if not self._weight_users_of:  # no per-module fences (megatron's overlapped param gather)
-            self._await_parts((Part.WEIGHTS,))
+        if not self.state.weight_users:  # no per-module fences (megatron's overlapped param gather)
+            self.state.await_parts((Part.WEIGHTS,))
 
     def _require(self, what: str, parts: Iterable[Part], hint: str = "") -> None:
         """Raise :class:`OffloadedError` when one of ``parts`` (which ``what`` needs) is offloaded.
 
         The guard of every call the manager intercepts; a no-op once the manager is closed.
         """
-        if self._closed or self._serving_host == threading.get_ident():
+        if self.state.closed or self.state.serving_this_thread():
             return  # closed, or the tensors view their host copies for a checkpoint (trainer)
         self._check_no_concurrent_call(what)
-        self._await_parts(parts)  # R4: an onload in flight is waited for, not refused
-        missing = [p for p in parts if p in self._groups and self._groups[p].offloaded]
+        self.state.await_parts(parts)  # R4: an onload in flight is waited for, not refused
+        missing = [p for p in parts if self.state.offloaded(p)]
         if missing:
             raise OffloadedError(
                 f"{what} while {', '.join(missing)} are offloaded: call {onload_call(missing)} "
@@ -139,7 +139,7 @@ class ModelGuards:
         return (Part.WEIGHTS,)
 
     def _after_forward(self, module, args, output) -> None:
-        if not torch.is_grad_enabled() or self._closed:
+        if not torch.is_grad_enabled() or self.state.closed:
             return
         for t in torch.utils._pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -161,25 +161,16 @@ class ModelGuards:
         self._require("load_state_dict()", (Part.WEIGHTS,))
 
     # -- the debug guard ---------------------------------------------------------------------------
-    def _moving_keys(self) -> frozenset[int]:
-        """Storages a non-blocking offload in flight is still copying from."""
-        return frozenset(s._cdata for _, gt in self._pending.values() if gt.direction == "offload" for s in gt.storages)
-
-    def _released_keys(self) -> frozenset[int]:
-        return frozenset(s._cdata for g in self._groups.values() if g.offloaded for s, _ in g.released)
-
     def _guard_names(self) -> Iterable[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of the tensors the debug guard can name (subclasses add theirs)."""
         return self._named_weights()
 
     def _released_message(self, t: torch.Tensor, func) -> Optional[str]:
         """The debug guard's error for ``func`` on ``t``; None inside the manager's own calls."""
-        if self._in_own_call() or self._closed:
+        if self._in_own_call() or self.state.closed:
             return None
         key = storage_key(t)
-        part = next(
-            (p for p, g in self._groups.items() if g.offloaded and any(s._cdata == key for s, _ in g.released)), None
-        )
+        part = self.state.part_of_released(key)
         if part is None:
             return None
         where = (key, t.storage_offset(), tuple(t.shape), t.stride())

@@ -51,7 +51,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         self._tracked = {name: t for name, t in self._named_tensors()}
         self._remember_weight_storages()
         self._claim("this module")
-        self._register_weight_users(module.modules())
+        self._hook_handles += self.state.register_weight_users(module.modules())
         self._guard_module(module, module)
 
     def _named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -69,7 +69,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         return (t for _, t in self._named_tensors())
 
     def _part_token(self, part: Part) -> Optional[Hashable]:
-        return (self._dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
+        return (self.state.dirty_epoch, tuple(t._version for t in self._part_tensors(part)))
 
     @serialized
     def offload(self, parts: PartsArg = None, *, blocking: bool = True):
@@ -87,32 +87,32 @@ class InferenceMemoryManager(MemoryManagerBase):
         Raises:
             ValueError: A part other than ``weights``.
         """
-        return self._run("offload", self._begin_offload(parts), blocking)
+        return self._run("offload", self.state.begin_offload(parts), blocking)
 
     @serialized
     def onload(self, parts: PartsArg = None, *, blocking: bool = True):
         """Onload the chosen parts (``Part.WEIGHTS``; None: all); see :meth:`offload`. With
         ``blocking=False`` a forward pass may start at once: each module waits for its own
         weights only."""
-        return self._run("onload", self._begin_onload(parts, use_order=not blocking), blocking)
+        return self._run("onload", self.state.begin_onload(parts, use_order=not blocking), blocking)
 
     @serialized
     def residency(self) -> Residency:
         """Device bytes of the parameters and buffers (each storage once) and host store bytes, once
         the transitions in flight have finished."""
-        self._settle()
+        self.state.settle()
         return measure(
             {Part.WEIGHTS.value: self._part_tensors(Part.WEIGHTS)},
             self.device,
-            self._host_bytes(),
-            self._released_bytes(),
+            self.state.host_bytes(),
+            self.state.released_bytes(),
         )
 
     @serialized
     def audit(self) -> AuditReport:
         """Check that every parameter and buffer is the tensor the manager tracks, still uses the
         storage it tracks, and is resident (or released) as the manager's state says."""
-        self._settle()
+        self.state.settle()
         report = AuditReport()
         current = dict(self._named_tensors())
         replaced = set()
@@ -128,5 +128,5 @@ class InferenceMemoryManager(MemoryManagerBase):
         for name in current.keys() - self._tracked.keys():
             report.checked += 1
             report.add(f"{name} was added after the manager was created and is not managed")
-        self._check_storage_state(report, Part.WEIGHTS)
+        self.state.check_storage_state(report, Part.WEIGHTS)
         return report

@@ -22,7 +22,7 @@ from chatlearn_mem.errors import ChatlearnMemError
 if TYPE_CHECKING:
     from chatlearn_mem.manager import MemoryManagerBase
 
-__all__ = ["OwnedStorages", "caller_site", "manager_of"]
+__all__ = ["caller_site", "claim", "manager_of", "release"]
 
 # storage key -> the live manager that releases and restores that storage. Weak: the registry
 # never keeps a manager alive (the hooks it registers on its model do, as long as the model lives).
@@ -37,11 +37,11 @@ def _owner(key: int) -> Optional["MemoryManagerBase"]:
     manager = ref() if ref is not None else None
     if manager is None and ref is not None:
         del _owners[key]  # left by a manager collected while the lock was held (see __del__)
-    if manager is None or manager._closed:
+    if manager is None or manager.state.closed:
         return None
     # A storage the manager claimed may have been freed since (a parameter whose .data was
     # rebound) and its address reused: only a storage the manager moves *now* counts.
-    return manager if key in manager._storage_keys() else None
+    return manager if key in manager.state.storage_keys() else None
 
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
@@ -87,56 +87,45 @@ def caller_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
 
 
-class OwnedStorages:
-    """The manager's side of the registry (a mixin of :class:`~chatlearn_mem.manager.MemoryManagerBase`):
-    claim every storage it moves, refuse a model another manager moves, let go on ``close()``."""
+def claim(manager: "MemoryManagerBase", keys: set[int], what: str) -> list[int]:
+    """Register ``manager`` as the manager of the storages ``keys`` (every storage it moves) and
+    return them; refuse when another live manager already moves one of them.
 
-    def _storage_keys(self) -> set[int]:
-        return {storage_key(t) for t in self._all_tensors()}
+    Raises:
+        ChatlearnMemError: Another live manager moves one of ``keys``; nothing was registered.
+    """
+    with _owners_lock:
+        for k in keys:
+            other = _owner(k)
+            if other is not None and other is not manager:
+                raise ChatlearnMemError(
+                    f"{what} is already managed by {type(other).__name__} (created at {other.state.created_at}); "
+                    "a second manager would release and restore the same storages behind the first "
+                    "one's back (each onload would shrink what the other restored). Use that manager "
+                    "(chatlearn_mem.manager_of(model) returns it) or call its close() first"
+                )
+        ref = weakref.ref(manager)
+        for k in keys:
+            _owners[k] = ref
+    return list(keys)
 
-    def _claim(self, what: str) -> None:
-        """Register as the manager of every storage this manager moves; refuse when another live
-        manager already moves one of them. Call once the parts are known, before any hook."""
-        keys = self._storage_keys()
-        with _owners_lock:
-            for k in keys:
-                other = _owner(k)
-                if other is not None and other is not self:
-                    raise ChatlearnMemError(
-                        f"{what} is already managed by {type(other).__name__} (created at {other._created_at}); "
-                        "a second manager would release and restore the same storages behind the first "
-                        "one's back (each onload would shrink what the other restored). Use that manager "
-                        "(chatlearn_mem.manager_of(model) returns it) or call its close() first"
-                    )
-            ref = weakref.ref(self)
-            for k in keys:
-                _owners[k] = ref
-        self._claimed = list(keys)
 
-    def _all_tensors(self) -> Iterable[torch.Tensor]:
-        for _, t in self._named_weights():
-            yield t
-        for part in self._groups:
-            for t in self._part_tensors(part):
-                if t is not None:
-                    yield t
+def release(manager: "MemoryManagerBase", keys: Iterable[int], blocking: bool = True) -> bool:
+    """Drop ``manager``'s entries for ``keys`` from the registry; False when it did not (below).
 
-    def _release_claim(self, blocking: bool = True) -> None:
-        """Drop this manager's entries from the registry.
-
-        Args:
-            blocking: False from ``__del__``: the garbage collector can run a finaliser in a
-                thread that already holds ``_owners_lock`` (inside ``manager_of`` or ``_claim``),
-                and waiting for it there would deadlock. The entries then stay as dead weak
-                references, which ``_owner`` ignores and removes.
-        """
-        if not _owners_lock.acquire(blocking=blocking):
-            return
-        try:
-            for k in self._claimed:
-                ref = _owners.get(k)
-                if ref is not None and ref() in (self, None):
-                    del _owners[k]
-            self._claimed = []
-        finally:
-            _owners_lock.release()
+    Args:
+        blocking: False from a finaliser: the garbage collector can run one in a thread that
+            already holds ``_owners_lock`` (inside :func:`manager_of` or :func:`claim`), and
+            waiting for it there would deadlock. The entries then stay as dead weak references,
+            which ``_owner`` ignores and removes.
+    """
+    if not _owners_lock.acquire(blocking=blocking):
+        return False
+    try:
+        for k in keys:
+            ref = _owners.get(k)
+            if ref is not None and ref() in (manager, None):
+                del _owners[k]
+        return True
+    finally:
+        _owners_lock.release()

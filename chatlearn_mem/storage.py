@@ -44,7 +44,7 @@ def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> li
         if t is None or t.device != device:
             continue
         s = t.untyped_storage()
-        seen.setdefault(s._cdata, s)
+        seen.setdefault(storage_key(s), s)
     return list(seen.values())
 
 
@@ -100,7 +100,11 @@ class StorageGroup:
 
     def host_copy_current(self, token: Optional[Hashable], storages: list[torch.UntypedStorage]) -> bool:
         """Whether the host store already holds exactly these storages' current contents."""
-        return token is not None and token == self._host_token and tuple(s._cdata for s in storages) == self._host_keys
+        return (
+            token is not None
+            and token == self._host_token
+            and tuple(storage_key(s) for s in storages) == self._host_keys
+        )
 
     def set_host_token(self, token: Optional[Hashable]) -> None:
         """Record that the host copy equals the device contents described by ``token``."""
@@ -322,3 +326,65 @@ class StorageGroup:
     def transfer(self) -> Optional["GroupTransfer"]:
         """The transition in flight (submitted, not yet settled), or None."""
         return self._transfer
+
+    # -- what a GroupTransfer asks and reports (group_transfer.py) ---------------------------
+    @property
+    def config(self) -> MemoryConfig:
+        """Bucket size, pinning, copy chunk and the CPU release settings of this group."""
+        return self._config
+
+    def park(self, key: int, block: Block) -> None:
+        """Keep the memory storage ``key`` was released with (CPU) for its regrow."""
+        self._parked[key] = block
+
+    def parked(self, key: int, huge_pages: bool) -> Optional[Block]:
+        """The memory to regrow storage ``key`` into: the block its release kept, or None (none
+        kept, or it is the storage's first allocation and ``huge_pages``: map fresh memory, once)."""
+        block = self._parked.get(key)
+        if block is not None and self._mapped.get(key) != block.address and huge_pages:
+            return None  # torch's first allocation (4 KiB pages, maybe): map huge pages instead, once
+        return block
+
+    def regrown(self, key: int, address: Optional[int]) -> None:
+        """Storage ``key`` was regrown, at ``address`` (CPU; None on CUDA): its kept block is used."""
+        self._parked.pop(key, None)  # only once grown: a failed regrow keeps the block
+        if address is not None:
+            self._mapped[key] = address
+
+    def transfer_cancelled(self, direction: str) -> None:
+        """A transition started and never submitted was undone: back where the group was."""
+        if direction == "offload":
+            self._released = []
+            self.offloaded = False
+        else:
+            self.offloaded = True
+        self._transfer = None
+
+    def transfer_succeeded(
+        self, direction: str, storages: list[torch.UntypedStorage], copied: bool, token: Optional[Hashable]
+    ) -> None:
+        """Every step ran: record the host copy (offload, when ``copied``) or the restored state."""
+        if direction == "offload":
+            if copied:
+                self._host_token = token
+                self._host_keys = tuple(storage_key(s) for s in storages)
+        else:
+            self._released = []
+            self._parked.clear()  # every block went back into its storage; nothing else is kept
+            self.set_host_token(token)
+        self._transfer = None
+
+    def onload_rolled_back(self) -> None:
+        """A failed onload released what it regrew: the group is offloaded, its host copy intact."""
+        self.offloaded = True
+
+    def offload_rolled_back(self, still_released: list[tuple[torch.UntypedStorage, int]], offloaded: bool) -> None:
+        """A failed offload regrew what it could: ``still_released`` stay released (with complete
+        host copies); the host copy describes no device contents any more."""
+        self._released = list(still_released)
+        self.offloaded = offloaded
+        self._host_token = None
+
+    def transfer_ended(self) -> None:
+        """The transition in flight is settled (a failure once rolled back)."""
+        self._transfer = None

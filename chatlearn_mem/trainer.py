@@ -91,7 +91,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         if not any(layout.overlaps_param_gather(c) for c in self._chunks):
             # megatron's overlapped param all-gather reads whole buckets from a module's pre-hook:
             # with it, a forward waits for all the weights instead (the outer pre-hook's guard)
-            self._register_weight_users(m for c in self._chunks for m in c.module.modules())
+            self._hook_handles += self.state.register_weight_users(m for c in self._chunks for m in c.module.modules())
         for c in self._chunks:
             self._guard_module(c, c.module)
             self._hook_handles += guards.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
@@ -104,7 +104,13 @@ class TrainerMemoryManager(MemoryManagerBase):
             opt = layout.torch_optimizer(leaf)
             self._hook_handles.append(opt.register_step_pre_hook(self._before_step))
             self._hook_handles.append(opt.register_step_post_hook(self._after_step))
-        self._record_placement()
+        self.state.record_placement()
+
+    @property
+    def checkpoint_parts(self) -> tuple[list, Any, list]:
+        """``(model chunks, optimizer, leaf optimizers)``: what a checkpoint of this model reads
+        (see :mod:`chatlearn_mem.checkpoint`)."""
+        return self._chunks, self._optimizer, self._leaves
 
     # -- which tensors make up each part ----------------------------------------------------
     def _grad_storage_keys(self) -> set[int]:
@@ -175,7 +181,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         if part is Part.GRADS:
             return None
         versions = tuple(t._version for t in self._part_tensors(part))
-        return (self._steps, self._dirty_epoch, versions)
+        return (self._steps, self.state.dirty_epoch, versions)
 
     def _check_layout(self) -> None:
         grads = self._grad_storage_keys()
@@ -187,7 +193,7 @@ class TrainerMemoryManager(MemoryManagerBase):
                     "weights. Disable that option to use the memory manager."
                 )
         for part in Part:
-            for s in self._storages(part):
+            for s in self.state.storages(part):
                 if not s.resizable():
                     raise UnsupportedLayoutError(
                         f"a {part} storage of {s.nbytes()} bytes cannot be resized "
@@ -199,7 +205,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         self._check_no_concurrent_call("forward pass")
         self._check_weights_resident("forward pass")
         if torch.is_grad_enabled():
-            if self._groups[Part.GRADS].offloaded:
+            if self.state.offloaded(Part.GRADS):
                 raise OffloadedError(
                     f"training forward pass while the grad buffers are released: call "
                     f"{guards.onload_call([Part.GRADS])} (or onload()) first, or run forward-only passes under "
@@ -234,7 +240,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._steps += 1
         self._forward_since_step = False
-        self._record_placement([Part.OPTIMIZER_STATES])  # the first step creates the states
+        self.state.record_placement([Part.OPTIMIZER_STATES])  # the first step creates the states
 
     def _before_offload_checks(self, todo: list[Part], force: bool) -> None:
         self._check_no_pending_communication("offload" if len(todo) > 1 else f"offload {todo[0]}")
@@ -280,7 +286,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             Whatever a copy raises, once the parts are rolled back (with ``blocking=False``: from
             ``Transfer.wait()``).
         """
-        return self._run("offload", self._begin_offload(parts, force=force), blocking)
+        return self._run("offload", self.state.begin_offload(parts, force=force), blocking)
 
     @serialized
     def onload(self, parts: PartsArg = None, *, blocking: bool = True):
@@ -302,18 +308,18 @@ class TrainerMemoryManager(MemoryManagerBase):
             Whatever a device allocation or copy raises, once the failed part is rolled back (with
             ``blocking=False``: from ``Transfer.wait()``).
         """
-        return self._run("onload", self._begin_onload(parts, use_order=not blocking), blocking)
+        return self._run("onload", self.state.begin_onload(parts, use_order=not blocking), blocking)
 
     @serialized
     def residency(self) -> Residency:
         """Device bytes held per part (each storage once) and host store bytes, once the transitions
         in flight have finished."""
-        self._settle()
+        self.state.settle()
         return measure(
             {p.value: self._part_tensors(p) for p in Part} | {OTHER: self._stale_grads()},
             self.device,
-            self._host_bytes(),
-            self._released_bytes(),
+            self.state.host_bytes(),
+            self.state.released_bytes(),
         )
 
     @serialized
@@ -329,16 +335,16 @@ class TrainerMemoryManager(MemoryManagerBase):
         nothing else (megatron-core's own offload calls, say) released, regrew or moved the
         manager's memory since its last call (see :mod:`chatlearn_mem.external`).
         """
-        self._settle()
+        self.state.settle()
         report = AuditReport()
         self._check_rebinds(report)
         checks.check_buffers(report, self._buffers, self._names, self._chunks, self._optimizer)
         checks.check_optimizers(report, self._leaves, self._names)
         checks.check_hooks(report, self._chunks, self._chunk_buffers, self._names)
         for part in Part:
-            self._check_storage_state(report, part)
+            self.state.check_storage_state(report, part)
         report.checked += 1
-        for sentence in self._external_changes():
+        for sentence in self.state.external_changes():
             report.add(sentence)
         return report
 

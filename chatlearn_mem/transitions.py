@@ -110,6 +110,10 @@ class Transfer:
             return self._settle(observed=True)
         return list(self._stats)
 
+    def settle_unobserved(self) -> None:
+        """Settle as the manager's next call does: raise a failure only if no one saw it yet."""
+        self._settle(observed=False)
+
     def _describe(self) -> str:
         return ", ".join(dict.fromkeys(str(p) for _, p, _ in self._entries)) or "nothing"
 
@@ -119,16 +123,16 @@ class Transfer:
         with self._lock:
             if not self._settled:
                 for manager, part, gt in self._entries:
-                    if gt.batch._lane is None:  # never submitted (interrupted): nothing ran
+                    if not gt.batch.submitted:  # never submitted (interrupted): nothing ran
                         gt.cancel()
-                        manager._transfer_settled(part, self, gt)
+                        manager.state.transfer_settled(part, self, gt)
                         continue
                     try:
                         self._stats.append(gt.finish())
                     except BaseException as e:  # noqa: BLE001 - every part is settled, the first error raised
                         if self._error is None:
                             self._error = e
-                    manager._transfer_settled(part, self, gt)
+                    manager.state.transfer_settled(part, self, gt)
                 for fn in self._on_settled:
                     fn()
                 self._settled = True
@@ -167,7 +171,7 @@ def run(
     """
     transfer = Transfer(kind, entries, on_settled)
     for manager, part, gt in entries:
-        manager._transfer_started(part, transfer, gt)
+        manager.state.transfer_started(part, transfer, gt)
     try:
         transfer._submit()
     except BaseException:
@@ -227,12 +231,12 @@ def swap(
     if headroom_bytes is not None and headroom_bytes < 0:
         raise ValueError(f"headroom_bytes must be >= 0, got {headroom_bytes}")
     first, second = sorted((out, into), key=id)
-    with first._lock, second._lock:
+    with first.state.lock, second.state.lock:
         for m in (out, into):
-            m._check_open("swap")
-        out_started = out._begin_offload(out_parts, force=force)
+            m.state.check_open("swap")
+        out_started = out.state.begin_offload(out_parts, force=force)
         try:
-            into_started = into._begin_onload(into_parts)
+            into_started = into.state.begin_onload(into_parts)
         except BaseException:
             for _, gt in out_started:
                 gt.cancel()
@@ -241,7 +245,7 @@ def swap(
         entries = [(out, p, gt) for p, gt in out_started] + [(into, p, gt) for p, gt in into_started]
         if not entries:
             return [] if blocking else run("swap", [], blocking=False)
-        return run("swap", entries, blocking, on_settled=[out._after_offload_settled])
+        return run("swap", entries, blocking, on_settled=[out.state.after_offload_settled])
 
 
 def _pace(

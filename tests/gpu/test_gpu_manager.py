@@ -148,7 +148,7 @@ def test_host_store_is_pinned(dist1):
     _, _, mm, _ = train(CFG, steps=1)
     assert mm.config.resolved_pin_memory()
     mm.offload()
-    buckets = [b for g in mm._groups.values() if g.store is not None for b in g.store.buckets]
+    buckets = [b for g in mm.state.groups().values() if g.store is not None for b in g.store.buckets]
     assert buckets and all(b.is_pinned() for b in buckets)
     assert sum(b.numel() for b in buckets) == mm.residency().host_bytes
     mm.onload()
@@ -167,7 +167,7 @@ def test_pinned_host_store_has_its_exact_size_and_goes_back_to_the_os_on_drop(di
     cached_before = torch.cuda.memory.host_memory_stats().get("reserved_bytes.current", 0)
     rss0 = _rss()
     mm.offload()
-    stores = [g.store for g in mm._groups.values() if g.store is not None]
+    stores = [g.store for g in mm.state.groups().values() if g.store is not None]
     buckets = [b for st in stores for b in st.buckets]
     assert buckets and all(b.is_pinned() for b in buckets)
     host = sum(b.numel() for b in buckets)
@@ -175,7 +175,7 @@ def test_pinned_host_store_has_its_exact_size_and_goes_back_to_the_os_on_drop(di
     assert torch.cuda.memory.host_memory_stats().get("reserved_bytes.current", 0) == cached_before
     assert _rss() - rss0 >= 0.9 * host
     mm.onload()
-    for g in mm._groups.values():
+    for g in mm.state.groups().values():
         g.drop_host_store()
     del stores, buckets
     assert _rss() - rss0 < 0.1 * host, "the pinned host store was not returned to the OS"

@@ -132,7 +132,7 @@ def test_async_save_makes_an_overwriting_offload_wait(dist1, tmp_path, monkeypat
     offloader.start()
     offloader.join(timeout=1.0)
     assert offloader.is_alive(), "the offload overwrote host stores an asynchronous save was still reading"
-    assert mm._groups[Part.WEIGHTS].readers > 0
+    assert mm.state.group(Part.WEIGHTS).readers > 0
     release.set()
     offloader.join()
     handle.wait()

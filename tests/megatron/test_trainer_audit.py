@@ -147,7 +147,7 @@ def test_storage_restored_behind_the_managers_back_is_reported(trained):
     mm.offload()
     grad_data = layout.ddp_buffers(trainer.model)[0].grad_data
     ((storage, size),) = [
-        (s, n) for s, n in mm._groups["grads"].released if s._cdata == grad_data.untyped_storage()._cdata
+        (s, n) for s, n in mm.state.group("grads").released if s._cdata == grad_data.untyped_storage()._cdata
     ]
     storage.resize_(size)
     assert "although the part is offloaded" in _problems(mm)

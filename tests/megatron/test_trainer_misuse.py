@@ -523,7 +523,7 @@ def test_close_detaches_hooks_frees_host_store_and_lets_a_new_manager_in(trained
     mm.close()  # again: a no-op
     assert not set(vars(trainer.model)) & {"zero_grad_buffer", "start_grad_sync", "finish_grad_sync"}
     assert "step" not in vars(trainer.optimizer)
-    assert all(g.host_bytes == 0 for g in mm._groups.values())
+    assert all(g.host_bytes == 0 for g in mm.state.groups().values())
     assert manager_of(trainer.model) is None
     with pytest.raises(ChatlearnMemError, match=r"offload\(\) after close\(\)"):
         mm.offload()
@@ -563,7 +563,7 @@ def test_host_memory_refusal_changes_nothing(trained, monkeypatch):
     # Without the margin the store fits exactly; once allocated it is reused, so later offloads
     # allocate nothing and pass even with no host memory left.
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(host_memory_margin_mb=0))
-    need = sum(g.new_host_bytes(mm._storages(p)) for p, g in mm._groups.items())
+    need = sum(g.new_host_bytes(mm.state.storages(p)) for p, g in mm.state.groups().items())
     assert need > 2**20
     monkeypatch.setattr(host_memory, "usable_host_memory", lambda: host_memory.HostMemory(need, ()))
     mm.offload()

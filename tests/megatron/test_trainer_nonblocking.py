@@ -33,7 +33,7 @@ def test_train_step_starts_while_the_weights_are_still_arriving(dist1):
     embedding = trainer.model.module.embedding
 
     def probe(module, args):
-        gt = mm._pending[Part.WEIGHTS][1] if Part.WEIGHTS in mm._pending else None
+        gt = mm.state.in_flight(Part.WEIGHTS)
         in_flight_at_first_layer.append(gt is not None and not gt.batch.done())
 
     handle_probe = embedding.register_forward_pre_hook(probe)
@@ -53,12 +53,14 @@ def test_overlapped_param_gather_waits_for_every_weight_before_the_forward(dist1
     cfg = gpt.GPTTrainerConfig(overlap_grad_reduce=True, overlap_param_gather=True, ddp_bucket_size=4000)
     trainer = gpt.build_gpt_trainer(cfg)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, NON_BLOCKING)
-    assert mm._weight_users_of == []  # megatron's pre-hooks gather whole buckets: no per-module fences
+    assert mm.state.weight_users == []  # megatron's pre-hooks gather whole buckets: no per-module fences
     _step(trainer, cfg, 0)
     mm.offload()
     seen = []
     hook = trainer.model.module.embedding.register_forward_pre_hook(
-        lambda m, a: seen.append(mm._pending[Part.WEIGHTS][1].batch.done() if Part.WEIGHTS in mm._pending else True)
+        lambda m, a: seen.append(
+            mm.state.in_flight(Part.WEIGHTS).batch.done() if mm.state.in_flight(Part.WEIGHTS) else True
+        )
     )
     with slow_lanes(1e-3):
         mm.onload(blocking=False)
@@ -72,7 +74,7 @@ def _resident(*trainers) -> int:
     tensors = []
     for t in trainers:
         mm = t._mm
-        tensors += [x for p in mm.parts for x in mm._part_tensors(p) if x is not None]
+        tensors += [x for p in mm.parts for x in mm.state.hooks.part_tensors(p) if x is not None]
     return sum(s.nbytes() for s in unique_storages(tensors, torch.device("cpu")))
 
 

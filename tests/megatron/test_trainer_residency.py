@@ -35,7 +35,7 @@ def test_fifty_cycles_grow_neither_device_nor_host(dist1):
     _, _, mm, trainer = train(cfg, steps=1)
     mm.offload()
     mm.onload()
-    stores = {name: g.store for name, g in mm._groups.items()}
+    stores = {name: g.store for name, g in mm.state.groups().items()}
     resident, host = mm.residency().device_bytes, mm.residency().host_bytes
     for step in range(50):
         trainer.train_step(gpt.synthetic_batch(cfg, step))
@@ -44,7 +44,7 @@ def test_fifty_cycles_grow_neither_device_nor_host(dist1):
         assert r.device_bytes == 0 and r.host_bytes == host
         mm.onload()
         assert mm.residency().device_bytes == resident
-    assert {name: g.store for name, g in mm._groups.items()} == stores  # allocated once, reused
+    assert {name: g.store for name, g in mm.state.groups().items()} == stores  # allocated once, reused
     assert mm.audit().ok
 
 

@@ -81,7 +81,7 @@ def test_every_public_call_waits_for_the_lock(dist1, kind):
                 errors.append(e)
             done.set()
 
-        with mm._lock:
+        with mm.state.lock:
             t = threading.Thread(target=call)
             t.start()
             assert not done.wait(0.2), f"{name}() ran while another thread held the manager's lock"

@@ -4,7 +4,6 @@ forces the interleaving a GPU would produce by timing."""
 
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -36,6 +35,18 @@ class Gate:
 
     def open(self) -> None:
         self._open.set()
+
+
+def open_when_settling(monkeypatch, mm, gate: Gate) -> None:
+    """Open ``gate`` once ``mm`` settles its transitions in flight: the held lane runs on only when
+    the call under test has chosen to wait for it."""
+    real = mm.state.settle
+
+    def settle(parts=None):
+        gate.open()
+        real(parts)
+
+    monkeypatch.setattr(mm.state, "settle", settle)
 
 
 def storages_of(n=3, size=3000, seed=0):
@@ -154,15 +165,18 @@ def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
 
     def probe(i):
         def hook(module, args):
-            seen[i] = (gt.batch.completed, gt.user_fence(mm._weights_in_flight[1][id(module)]).index)
+            seen[i] = (gt.batch.completed, gt.user_fence(mm.state.weight_user_of(module)).index)
+            if i == 0:
+                gate.open()  # the first layer ran with the last layer's copies held back
 
         return hook
 
     for i, layer in enumerate(model):
         layer.register_forward_pre_hook(probe(i))  # after the manager's own pre-hook
-    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: time.sleep(0.002))
+    last = 2 * len(model) - 1  # the last layer's bias: the last storage the forward reads
+    gate = Gate(monkeypatch, f"copy weights[{last}]", lane="h2d")
     handle = mm.onload(blocking=False)
-    gt = mm._pending[Part.WEIGHTS][1]
+    gt = mm.state.in_flight(Part.WEIGHTS)
     with torch.no_grad():
         got = model(x)
     assert torch.equal(got, expected)
@@ -185,7 +199,7 @@ def test_r4_blocking_onload_has_no_use_order_and_every_user_waits_for_all(monkey
         expected = model(x)
     mm = InferenceMemoryManager(model, CFG)
     mm.offload()
-    monkeypatch.setattr(mm, "_weight_user_ranges", lambda: pytest.fail("a blocking onload computed a use order"))
+    monkeypatch.setattr(mm.state, "weight_user_ranges", lambda: pytest.fail("a blocking onload computed a use order"))
     mm.onload()
     with torch.no_grad():
         assert torch.equal(model(x), expected)
@@ -206,8 +220,8 @@ def test_r4_weights_queued_in_forward_order():
     mm = InferenceMemoryManager(model, CFG)
     mm.offload()
     handle = mm.onload(blocking=False)
-    gt = mm._pending[Part.WEIGHTS][1]
-    fences = [gt.user_fence(u).index for u in range(len(mm._weight_users_of))]
+    gt = mm.state.in_flight(Part.WEIGHTS)
+    fences = [gt.user_fence(u).index for u in range(len(mm.state.weight_users))]
     assert fences == sorted(fences)
     handle.wait()
 
@@ -230,7 +244,7 @@ def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
     mm = InferenceMemoryManager(model, MemoryConfig(bucket_size_mb=1, copy_chunk_mb=8 / 1024, check_host_memory=False))
     mm.offload()
     handle = mm.onload(blocking=False)
-    gt = mm._pending[Part.WEIGHTS][1]
+    gt = mm.state.in_flight(Part.WEIGHTS)
     fences = [gt.user_fence(u).index for u in range(len(model))]
     assert fences == sorted(fences) and fences[0] < fences[-1]
     layer0 = sum(p.numel() * 4 for p in model[0].parameters())
@@ -247,14 +261,25 @@ def test_r5_offload_waits_for_host_store_readers(monkeypatch):
     group.offload(storages)
     group.onload()
     tensors[0].fill_(3.0)  # the host copy is stale: the next offload copies
-    started = threading.Event()
+    waiting = threading.Event()
+    real_wait = group.wait_for_readers
+    readers_after_wait, readers_at_steps = [], []
+
+    def wait_for_readers():
+        waiting.set()
+        real_wait()
+        readers_after_wait.append(group.readers)
+
+    monkeypatch.setattr(group, "wait_for_readers", wait_for_readers)
+    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: readers_at_steps.append(group.readers))
     with group.reading():
-        th = threading.Thread(target=lambda: (started.set(), group.offload(storages, token=None)))
+        th = threading.Thread(target=lambda: group.offload(storages, token=None))
         th.start()
-        started.wait()
-        time.sleep(0.2)
+        assert waiting.wait(10)  # the offload reached the readers' wait while this reader holds the store
         assert storages[0].nbytes() > 0, "an offload overwrote the host store while a reader held it"
     th.join(10)
+    assert readers_after_wait and set(readers_after_wait) == {0}, "the offload went on while a reader held the store"
+    assert readers_at_steps and set(readers_at_steps) == {0}
     assert storages[0].nbytes() == 0
     assert bool((group.read_host(tensors[0]) == 3.0).all())
     group.onload()
@@ -267,7 +292,7 @@ def test_r5_host_reads_wait_for_a_pending_offload(monkeypatch):
     gate = Gate(monkeypatch, "release weights[1]")
     handle = mm.offload(blocking=False)
     assert gate.reached.wait(10)
-    threading.Timer(0.2, gate.open).start()
+    open_when_settling(monkeypatch, mm, gate)
     got = mm.weights_state_dict()  # reads the host copy: must wait for the copies
     assert handle.done()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -283,7 +308,7 @@ def test_r6_onload_waits_for_the_offload_of_the_same_part(monkeypatch):
     gate = Gate(monkeypatch, "copy weights[2]")
     first = mm.offload(blocking=False)
     assert gate.reached.wait(10)
-    threading.Timer(0.2, gate.open).start()
+    open_when_settling(monkeypatch, mm, gate)
     mm.onload()  # settles the offload first: never regrows a storage whose release is pending
     assert first.done()
     assert gate.labels.index("release weights[5]") < gate.labels.index("regrow weights[0]")
@@ -298,9 +323,9 @@ def test_r7_close_waits_for_a_transfer_in_flight(monkeypatch):
     gate = Gate(monkeypatch, "copy weights[3]")
     handle = mm.onload(blocking=False)
     assert gate.reached.wait(10)
-    threading.Timer(0.2, gate.open).start()
+    open_when_settling(monkeypatch, mm, gate)
     mm.close()  # waits: the host store is freed only after every copy from it
-    assert handle.done() and mm._groups[Part.WEIGHTS].store is None
+    assert handle.done() and mm.state.group(Part.WEIGHTS).store is None
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
 
 
@@ -341,7 +366,16 @@ def test_r8_swap_overlaps_the_two_directions(monkeypatch):
     ma, mb = InferenceMemoryManager(a, CFG), InferenceMemoryManager(b, CFG)
     mb.offload()
     lanes = []
-    monkeypatch.setattr(engine_mod, "_before_step", lambda lane, label: (lanes.append(lane), time.sleep(0.001)))
+    h2d_ran = threading.Event()
+
+    def hook(lane, label):
+        lanes.append(lane)
+        if lane == "cpu-h2d":
+            h2d_ran.set()
+        elif label.startswith("release"):  # hold the outgoing lane's releases until an h2d step ran
+            assert h2d_ran.wait(30), "no h2d step ran while the d2h lane was held"
+
+    monkeypatch.setattr(engine_mod, "_before_step", hook)
     swap(out=ma, into=mb, headroom_bytes=10**9)
     # the two workers interleave: an h2d step ran before the last d2h step
     first_h2d = lanes.index("cpu-h2d")
@@ -495,9 +529,9 @@ def test_ctrl_c_while_waiting_interrupts_the_wait_not_the_copies(monkeypatch):
     handle = mm.onload(blocking=False)
     assert gate.reached.wait(10)
     main = threading.main_thread().ident
-    threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        handle.wait()
+    with pytest.raises(KeyboardInterrupt):  # the interrupt lands inside this block, whenever it comes
+        threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+        handle.wait()  # the gate holds the lane: this waits until interrupted
     assert not handle.done()
     gate.open()
     with torch.no_grad():
@@ -521,7 +555,7 @@ def test_ctrl_c_during_submission_rolls_back_and_reraises(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         mm.offload()
     monkeypatch.setattr(CopyEngine, "submit", real)
-    assert not mm.is_offloaded("weights") and not mm._pending
+    assert not mm.is_offloaded("weights") and not mm.state.any_in_flight()
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     mm.offload()

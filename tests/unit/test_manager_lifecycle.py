@@ -86,7 +86,7 @@ def test_close_removes_guards_frees_the_host_store_and_refuses_later_calls(model
     mm.close()
     mm.close()  # a no-op
     assert not model._forward_pre_hooks and not model._forward_hooks and not model._state_dict_pre_hooks
-    assert all(g.host_bytes == 0 for g in mm._groups.values())
+    assert all(g.host_bytes == 0 for g in mm.state.groups().values())
     for call in (mm.offload, mm.onload, mm.audit, mm.residency, mm.weights_state_dict):
         with pytest.raises(ChatlearnMemError, match=r"after close\(\): the manager is closed; create a new one"):
             call()
