@@ -7,6 +7,7 @@ from __future__ import annotations
 from chatlearn_mem import ChatlearnMemError
 
 __all__ = [
+    "iteration_label",
     "ActorFailedError",
     "AuditFailedError",
     "BudgetError",
@@ -24,6 +25,12 @@ __all__ = [
     "VersionSkewError",
     "WeightSyncError",
 ]
+
+
+def iteration_label(number: int, comparison: bool) -> str:
+    """How messages name an iteration: ``"iteration 3"``; ``"manager-off iteration 1"`` for the
+    comparison iterations run after the others with the manager off (``memory.compare_iterations``)."""
+    return f"manager-off iteration {number}" if comparison else f"iteration {number}"
 
 
 class RunError(ChatlearnMemError):
@@ -112,7 +119,7 @@ class NonFiniteLossError(RunError):
 
     def __init__(self, iteration: int, phase: str, values: dict, comparison: bool = False):
         bad = ", ".join(f"{k}={v}" for k, v in values.items())
-        which = f"manager-off iteration {iteration}" if comparison else f"iteration {iteration}"
+        which = iteration_label(iteration, comparison)
         super().__init__(
             f"{which}, phase {phase!r}: non-finite {bad}; the run stopped "
             "(lower the learning rate, or check the config and the reward)"

@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from chatlearn_mem import Part
-from chatlearn_mem_ray import vllm_sync
+from chatlearn_mem_ray import weight_sync
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
-from chatlearn_mem_ray.errors import AuditFailedError, BudgetError, NonFiniteLossError, WeightSyncError
-from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, pinned_items
+from chatlearn_mem_ray.errors import NonFiniteLossError
+from chatlearn_mem_ray.phases import PhaseRunner
+from chatlearn_mem_ray.residency import ResidencySchedule
 from chatlearn_mem_ray.timeline import MemoryTimeline
 
 if TYPE_CHECKING:
@@ -55,7 +56,6 @@ __all__ = [
     "policy_loss",
     "token_range_reward",
     "value_loss",
-    "weight_sync_mismatch",
 ]
 
 
@@ -105,14 +105,6 @@ def value_loss(values: torch.Tensor, mb: dict, *, prompt_length: int, value_clip
     return loss, {"value_mean": v.mean().item()}
 
 
-def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) -> Optional[str]:
-    """None when the rollout's weights equal the policy's shard for shard, else what differs."""
-    bad = [i for i, (a, b) in enumerate(zip(policy_digests, rollout_digests)) if a != b]
-    if len(policy_digests) != len(rollout_digests) or bad:
-        return f"tensor-parallel shard(s) {bad or 'count'} differ after the weight sync"
-    return None
-
-
 def check_finite(iteration: int, phase: str, metrics: dict, comparison: bool = False) -> None:
     """Stop the run when a phase's loss (or any other metric) is NaN or infinite.
 
@@ -126,12 +118,6 @@ def check_finite(iteration: int, phase: str, metrics: dict, comparison: bool = F
     bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
     if bad:
         raise NonFiniteLossError(iteration, phase, bad, comparison)
-
-
-def iteration_label(number: int, comparison: bool) -> str:
-    """How messages name an iteration: ``"iteration 3"``; ``"manager-off iteration 1"`` for the
-    comparison iterations run after the others with the manager off (``memory.compare_iterations``)."""
-    return f"manager-off iteration {number}" if comparison else f"iteration {number}"
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -159,16 +145,11 @@ class PPORun:
         self.cfg, self.colo, self.progress, self.on_phase = cfg, colo, progress, on_phase
         self.checkpointer = None  # a RunCheckpointer when the run saves checkpoints
         self.where: tuple[Optional[int], str] = (None, "setup")  # (iteration index, phase) now running
-        self.timeline = MemoryTimeline()
+        self.phases = PhaseRunner(cfg, colo, progress)  # the memory each phase moves, and its record
         self.iterations: list[dict] = []
         self.sync_checks: list[dict] = []
         self.weight_sync: Optional[dict] = None  # the vLLM rollout's, for the iteration in progress
-        self.audits = {"runs": 0, "checks_clean": 0}
         self.manager_on = cfg.memory.enabled
-        self.schedule: Optional[ResidencySchedule] = None  # with memory.device_budget_mb: see plan_memory()
-        self.over_budget: list[dict] = []  # phases measured above their device's budget
-        self.prefetch = cfg.memory.prefetch  # with a residency plan: non-blocking transitions, prefetch
-        self._unsettled: set = set()  # actors with non-blocking transitions not yet waited for
         self._comparison_from: Optional[int] = None  # index of the first manager-off comparison iteration
         p = cfg.parallel
         self.tp = p.tensor_model_parallel_size
@@ -176,6 +157,26 @@ class PPORun:
         ppo = cfg.ppo
         self._policy_loss = functools.partial(policy_loss, prompt_length=ppo.prompt_length, clip_ratio=ppo.clip_ratio)
         self._value_loss = functools.partial(value_loss, prompt_length=ppo.prompt_length, value_clip=ppo.value_clip)
+
+    @property
+    def timeline(self) -> MemoryTimeline:
+        """Every phase's residency and transitions so far."""
+        return self.phases.timeline
+
+    @property
+    def audits(self) -> dict:
+        """``{"runs", "checks_clean"}``: the audits after each phase's onload."""
+        return self.phases.audits
+
+    @property
+    def schedule(self) -> Optional[ResidencySchedule]:
+        """With ``memory.device_budget_mb``: the residency plan (see :meth:`plan_memory`)."""
+        return self.phases.schedule
+
+    @property
+    def over_budget(self) -> list[dict]:
+        """Phases measured above their device's budget."""
+        return self.phases.over_budget
 
     # -- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict:
@@ -207,9 +208,9 @@ class PPORun:
             },
         )
         self.iterations = [dict(m) for m in state["iterations"]]
-        self.timeline = MemoryTimeline.from_json(state["memory_timeline"])
+        self.phases.timeline = MemoryTimeline.from_json(state["memory_timeline"])
         self.sync_checks = list(state["sync_checks"])
-        self.audits = dict(state["audits"])
+        self.phases.audits = dict(state["audits"])
 
     @property
     def next_iteration(self) -> int:
@@ -242,39 +243,9 @@ class PPORun:
             self.schedule.clear()
 
     def plan_memory(self) -> Optional[ResidencySchedule]:
-        """With ``memory.device_budget_mb``: measure every model's parts and plan what each device
-        keeps resident in each phase (call with every model asleep: ``auto`` reads the free memory).
-
-        Raises:
-            BudgetError: A phase alone needs more than the budget (or ``auto`` without a GPU).
-        """
-        mem, c = self.cfg.memory, self.colo
-        if mem.device_budget_mb is None or not self.manager_on:
-            return None
-        sizes = {c.names[a]: s for a, s in c.call("plan", {a: a.part_sizes.remote() for a in c.all_actors}).items()}
-        sizes = {n: {Part(p): b for p, b in s.items()} for n, s in sizes.items()}
-        if mem.device_budget_mb == "auto":
-            if not c.use_gpu:
-                raise BudgetError(
-                    "memory.device_budget_mb=auto reads the free memory of each GPU, and this run "
-                    "has none; give the budget in MiB, or null (all or nothing)"
-                )
-            one = {bundle_of(c.names[a]): a for a in reversed(c.policy)}  # one actor per device
-            free = c.call("plan", {a: a.device_free_bytes.remote() for a in one.values()})
-            margin = int(mem.device_budget_margin_mb * 2**20)
-            budget = {b: max(0, free[a] - margin) for b, a in one.items()}
-        else:
-            budget = int(mem.device_budget_mb * 2**20)
-        if self.cfg.rollout.engine == "vllm" and c.use_gpu:
-            raise BudgetError(
-                "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
-                "plan does not know the size of the engine's KV cache there; set memory.device_budget_mb=null"
-            )
-        try:
-            self.schedule = ResidencySchedule(sizes, budget, pinned=pinned_items(self.cfg, c.use_gpu))
-        except ValueError as e:
-            raise BudgetError(str(e)) from None
-        return self.schedule
+        """With ``memory.device_budget_mb`` and the manager on: :meth:`PhaseRunner.plan
+        <chatlearn_mem_ray.phases.PhaseRunner.plan>` (call with every model asleep)."""
+        return self.phases.plan() if self.manager_on else None
 
     def wake_all(self) -> None:
         """Onload every model and keep it resident: the run continues with the manager off, its
@@ -284,134 +255,13 @@ class PPORun:
         self.manager_on = False
         self._comparison_from = self.next_iteration
 
-    def _audit(self, name: str, actors) -> None:
-        c = self.colo
-        for a, problems in c.call(name, {a: a.audit.remote() for a in actors}).items():
-            self.audits["runs"] += 1
-            if problems:
-                raise AuditFailedError(
-                    f"audit of {c.names[a]} after onload in phase {name!r} "
-                    f"found {len(problems)} problem(s): {problems[:5]}"
-                )
-            self.audits["checks_clean"] += 1
-
     def _phase(self, index: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
-        """Onload what ``needs`` names, do ``work``, record everyone's residency, offload."""
-        c = self.colo
+        """Onload what ``needs`` names, do ``work``, record everyone's residency, offload
+        (:meth:`chatlearn_mem_ray.phases.PhaseRunner.run`)."""
         self.where = (index, name)
         if self.on_phase is not None:
             self.on_phase(self, index, name)
-        if self.schedule is not None and self.manager_on:
-            return self._planned_phase(index, name, needs, work)
-        t0 = time.perf_counter()
-        moved = []
-        if self.manager_on:
-            moved += [
-                s
-                for stats in c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()}).values()
-                for s in stats
-            ]
-        t_in = time.perf_counter() - t0
-        if self.manager_on and self.cfg.memory.audit:
-            self._audit(name, needs)
-        result = work()
-        residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
-        t1 = time.perf_counter()
-        if self.manager_on:
-            moved += [
-                s
-                for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()}).values()
-                for s in stats
-            ]
-        seconds = time.perf_counter() - t0
-        self.timeline.add(
-            self.number(index)[0],
-            name,
-            self.manager_on,
-            seconds,
-            {c.names[a]: parts for a, parts in needs.items()},
-            {c.names[a]: r for a, r in residency.items()},
-            moved=moved,
-            transition_seconds=t_in + time.perf_counter() - t1,
-        )
-        return result
-
-    def _moves(self, name: str, moves: dict[str, tuple[Part, ...]], direction: str, blocking: bool) -> list[dict]:
-        """Offload or onload ``moves`` (actor name -> parts) on every actor at once; the stats of
-        blocking calls (non-blocking ones report through ``settle``)."""
-        if not moves:
-            return []
-        c = self.colo
-        by_name = {c.names[a]: a for a in c.all_actors}
-        refs = {by_name[n]: getattr(by_name[n], direction).remote(list(parts), blocking) for n, parts in moves.items()}
-        if not blocking:
-            self._unsettled.update(refs)
-        return [s for stats in c.call(name, refs).values() for s in stats]
-
-    def _planned_phase(self, index: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
-        """A phase under the residency plan (``memory.device_budget_mb``): at the boundary the
-        plan's out-moves (first, and waited for, only when the device needs their room), then its
-        in-moves; the next phase's in-moves start now when they fit beside this phase's models
-        (prefetch); the work; then every transition still running is waited for and the residency
-        recorded. With ``memory.prefetch`` the transitions are non-blocking: a forward pass waits
-        per module for its weights, a training step for the parts it touches."""
-        c, s = self.colo, self.schedule
-        phase = PHASES.index(name)
-        nb = self.prefetch
-        t0 = time.perf_counter()
-        moves = s.boundary(phase)
-        moved = []
-        if moves.out and not s.fits(s.resident | s.target(phase)):  # their room is needed first
-            moved += self._moves(name, moves.out, "offload", blocking=True)
-            s.moved(BoundaryPlan(moves.out, {}))
-            moves = BoundaryPlan({}, moves.into)
-        moved += self._moves(name, moves.into, "onload", blocking=not nb)
-        moved += self._moves(name, moves.out, "offload", blocking=not nb)  # behind this phase
-        s.moved(moves)
-        if nb:  # the next phase's in-moves, when they fit beside what is resident now
-            ahead = s.boundary((phase + 1) % len(PHASES)).into
-            items = {(a, p) for a, parts in ahead.items() for p in parts}
-            if ahead and s.fits(s.resident | items):
-                self._moves(name, ahead, "onload", blocking=False)
-                s.moved(BoundaryPlan({}, ahead))
-        t_before = time.perf_counter() - t0
-        result = work()
-        t1 = time.perf_counter()
-        waits = c.call(name, {a: a.settle.remote() for a in self._unsettled})
-        self._unsettled.clear()
-        moved += [x for w in waits.values() for x in w["stats"]]
-        t_settle = time.perf_counter() - t1
-        if self.cfg.memory.audit:
-            self._audit(name, needs)
-        residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
-        number = self.number(index)[0]  # the manager is on: never a comparison iteration
-        self.timeline.add(
-            number,
-            name,
-            True,
-            time.perf_counter() - t0,
-            {c.names[a]: parts for a, parts in needs.items()},
-            {c.names[a]: r for a, r in residency.items()},
-            moved=moved,
-            transition_seconds=t_before + t_settle,
-            budget_bytes=s.budget,
-            kept=s.kept(phase),
-        )
-        over = {b: n for b, n in self.timeline.records[-1].bundle_bytes.items() if n > s.budget[int(b)]}
-        if over:  # never silently: a measured phase above its device's budget is said and logged
-            self.over_budget.append({"iteration": number, "phase": name, "device_bytes": over})
-            self.progress(
-                f"warning: {name} of iteration {number} held "
-                + ", ".join(f"{n / 2**20:.2f} MiB on device {b}" for b, n in over.items())
-                + " (the budget is "
-                f"{max(s.budget.values()) / 2**20:.2f} MiB); a model grew past what was measured"
-            )
-        sizes = {c.names[a]: {Part(p): b for p, b in r["resident_by_part"].items()} for a, r in residency.items()}
-        if s.update_sizes(sizes):
-            self.progress(
-                f"re-planned the device memory after {name} of iteration {number}: a model's parts changed size"
-            )
-        return result
+        return self.phases.run(self.number(index)[0], name, needs, work, self.manager_on)
 
     def _by_dp_rank(self, group: list) -> list[list]:
         """Actors of a trainer grouped by data-parallel rank."""
@@ -433,41 +283,13 @@ class PPORun:
         c, ppo = self.colo, self.cfg.ppo
         senders = self._by_dp_rank(c.policy)[0]  # tensor-parallel ranks of data-parallel rank 0
         if self.cfg.rollout.engine == "vllm":
-            self.weight_sync = vllm_sync.sync_engine(self, index, senders)
+            self.weight_sync = weight_sync.sync_engine(self, index, senders)
         else:
-            self._sync_rollout_model(index, senders)
+            weight_sync.sync_rollout_model(self, index, senders)
         seed = ppo.seed * 1_000_003 + index
         return c.call(
             "generate", {c.rollout: c.rollout.generate.remote(prompts, ppo.response_length, ppo.temperature, seed)}
         )[c.rollout]
-
-    def _sync_rollout_model(self, index: int, senders: list) -> None:
-        """megatron: the rollout model takes every tensor-parallel shard of the policy's weights;
-        with ``memory.verify_sync`` their digests must match on both sides."""
-        c = self.colo
-        verify = self.cfg.memory.verify_sync
-        triples = [a.weights_for_sync.options(num_returns=3).remote(verify) for a in senders]
-        # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
-        dims = c.call("generate", {senders[0]: triples[0][1]})[senders[0]]
-        digests = c.call("generate", {a: digest_ref for a, (_, _, digest_ref) in zip(senders, triples)})
-        rollout_digests = c.call(
-            "generate", {c.rollout: c.rollout.load_weights.remote(dims, *[state_ref for state_ref, _, _ in triples])}
-        )[c.rollout]
-        if verify:
-            policy_digests = [digests[a] for a in senders]  # tensor-parallel rank order, as the shards
-            mismatch = weight_sync_mismatch(policy_digests, rollout_digests)
-            number, comparison = self.number(index)
-            self.sync_checks.append(
-                {
-                    "iteration": number,
-                    "manager_on": self.manager_on,
-                    "equal": mismatch is None,
-                    "policy": policy_digests,
-                    "rollout": rollout_digests,
-                }
-            )
-            if mismatch:
-                raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
 
     def forward_on(self, phase: str, group: list, tokens: torch.Tensor, *args) -> torch.Tensor:
         """``forward(tokens, *args)`` on every rank of ``group``, each data-parallel rank on its
@@ -571,7 +393,7 @@ class PPORun:
         def train_policy():
             own = old
             if cfg.rollout.engine == "vllm":  # PPO's old log-probs are the policy's own, recomputed
-                own, found = vllm_sync.recompute_old_logprobs(self, index, tokens, old)
+                own, found = weight_sync.recompute_old_logprobs(self, index, tokens, old)
                 mismatch.update(found)
             return self._train(
                 "train_policy",

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from chatlearn_mem_ray import vllm_sync
+from chatlearn_mem_ray import weight_sync
 from chatlearn_mem_ray.checkpoints import (
     RunCheckpointer,
     check_checkpoint_dir,
@@ -55,9 +55,10 @@ from chatlearn_mem_ray.errors import (
     ResumeError,
     RunInterrupted,
     RunTerminated,
+    iteration_label,
 )
 from chatlearn_mem_ray.nodes import software_versions
-from chatlearn_mem_ray.ppo import PPORun, iteration_label
+from chatlearn_mem_ray.ppo import PPORun
 from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes, pinned_items
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
@@ -270,7 +271,7 @@ def run_ppo(
                 f"({s['largest_phase']}) = {s['ratio']:.3f}"
             )
     if log["summary"].get("weight_sync"):
-        progress(vllm_sync.sync_summary_line(log["summary"]["weight_sync"]))
+        progress(weight_sync.sync_summary_line(log["summary"]["weight_sync"]))
     progress(f"wrote {log_path} and {out_dir / 'memory_timeline.png'}")
     return log
 
@@ -490,7 +491,7 @@ def _log(
             "memory_manager_on": timeline.summary(True),
             "memory_manager_off": timeline.summary(False),
             "seconds": seconds,
-            **({"weight_sync": sync} if (sync := vllm_sync.sync_summary(run.iterations if run else [])) else {}),
+            **({"weight_sync": sync} if (sync := weight_sync.sync_summary(run.iterations if run else [])) else {}),
         },
         **(extra or {}),
     }

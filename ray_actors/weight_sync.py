@@ -1,5 +1,9 @@
-"""The PPO loop's steps with the vLLM rollout: the weight sync before each generate phase, the
-training-inference mismatch in train_policy, and what the run says of both.
+"""The weight sync from the policy to the rollout before each generate phase, and with the vLLM
+rollout the training-inference mismatch in train_policy and what the run says of both.
+
+The megatron rollout (:func:`sync_rollout_model`) takes every tensor-parallel shard of the policy's
+weights; with ``memory.verify_sync`` the digests on both sides must match. The vLLM rollout
+(:func:`sync_engine`) pulls them streamed in buckets.
 
 Per iteration (``log.json``, each iteration's ``weight_sync``):
 
@@ -23,12 +27,56 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from chatlearn_mem_ray.errors import WeightSyncError
+from chatlearn_mem_ray.errors import WeightSyncError, iteration_label
 
 if TYPE_CHECKING:
     from chatlearn_mem_ray.ppo import PPORun
 
-__all__ = ["recompute_old_logprobs", "sync_engine", "sync_summary", "sync_summary_line"]
+__all__ = [
+    "recompute_old_logprobs",
+    "sync_engine",
+    "sync_rollout_model",
+    "sync_summary",
+    "sync_summary_line",
+    "weight_sync_mismatch",
+]
+
+
+def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) -> Optional[str]:
+    """None when the rollout's weights equal the policy's shard for shard, else what differs."""
+    bad = [i for i, (a, b) in enumerate(zip(policy_digests, rollout_digests)) if a != b]
+    if len(policy_digests) != len(rollout_digests) or bad:
+        return f"tensor-parallel shard(s) {bad or 'count'} differ after the weight sync"
+    return None
+
+
+def sync_rollout_model(run: "PPORun", index: int, senders: list) -> None:
+    """megatron: the rollout model takes every tensor-parallel shard of the policy's weights;
+    with ``memory.verify_sync`` their digests must match on both sides."""
+    c = run.colo
+    verify = run.cfg.memory.verify_sync
+    triples = [a.weights_for_sync.options(num_returns=3).remote(verify) for a in senders]
+    # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
+    dims = c.call("generate", {senders[0]: triples[0][1]})[senders[0]]
+    digests = c.call("generate", {a: digest_ref for a, (_, _, digest_ref) in zip(senders, triples)})
+    rollout_digests = c.call(
+        "generate", {c.rollout: c.rollout.load_weights.remote(dims, *[state_ref for state_ref, _, _ in triples])}
+    )[c.rollout]
+    if verify:
+        policy_digests = [digests[a] for a in senders]  # tensor-parallel rank order, as the shards
+        mismatch = weight_sync_mismatch(policy_digests, rollout_digests)
+        number, comparison = run.number(index)
+        run.sync_checks.append(
+            {
+                "iteration": number,
+                "manager_on": run.manager_on,
+                "equal": mismatch is None,
+                "policy": policy_digests,
+                "rollout": rollout_digests,
+            }
+        )
+        if mismatch:
+            raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
 
 
 def sync_engine(run: "PPORun", index: int, senders: list) -> dict:
@@ -64,8 +112,6 @@ def recompute_old_logprobs(
         WeightSyncError: The two differ by more than 10x ``rollout.mismatch_warn``: the engine
             does not serve the policy's weights.
     """
-    from chatlearn_mem_ray.ppo import iteration_label
-
     P = run.cfg.ppo.prompt_length
     old = run.forward_on("train_policy", run.colo.policy, tokens, run.cfg.ppo.temperature)[:, P - 1 :]
     diff = (old - engine_old).abs()
