@@ -337,6 +337,15 @@ class StorageGroup:
         """Keep the memory storage ``key`` was released with (CPU) for its regrow."""
         self._parked[key] = block
 
+    @property
+    def parked_count(self) -> int:
+        """How many released storages' memory the group keeps for their next onload (CPU device)."""
+        return len(self._parked)
+
+    def drop_parked(self) -> None:
+        """Give up the memory kept for released storages: their next onload allocates anew."""
+        self._parked.clear()
+
     def parked(self, key: int, huge_pages: bool) -> Optional[Block]:
         """The memory to regrow storage ``key`` into: the block its release kept, or None (none
         kept, or it is the storage's first allocation and ``huge_pages``: map fresh memory, once)."""

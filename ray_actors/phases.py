@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from chatlearn_mem import Part
 from chatlearn_mem_ray.config import RunConfig
 from chatlearn_mem_ray.errors import AuditFailedError, BudgetError
-from chatlearn_mem_ray.residency import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, pinned_items
+from chatlearn_mem_ray.schedule import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, pinned_items
 from chatlearn_mem_ray.timeline import MemoryTimeline
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ from chatlearn_mem_ray import weight_sync
 from chatlearn_mem_ray.config import RunConfig, TaskConfig
 from chatlearn_mem_ray.errors import NonFiniteLossError
 from chatlearn_mem_ray.phases import PhaseRunner
-from chatlearn_mem_ray.residency import ResidencySchedule
+from chatlearn_mem_ray.schedule import ResidencySchedule
 from chatlearn_mem_ray.timeline import MemoryTimeline
 
 if TYPE_CHECKING:

@@ -59,7 +59,7 @@ from chatlearn_mem_ray.errors import (
 )
 from chatlearn_mem_ray.nodes import software_versions
 from chatlearn_mem_ray.ppo import PPORun
-from chatlearn_mem_ray.residency import ResidencySchedule, estimate_sizes, pinned_items
+from chatlearn_mem_ray.schedule import ResidencySchedule, estimate_sizes, pinned_items
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
 __all__ = ["check_budget", "find_resume_point", "prepare_output_dir", "run_ppo"]
@@ -393,7 +393,7 @@ def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -
 
 def check_budget(cfg: RunConfig) -> None:
     """Before Ray starts: a ``memory.device_budget_mb`` below what one phase needs, estimated from
-    the config (:func:`chatlearn_mem_ray.residency.estimate_sizes`), stops the run here. The plan
+    the config (:func:`chatlearn_mem_ray.schedule.estimate_sizes`), stops the run here. The plan
     made once the models are measured checks again, exactly.
 
     Raises:

@@ -97,7 +97,7 @@ class MemoryTimeline:
             budget_bytes: Device (bundle) -> budget, with a residency plan.
             kept: Actor -> parts kept resident beyond the phase's need, with a residency plan.
         """
-        from chatlearn_mem_ray.residency import bundle_of
+        from chatlearn_mem_ray.schedule import bundle_of
 
         need = sum(residency[a]["by_part"].get(p, 0) for a, parts in active.items() for p in parts)
         bundles: dict[str, int] = {}

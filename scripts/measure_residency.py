@@ -128,7 +128,7 @@ def main() -> None:
     from chatlearn_mem_ray import load_config
     from chatlearn_mem_ray.colocation import Colocation
     from chatlearn_mem_ray.ppo import PPORun
-    from chatlearn_mem_ray.residency import PHASES, ResidencySchedule, phase_needs
+    from chatlearn_mem_ray.schedule import PHASES, ResidencySchedule, phase_needs
     from chatlearn_mem_ray.supervisor import _versions
 
     base = [

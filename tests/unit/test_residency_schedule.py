@@ -1,4 +1,4 @@
-"""The residency plan of a colocated PPO run (chatlearn_mem_ray.residency), without Ray: the items,
+"""The residency plan of a colocated PPO run (chatlearn_mem_ray.schedule), without Ray: the items,
 needs and writes of the five phases, the optimum at the issue's budgets, one plan per device,
 prefetch room, re-planning, and the budget checks."""
 
@@ -8,7 +8,7 @@ from planner_oracle import optimum_bytes
 from chatlearn_mem import Part
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import BudgetError
-from chatlearn_mem_ray.residency import PHASES, ResidencySchedule, bundle_of, estimate_sizes, phase_needs, phase_writes
+from chatlearn_mem_ray.schedule import PHASES, ResidencySchedule, bundle_of, estimate_sizes, phase_needs, phase_writes
 from chatlearn_mem_ray.supervisor import check_budget
 
 NAMES = ["policy_0", "critic_0", "rollout", "reference"]
@@ -151,7 +151,7 @@ def test_an_engine_that_cannot_sleep_is_planned_resident_in_every_phase():
     """vLLM's CPU build cannot sleep: its weights and KV cache stay, so the plan counts them in
     every phase and schedules the trainers in what is left; a budget below a phase plus the engine
     is refused, naming it."""
-    from chatlearn_mem_ray.residency import pinned_items
+    from chatlearn_mem_ray.schedule import pinned_items
 
     cfg = load_config("cpu_vllm")
     assert pinned_items(cfg) == {("rollout", Part.WEIGHTS)}

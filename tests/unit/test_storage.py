@@ -323,10 +323,10 @@ def test_cycles_move_the_same_memory_out_and_back(madvise_calls, mode, advice):
     ptr = s.data_ptr()
     for _ in range(3):
         group.offload([s])
-        assert s.nbytes() == 0 and len(group._parked) == 1
+        assert s.nbytes() == 0 and group.parked_count == 1
         assert madvise_calls[-1][2] == advice  # the kept pages are handed back to the kernel
         group.onload()
-        assert s.data_ptr() == ptr and not group._parked  # the same memory, nothing allocated
+        assert s.data_ptr() == ptr and not group.parked_count  # the same memory, nothing allocated
         assert torch.equal(bits(t), expected) and view.tolist() == [5, 6, 7, 8]
     assert [c[2] for c in madvise_calls[2:]] == [advice] * 3  # no more huge page advice: nothing allocated
 
@@ -370,7 +370,7 @@ def test_a_storage_regrown_without_its_memory_gets_fresh_huge_pages(madvise_call
     s = t.untyped_storage()
     group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=4))
     group.offload([s])
-    group._parked.clear()  # as if the kept memory had been given up
+    group.drop_parked()  # as if the kept memory had been given up
     madvise_calls.clear()
     group.onload()
     assert torch.equal(bits(t), expected)
@@ -387,7 +387,7 @@ def test_huge_pages_off_by_config_and_for_small_storages(madvise_calls):
     for t, config in ((big, MemoryConfig(cpu_huge_pages=False)), (small, MemoryConfig())):
         group = StorageGroup("weights", True, config)
         group.offload([t.untyped_storage()])
-        group._parked.clear()
+        group.drop_parked()
         group.onload()
     assert all(advice != device_memory._MADV_HUGEPAGE for _, _, advice in madvise_calls)
     assert torch.equal(big, torch.ones_like(big)) and torch.equal(small, torch.ones_like(small))
@@ -410,7 +410,7 @@ def test_offload_rolled_back_moves_the_kept_memory_back(monkeypatch, madvise_cal
     monkeypatch.setattr(storage_mod.GroupTransfer, "run", fail_after_first_release)
     with pytest.raises(RuntimeError, match="simulated copy failure"):
         group.offload([a.untyped_storage(), b.untyped_storage()])
-    assert not group.offloaded and not group._parked
+    assert not group.offloaded and not group.parked_count
     assert (a.data_ptr(), b.data_ptr()) == ptrs
     assert torch.equal(bits(a), expected[0]) and torch.equal(bits(b), expected[1])
 
