@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
 
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import OffloadedError
 
 __all__ = ["ReleasedTensorGuard", "function_name"]
@@ -147,7 +148,7 @@ class ReleasedTensorGuard(TorchFunctionMode):
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
             return False
-        key = s._cdata
+        key = storage_key(s)
         return key in self.keys and t.numel() > 0 and (s.nbytes() == 0 or key in self.moving)
 
     # -- the per-thread mode stack ---------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.mcore import transient
 
 __all__ = ["DeviceReport", "HOLDERS", "device_report", "reachable_tensors"]
@@ -253,9 +254,9 @@ def device_report(
         if t.device != device:
             return
         s = t.untyped_storage()
-        entry = found.get(s._cdata)
+        entry = found.get(storage_key(s))
         if entry is None:
-            found[s._cdata] = {"bytes": s.nbytes(), "holder": holder, "path": path}
+            found[storage_key(s)] = {"bytes": s.nbytes(), "holder": holder, "path": path}
         elif _PRIORITY.index(holder) < _PRIORITY.index(entry["holder"]):
             entry.update(holder=holder, path=path)
 

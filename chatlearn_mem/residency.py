@@ -7,6 +7,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.parts import OTHER, Part
 
 __all__ = ["Residency", "measure"]
@@ -60,9 +61,9 @@ def measure(
             if t is None or t.device != device:
                 continue
             s = t.untyped_storage()
-            if s._cdata in seen:
+            if storage_key(s) in seen:
                 continue
-            seen.add(s._cdata)
+            seen.add(storage_key(s))
             total += s.nbytes()
         by_category[category] = total
     host = dict(host_by_category)

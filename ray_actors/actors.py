@@ -49,7 +49,7 @@ def _rss_bytes() -> Optional[int]:
         return None
 
 
-def _process_memory() -> dict:
+def process_memory() -> dict:
     """What this process holds beside a model's parts: on CUDA torch's allocated and reserved
     bytes, and the process's resident set (``rss_bytes``)."""
     out = {}
@@ -60,7 +60,7 @@ def _process_memory() -> dict:
     return out
 
 
-class _ManagedActor:
+class ManagedActor:
     """What both actor kinds share: process-group setup, residency, audit, weight digests."""
 
     manager: Any
@@ -159,7 +159,7 @@ class _ManagedActor:
             "host_by_part": dict(r.host_by_category),
             "resident_by_part": self.part_sizes(),
         }
-        return {**out, **_process_memory()}
+        return {**out, **process_memory()}
 
     def audit(self) -> list[str]:
         """The manager's audit problems (empty when clean)."""
@@ -195,7 +195,7 @@ class _ManagedActor:
         return check_shared_from_node(token_path, token, ray.get_runtime_context().get_node_id())
 
 
-class TrainerActor(_ManagedActor):
+class TrainerActor(ManagedActor):
     """One rank of a policy or critic trainer.
 
     Args:
@@ -242,7 +242,7 @@ class TrainerActor(_ManagedActor):
         }
 
     def part_sizes(self) -> dict[str, int]:
-        """As :meth:`_ManagedActor.part_sizes`; before the optimizer's first step, which creates
+        """As :meth:`ManagedActor.part_sizes`; before the optimizer's first step, which creates
         Adam's states, their size is what that step will allocate: ``exp_avg`` and ``exp_avg_sq`` like
         each main weight, and torch's 4-byte ``step`` counter, which lives on the CPU (so on the
         device only when the device is the CPU)."""
@@ -428,7 +428,7 @@ class TrainerActor(_ManagedActor):
             return load_checkpoint(self.manager, path, verify=verify)
 
 
-class InferenceActor(_ManagedActor):
+class InferenceActor(ManagedActor):
     """A GPT with no optimizer: the rollout engine or the frozen reference.
 
     Args:

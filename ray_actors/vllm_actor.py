@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from chatlearn_mem.parts import PartsArg
-from chatlearn_mem_ray.actors import _ManagedActor, _process_memory
+from chatlearn_mem_ray.actors import ManagedActor, process_memory
 from chatlearn_mem_ray.config import RolloutConfig, TrainerModelConfig
 
 __all__ = ["VLLMRolloutActor", "engine_bytes"]
@@ -26,7 +26,7 @@ _BACKPRESSURE = 2
 many buckets per rank beside the host stores."""
 
 
-class VLLMRolloutActor(_ManagedActor):
+class VLLMRolloutActor(ManagedActor):
     """A :class:`~chatlearn_mem.engines.vllm_rollout.VLLMRollout` of the policy.
 
     Args:
@@ -133,7 +133,7 @@ class VLLMRolloutActor(_ManagedActor):
             "host_by_part": {},
             "resident_by_part": self.part_sizes(),
         }
-        return {**out, **_process_memory()}
+        return {**out, **process_memory()}
 
     def audit(self) -> list[str]:
         return []  # no memory manager: the engine's memory is its own

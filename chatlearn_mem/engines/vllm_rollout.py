@@ -341,6 +341,6 @@ def config_summary(config: GPTTrainerConfig) -> str:
 
     heads = config.num_attention_heads
     return (
-        f"a {hf._family_of(config).architecture} with {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"a {hf.family_of(config).architecture} with {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{heads} heads of dimension {config.hidden_size // heads}"
     )

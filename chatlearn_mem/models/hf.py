@@ -39,6 +39,7 @@ __all__ = [
     "to_hf_state_dict",
     "iter_hf_weights",
     "hf_shapes",
+    "family_of",
     "hf_weight_buckets",
     "megatron_shard_buckets",
     "merge_shard_buckets",
@@ -315,7 +316,7 @@ def _config(ckpt: _Checkpoint, overrides: Mapping[str, Any]) -> GPTTrainerConfig
 # -- the mapping ----------------------------------------------------------------------------------
 
 
-def _family_of(config: GPTTrainerConfig) -> Family:
+def family_of(config: GPTTrainerConfig) -> Family:
     """The family a trainer config exports as; raises if it is not one of them."""
     bad = [f"{k}={getattr(config, k)!r}" for k, v in _ARCHITECTURE.items() if getattr(config, k) != v]
     if bad or config.model_class != "gpt":
@@ -624,7 +625,7 @@ def iter_hf_weights(weights: WeightsArg, config: GPTTrainerConfig) -> Iterator[t
     feeding an engine (``weights_iterator``) never holds a second copy of the model. Every input
     is checked before the first tensor is yielded. Arguments and errors as :func:`to_hf_state_dict`.
     """
-    family = _family_of(config)
+    family = family_of(config)
     shards = _as_state_dicts(weights)
     tp = len(shards)
     _check_divisible(config, tp, "to_hf_state_dict")
@@ -677,7 +678,7 @@ def hf_shapes(config: GPTTrainerConfig) -> dict[str, tuple[int, ...]]:
     Raises:
         ValueError: The config is not a Llama or Qwen2 architecture.
     """
-    return {n: s for e in _entries(config, _family_of(config)) for n, s in zip(e.hf, e.shapes)}
+    return {n: s for e in _entries(config, family_of(config)) for n, s in zip(e.hf, e.shapes)}
 
 
 def hf_weight_buckets(
@@ -727,7 +728,7 @@ def megatron_shard_buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    family = _family_of(config)
+    family = family_of(config)
     _check_divisible(config, tp, "megatron_shard_buckets")
     entries = _entries(config, family)
     _check_shards([weights], entries, family, tp, who=f"this rank (of {tp})")
@@ -760,7 +761,7 @@ def merge_shard_buckets(
         ValueError: The ranks' buckets name different tensors, a shard has the wrong shape, a tensor
             comes twice, or the streams ended before every tensor came (raised at the end).
     """
-    family = _family_of(config)
+    family = family_of(config)
     entries = {e.megatron: e for e in _entries(config, family)}
     seen: set[str] = set()
     for step in steps:
@@ -847,7 +848,7 @@ _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 def hf_config_dict(config: GPTTrainerConfig, source: Optional[Union[str, os.PathLike]] = None) -> dict:
     """The ``config.json`` of a trainer config: ``source``'s config.json (token ids and the rest are
     kept) with every field the trainer defines written over it."""
-    family = _family_of(config)
+    family = family_of(config)
     out: dict = {}
     if source is not None:
         with open(os.path.join(_open_checkpoint(source).path, "config.json")) as f:
@@ -893,7 +894,7 @@ def save_hf(
     Raises:
         ValueError: ``state_dict`` is not exactly the family's tensors for this config.
     """
-    family = _family_of(config)
+    family = family_of(config)
     expected = set(hf_shapes(config))
     if set(state_dict) != expected:
         odd = sorted(set(state_dict) ^ expected)
@@ -932,7 +933,7 @@ def save_random_hf(config: GPTTrainerConfig, path: Union[str, os.PathLike], seed
         ImportError: ``transformers`` is not installed (the ``[hf]`` extra).
         ValueError: ``config`` is not a Llama or Qwen2 architecture.
     """
-    family = _family_of(config)
+    family = family_of(config)
     try:
         import transformers
     except ImportError as e:
