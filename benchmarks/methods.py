@@ -63,7 +63,7 @@ from typing import Optional
 import torch
 
 from chatlearn_mem import Part
-from chatlearn_mem.device_memory import advise_huge_pages
+from chatlearn_mem.device_memory import advise_huge_pages, storage_key
 from chatlearn_mem.host_store import HostStore
 from chatlearn_mem.mcore import layout
 from chatlearn_mem_bench.config import FULL
@@ -122,14 +122,14 @@ def part_storages(mm, part: str) -> list[torch.UntypedStorage]:
 def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
     """The tensors a per-tensor system would move: params and module buffers for weights, else
     the manager's own list (main weights, optimizer state tensors)."""
-    keys = {s._cdata for s in part_storages(mm, part)}
+    keys = {storage_key(s) for s in part_storages(mm, part)}
     if part == Part.WEIGHTS:
         cands = [t for c in layout.ddp_chunks(trainer.model) for t in list(c.parameters()) + layout.module_buffers(c)]
     else:
         cands = list(mm.state.hooks.part_tensors(Part(part)))
     seen, out = set(), []
     for t in cands:
-        if t is not None and id(t) not in seen and t.untyped_storage()._cdata in keys and t.numel():
+        if t is not None and id(t) not in seen and storage_key(t) in keys and t.numel():
             seen.add(id(t))
             out.append(t)
     return out
@@ -137,7 +137,7 @@ def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
 
 def _other_views(mm, trainer, part: str, logical: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every other tensor megatron keeps into the part's storages (rebuilt by replace_rebuild)."""
-    keys = {s._cdata for s in part_storages(mm, part)}
+    keys = {storage_key(s) for s in part_storages(mm, part)}
     cands: list[torch.Tensor] = []
     chunks = layout.ddp_chunks(trainer.model)
     for i, c in enumerate(chunks):
@@ -152,7 +152,7 @@ def _other_views(mm, trainer, part: str, logical: list[torch.Tensor]) -> list[to
     for t in cands:
         if t is None or id(t) in skip or id(t) in seen:
             continue
-        if t.untyped_storage()._cdata in keys:
+        if storage_key(t) in keys:
             seen.add(id(t))
             out.append(t)
     return out
@@ -475,16 +475,17 @@ class ReplaceRebuild(Method):
     def onload(self, part: str) -> int:
         st = self._state
         new = {
-            s._cdata: torch.empty(n, dtype=torch.uint8, device=self.device).untyped_storage() for s, n in st["released"]
+            storage_key(s): torch.empty(n, dtype=torch.uint8, device=self.device).untyped_storage()
+            for s, n in st["released"]
         }
         copied = 0
         for (t, s, dtype, off, size, stride), h in zip(st["geo_logical"], st["hosts"]):
-            v = _view(new[s._cdata], dtype, off, size, stride)
+            v = _view(new[storage_key(s)], dtype, off, size, stride)
             v.copy_(h)
             t.data = v
             copied += h.numel() * h.element_size()
         for t, s, dtype, off, size, stride in st["geo_others"]:  # rebuild every other view
-            t.data = _view(new[s._cdata], dtype, off, size, stride)
+            t.data = _view(new[storage_key(s)], dtype, off, size, stride)
         sync(self.device)
         st["new"], st["hosts"] = new, []
         return copied
@@ -493,7 +494,7 @@ class ReplaceRebuild(Method):
         st = self._state
         for s, n in st["released"]:
             s.resize_(n)
-            _byte_view(s).copy_(_byte_view(st["new"][s._cdata]))
+            _byte_view(s).copy_(_byte_view(st["new"][storage_key(s)]))
         for t, s, dtype, off, size, stride in st["geo_logical"] + st["geo_others"]:
             t.data = _view(s, dtype, off, size, stride)
         sync(self.device)
