@@ -632,7 +632,7 @@ def _moved(ref: tuple, t: torch.Tensor) -> bool:
     """Whether the slot ``ref`` of :func:`_optimizer_tensors` no longer uses ``t``'s storage."""
     holder, key = ref
     now = holder.data if key is None else holder[key]
-    return now.device != t.device or now.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    return storage_key(now) != storage_key(t)
 
 
 def _optimizer_bytes(optimizer, device: torch.device) -> int:

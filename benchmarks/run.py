@@ -491,21 +491,23 @@ def check_targets(res: dict) -> list[dict]:
             {
                 "name": "integrity: tensors bit-identical after every method, audit ok",
                 "passed": integ["tensors_bit_identical_after_all_methods"] and integ["audit_ok"],
-                "detail": "; ".join(
-                    [
-                        "bytes changed by "
-                        + ", ".join(f"{m} ({', '.join(ps)})" for m, ps in integ.get("changed_by", {}).items())
-                        if integ.get("changed_by")
-                        else "checksums equal"
-                        if integ["tensors_bit_identical_after_all_methods"]
-                        else "checksums differ after all methods",
-                        *integ["audit_problems"][:3],
-                    ]
-                )
-                + ("" if integ["audit_problems"] else "; audit ok"),
+                "detail": _integrity_detail(integ),
             }
         )
     return out
+
+
+def _integrity_detail(integ: dict) -> str:
+    """What the integrity target says: which method changed which parts' bytes (else whether the
+    checksums agree), then the audit's first problems or that it is clean."""
+    changed = integ.get("changed_by") or {}
+    if changed:
+        bytes_ = "bytes changed by " + ", ".join(f"{m} ({', '.join(ps)})" for m, ps in changed.items())
+    elif integ["tensors_bit_identical_after_all_methods"]:
+        bytes_ = "checksums equal"
+    else:
+        bytes_ = "checksums differ after all methods"
+    return "; ".join([bytes_, *(integ["audit_problems"][:3] or ["audit ok"])])
 
 
 def _cycle_targets(res: dict, gpu: bool) -> list[dict]:

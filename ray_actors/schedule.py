@@ -174,10 +174,10 @@ class ResidencySchedule:
         self.plans: dict[int, ResidencyPlan] = {}
         self.replans = 0
         self.pinned = {(a, Part(p)) for a, p in pinned if a in self.names}
-        self._needs = [
-            {**need, **{a: tuple(dict.fromkeys([*need.get(a, ()), p])) for a, p in sorted(self.pinned)}}
-            for need in phase_needs(self.names)
-        ]
+        self._needs = phase_needs(self.names)
+        for need in self._needs:  # a pinned item is needed in every phase
+            for a, p in sorted(self.pinned):
+                need[a] = tuple(dict.fromkeys([*need.get(a, ()), p]))
         self._writes = phase_writes(self.names)
         self._plan(sizes)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -691,24 +690,30 @@ def hf_weight_buckets(
     Raises:
         ValueError: ``bucket_bytes`` is not positive; else as :func:`to_hf_state_dict`.
     """
+    _check_bucket_bytes(bucket_bytes)
+    return _in_buckets(iter_hf_weights(weights, config), bucket_bytes)  # checks everything now
+
+
+def _check_bucket_bytes(bucket_bytes: int) -> None:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    tensors = iter_hf_weights(weights, config)  # checks everything now, not at the first next()
 
-    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in tensors:
-            n = t.numel() * t.element_size()
-            if bucket and size + n > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += n
-        if bucket:
+
+def _in_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``named`` in lists of at most ``bucket_bytes`` (a tensor larger than that alone), lazily."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
             yield bucket
-
-    return buckets()
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
 
 
 def megatron_shard_buckets(
@@ -726,28 +731,12 @@ def megatron_shard_buckets(
         ValueError: ``bucket_bytes`` is not positive, or ``weights`` is not one rank's state dict
             of ``config``'s model at this ``tp`` (a tensor missing, unknown or of another shape).
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    _check_bucket_bytes(bucket_bytes)
     family = family_of(config)
     _check_divisible(config, tp, "megatron_shard_buckets")
     entries = _entries(config, family)
-    _check_shards([weights], entries, family, tp, who=f"this rank (of {tp})")
-
-    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for e in entries:
-            t = weights[e.megatron].detach()
-            n = math.prod(e.shard_shape(tp)) * t.element_size()
-            if bucket and size + n > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((e.megatron, t.cpu()))
-            size += n
-        if bucket:
-            yield bucket
-
-    return buckets()
+    _check_shards([weights], entries, family, tp, who=f"this rank (of {tp})")  # shard shapes, so sizes too
+    return _in_buckets(((e.megatron, weights[e.megatron].detach().cpu()) for e in entries), bucket_bytes)
 
 
 def merge_shard_buckets(

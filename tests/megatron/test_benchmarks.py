@@ -4,6 +4,7 @@ from them; a host memory plan that does not fit is refused before anything is me
 methods' pinned buffers are allocated and freed as documented. Targets are only checked to exist;
 wall-clock results are never asserted."""
 
+import contextlib
 import json
 import re
 import signal
@@ -354,21 +355,32 @@ def fake_cuda_pinning(monkeypatch):
     return calls
 
 
-def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinning):
-    """The ceiling pins one host buffer for the run (none per part) and unpins it at the end;
-    fresh_host_alloc pins a new buffer of each storage's exact size on every offload and unpins it
-    after the onload. Before: both went through torch's caching pinned allocator, whose cached
-    blocks fresh_host_alloc reused (never allocating) and whose power-of-two blocks the ceiling
-    took again for every part."""
+@contextlib.contextmanager
+def trained_manager():
+    """The default GPT trainer after one step (Adam's states exist), under a manager that copies
+    every part each time (as the bench's manager does); closed at the end."""
     from chatlearn_mem import MemoryConfig, TrainerMemoryManager
     from chatlearn_mem.models import gpt
-    from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, logical_tensors, part_storages
 
     cfg = gpt.GPTTrainerConfig()
     trainer = gpt.build_gpt_trainer(cfg)
     trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=2))
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
     try:
+        yield trainer, mm
+    finally:
+        mm.close()
+
+
+def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinning):
+    """The ceiling pins one host buffer for the run (none per part) and unpins it at the end;
+    fresh_host_alloc pins a new buffer of each storage's exact size on every offload and unpins it
+    after the onload. Before: both went through torch's caching pinned allocator, whose cached
+    blocks fresh_host_alloc reused (never allocating) and whose power-of-two blocks the ceiling
+    took again for every part."""
+    from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, logical_tensors, part_storages
+
+    with trained_manager() as (trainer, mm):
         ceiling = CeilingMethod(mm, trainer, pin=True)
         ceiling.prepare(device_bytes=4096, host_bytes=3000)
         for n in (1000, 3000, 2000):  # one buffer sliced per part
@@ -392,8 +404,6 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
             assert sorted(fake_cuda_pinning["unregister"]) == sorted(p for p, _ in fake_cuda_pinning["register"])
             assert fresh.host_bytes() == (0, 0)
         assert all(a.equal(b) for a, b in zip(before, states)) and mm.audit().ok
-    finally:
-        mm.close()
 
 
 def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, monkeypatch):
@@ -403,15 +413,9 @@ def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, 
     a full offload on an H200) and the integrity checksum differed. restore() now copies them back
     into the manager's storages. On CPU megatron's calls are no-ops, so they are replaced here by
     what they do on a GPU (a new tensor each way)."""
-    from chatlearn_mem import MemoryConfig, TrainerMemoryManager
-    from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors, part_storages
 
-    cfg = gpt.GPTTrainerConfig()
-    trainer = gpt.build_gpt_trainer(cfg)
-    trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=2))
-    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
-    try:
+    with trained_manager() as (trainer, mm):
         method = MegatronBuiltin(mm, trainer, pin=False)
         if not method.available:
             pytest.skip("this megatron-core has no built-in offload (added in 0.16)")
@@ -448,8 +452,6 @@ def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, 
         ]
         assert live and all(v.untyped_storage().nbytes() == 0 for v in live)
         mm.onload()
-    finally:
-        mm.close()
 
 
 def test_the_overlap_forward_batch(dist1):
