@@ -119,6 +119,11 @@ def part_storages(mm, part: str) -> list[torch.UntypedStorage]:
     return mm.state.storages(Part(part))
 
 
+def all_storages(mm) -> list[torch.UntypedStorage]:
+    """The device storages of every part."""
+    return [s for p in mm.parts for s in mm.state.storages(p)]
+
+
 def logical_tensors(mm, trainer, part: str) -> list[torch.Tensor]:
     """The tensors a per-tensor system would move: params and module buffers for weights, else
     the manager's own list (main weights, optimizer state tensors)."""
@@ -190,6 +195,22 @@ class Method:
     def onload(self, part: str) -> int:
         raise NotImplementedError
 
+    resizes_storages = True
+    """Whether the method releases the part's storages itself (``resize_``)."""
+
+    def before(self, part: str) -> None:
+        """Untimed, before each round of the method: a method that resizes the part's storages
+        gets them resizable. On a CPU device the manager lays a part of many storages out in one
+        slab (``MemoryConfig.cpu_contiguous``), where ``resize_`` raises; each such storage gets
+        memory of its own again, with its bytes (the manager's next onload lays it out again)."""
+        if not self.resizes_storages:
+            return
+        for s in part_storages(self.mm, part) if part != FULL else all_storages(self.mm):
+            if s.nbytes() and not s.resizable():
+                own = torch.UntypedStorage(s.nbytes(), device=s.device)
+                own.copy_(s)
+                s._swap_data_ptr_(own)  # s: its own memory (resizable); own: the slab's piece, dropped
+
     def restore(self, part: str) -> None:
         """Untimed: put the trainer back exactly as the manager expects it."""
 
@@ -204,6 +225,7 @@ class Method:
 
 class ManagerMethod(Method):
     name = "manager"
+    resizes_storages = False
 
     def offload(self, part: str) -> int:
         mm = self.mm
@@ -228,6 +250,7 @@ class CeilingMethod(Method):
     least do) and no offload copy at all."""
 
     name = "ceiling"
+    resizes_storages = False
 
     def __init__(self, mm, trainer, pin: bool):
         super().__init__(mm, trainer, pin)
@@ -300,6 +323,7 @@ class ReleaseBound(Method):
     before the onload copy."""
 
     name = "release_bound"
+    resizes_storages = False
 
     def __init__(self, mm, trainer, pin: bool, ceiling: CeilingMethod):
         super().__init__(mm, trainer, pin)

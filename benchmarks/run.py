@@ -341,6 +341,7 @@ def _time_part(
                         {"part": part, "method": m.name, "stage": stage, **_snap(m, part, device, [ceiling, bound])}
                     )
 
+            m.before(part)
             snap("before")
             t_off, c_off = timed(lambda: m.offload(part), device)
             snap("after_offload")

@@ -26,6 +26,10 @@ Every view of a storage survives both: the storage object stays, only its memory
   then on. The C heap sees no free and no malloc per cycle, so training's own allocations
   between cycles cannot fragment it.
 
+  A part made of many storages (``MemoryConfig.cpu_contiguous``) gets one :class:`Slab` instead:
+  at their first onload its storages move into one mapping, at the offsets of the part's host
+  store, so that one copy moves many of them and one ``madvise`` hands all their pages back.
+
 Why not ``resize_`` on the CPU as on CUDA: ``resize_(0)`` hands the memory to glibc's ``free``,
 which unmaps large blocks (every regrow then faults in fresh, zeroed pages: measured 1.7-2.5x a
 plain copy, with a slow tail of 10x when the kernel has to find the pages) and, once its dynamic
@@ -47,7 +51,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Block", "advise_huge_pages", "parks_cpu_memory", "regrow", "release", "storage_key", "trim_host_heap"]
+__all__ = [
+    "Block",
+    "Slab",
+    "advise_huge_pages",
+    "parks_cpu_memory",
+    "regrow",
+    "release",
+    "storage_key",
+    "trim_host_heap",
+]
 
 _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 * 2**20
@@ -131,13 +144,15 @@ def _pages_inside(ptr: int, nbytes: int, unit: int) -> tuple[int, int]:
     return lo, max(0, hi - lo)
 
 
-def release(storage: torch.UntypedStorage, lazy: bool = True) -> Optional[Block]:
+def release(storage: torch.UntypedStorage, lazy: bool = True, advise: bool = True) -> Optional[Block]:
     """Release ``storage``'s memory; every view of it stays valid (and empty).
 
     Args:
         storage: A resident storage (CPU or CUDA). On CUDA the caller has already made the
             allocator wait for the streams that still use it (``record_stream``).
         lazy: CPU only: hand the pages back with ``MADV_FREE`` (True) or ``MADV_DONTNEED``.
+        advise: CPU only: hand the pages back now. False for a storage in a :class:`Slab`, whose
+            pages :meth:`Slab.hand_back` hands back at once once every storage in it is released.
 
     Returns:
         CPU (with :func:`parks_cpu_memory`): the :class:`Block` now holding the memory; keep it
@@ -149,14 +164,66 @@ def release(storage: torch.UntypedStorage, lazy: bool = True) -> Optional[Block]
         return None
     holder = torch.UntypedStorage(0)
     storage._swap_data_ptr_(holder)  # storage: empty; holder: the memory and its deleter
-    if sys.platform.startswith("linux"):
-        # lazy: whole 2 MiB pages only. MADV_FREE over part of a transparent huge page splits it
-        # into 4 KiB pages, and copies into split pages ran 1.5-2x slower, cycle after cycle
-        # (measured on a 135 M-parameter trainer's optimizer states: 4.9 against 8.5 GB/s)
-        addr, length = _pages_inside(holder.data_ptr(), n, _HUGE_PAGE if lazy else _PAGE)
-        if length:
-            _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED)
+    if advise:
+        _hand_back(holder.data_ptr(), n, lazy)
     return Block(holder, n, holder.data_ptr())
+
+
+def _hand_back(address: int, nbytes: int, lazy: bool) -> None:
+    """``MADV_FREE`` (lazy) or ``MADV_DONTNEED`` over the whole pages of ``[address, address + nbytes)``."""
+    if not sys.platform.startswith("linux"):
+        return
+    # lazy: whole 2 MiB pages only. MADV_FREE over part of a transparent huge page splits it
+    # into 4 KiB pages, and copies into split pages ran 1.5-2x slower, cycle after cycle
+    # (measured on a 135 M-parameter trainer's optimizer states: 4.9 against 8.5 GB/s)
+    addr, length = _pages_inside(address, nbytes, _HUGE_PAGE if lazy else _PAGE)
+    if length:
+        _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED)
+
+
+class Slab:
+    """One anonymous CPU mapping that holds several storages at fixed offsets.
+
+    A group of many small storages (a trainer's fp32 main weights and optimizer states: hundreds
+    of storages of a few MiB) is laid out here in the order and at the offsets of its host store,
+    so that the bytes of consecutive storages are consecutive in both and one copy moves many of
+    them (on a CPU, a copy of a few MiB runs well below the speed of a large one: see
+    docs/transitions.md), and one ``madvise`` hands all their pages back.
+
+    Each storage's memory is a piece of the mapping (:meth:`block`), which keeps the mapping
+    alive: the memory goes back to the OS once no storage and no kept block uses any of it. A
+    storage holding such a piece cannot be resized (``resize_`` raises): only groups whose
+    storages nothing else resizes are laid out here.
+
+    Args:
+        nbytes: Bytes of the layout.
+        huge_pages: Advise transparent huge pages over the mapping before anything touches it.
+    """
+
+    def __init__(self, nbytes: int, huge_pages: bool):
+        self.nbytes = int(nbytes)
+        self._map = mmap.mmap(-1, self.nbytes + _HUGE_PAGE)  # anonymous, private; a 2 MiB-aligned start inside
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        self._start = -base % _HUGE_PAGE
+        self.address = base + self._start
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes, offset=self._start)
+        if huge_pages and sys.platform.startswith("linux") and self.nbytes >= _HUGE_PAGE:
+            _libc_madvise(self.address, self.nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)
+
+    def block(self, offset: int, nbytes: int) -> Block:
+        """The memory ``[offset, offset + nbytes)`` of the slab, as a :class:`Block` to regrow a storage into."""
+        assert 0 <= offset and offset + nbytes <= self.nbytes, (offset, nbytes, self.nbytes)
+        holder = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=self._start + offset)
+        return Block(holder.untyped_storage(), nbytes, self.address + offset)
+
+    def holds(self, storage: torch.UntypedStorage, offset: int) -> bool:
+        """Whether ``storage``'s memory is the slab's at ``offset``."""
+        return storage.data_ptr() == self.address + offset and offset + storage.nbytes() <= self.nbytes
+
+    def hand_back(self, lazy: bool) -> None:
+        """Hand the slab's whole pages to the kernel (see :func:`release`); call it only while
+        every storage in the slab is released."""
+        _hand_back(self.address, self.nbytes, lazy)
 
 
 def _fresh_block(nbytes: int, huge_pages: bool) -> torch.UntypedStorage:

@@ -19,9 +19,9 @@ import torch
 
 from chatlearn_mem import device_memory
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
-from chatlearn_mem.device_memory import Block, storage_key
+from chatlearn_mem.device_memory import Block, Slab, storage_key
 from chatlearn_mem.errors import TransferError
-from chatlearn_mem.host_store import HostStore
+from chatlearn_mem.host_store import ALIGN, HostStore
 
 if TYPE_CHECKING:
     from chatlearn_mem.storage import StorageGroup
@@ -80,13 +80,17 @@ def _run_blocking(t: "GroupTransfer") -> TransferStats:
 
 # -- plans: the actions of one group's transition, built once per layout and reused ----------------
 # An action is a tuple of ints (nothing for the garbage collector to track):
-WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO = range(6)
+WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO, HAND_BACK = range(7)
 #   (WAIT,)                                  CUDA: the d2h stream waits for the caller's event (R1)
 #   (COPY_OUT, i, bucket, bucket offset, storage offset, bytes)    device -> host store
 #   (RELEASE, i)                             resize storage i to 0 (after its copies, R2)
 #   (GROW, i)                                regrow storage i (on the caller's stream on CUDA, R3)
 #   (COPY_IN, i, bucket, bucket offset, storage offset, bytes)     host store -> device
 #   (ZERO, i)                                zero storage i (grads)
+#   (HAND_BACK,)                             a slab's pages to the kernel (after every release)
+# A group laid out in a device_memory.Slab copies through the slab: i is SLAB and the storage
+# offset is the slab's, so that the copies of consecutive storages merge into one.
+SLAB = -1
 
 
 @dataclass(frozen=True)
@@ -121,21 +125,29 @@ class _Packer:
 
 def _coalesce(step: list) -> list:
     """Merge the step's COPY_OUT / COPY_IN actions that continue one another (same storage, same
-    bucket, same offset between the two) into one; every other action keeps its place."""
+    bucket, same offset between the two) into one; every other action keeps its place. Through a
+    slab, copies of different storages merge too, across the alignment padding between them
+    (less than ``host_store.ALIGN`` bytes: the slab holds it as the bucket does)."""
     copies = [a for a in step if a[0] in (COPY_OUT, COPY_IN)]
     if len(copies) < 2:
         return step
     merged: list[tuple] = []
     for a in sorted(copies, key=lambda a: (a[0], a[1], a[2], a[4])):
         last = merged[-1] if merged else None
-        if last is not None and last[:3] == a[:3] and last[4] + last[5] == a[4] and last[3] - last[4] == a[3] - a[4]:
-            merged[-1] = (*last[:5], last[5] + a[5])
+        gap = a[4] - (last[4] + last[5]) if last is not None else -1
+        if (
+            last is not None
+            and last[:3] == a[:3]
+            and (gap == 0 or (a[1] == SLAB and 0 < gap < ALIGN))
+            and last[3] - last[4] == a[3] - a[4]
+        ):
+            merged[-1] = (*last[:5], a[4] + a[5] - last[4])
         else:
             merged.append(a)
     # what must come first (the wait for the caller, the regrows: R1, R3), then the copies, then the
-    # releases and zeroings (a release after its storage's copies: R2)
+    # releases and zeroings (a release after its storage's copies: R2), then a slab's hand-back
     first = [a for a in step if a[0] in (WAIT, GROW)]
-    rest = [a for a in step if a[0] in (RELEASE, ZERO)]
+    rest = [a for a in step if a[0] in (RELEASE, ZERO, HAND_BACK)]
     return first + merged + rest
 
 
@@ -152,7 +164,23 @@ def _spans(store: HostStore, i: int, start: int, end: int, chunk: int) -> list[t
     return out
 
 
-def offload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int, wait: bool) -> _Plan:
+def _copy(op: int, i: int, b: int, bo: int, so: int, size: int, slab: Optional[tuple[int, ...]]) -> tuple:
+    """A copy action of bytes ``[so, so + size)`` of storage ``i``; through the slab when the group
+    is laid out in one (``slab``: each storage's offset there)."""
+    if slab is None:
+        return (op, i, b, bo, so, size)
+    return (op, SLAB, b, bo, slab[i] + so, size)
+
+
+def offload_plan(
+    sizes: tuple[int, ...],
+    store: Optional[HostStore],
+    chunk: int,
+    wait: bool,
+    slab: Optional[tuple[int, ...]] = None,
+) -> _Plan:
+    """The steps of an offload. ``slab``: the offset of each storage in the group's slab, when every
+    storage lives there (copies merge across storages, one hand-back at the end)."""
     pack = _Packer(chunk)
     if wait:
         pack.add((WAIT,))
@@ -160,14 +188,22 @@ def offload_plan(sizes: tuple[int, ...], store: Optional[HostStore], chunk: int,
     for i, n in enumerate(sizes):
         if store is not None:
             for b, bo, so, size in _spans(store, i, 0, n, chunk):
-                pack.add((COPY_OUT, i, b, bo, so, size), size)
+                pack.add(_copy(COPY_OUT, i, b, bo, so, size, slab), size)
         release[i] = pack.add((RELEASE, i))[0]
+    if slab is not None:
+        pack.add((HAND_BACK,))
     return _Plan(pack.finish(), release, {}, ())
 
 
 def onload_plan(
-    sizes: tuple[int, ...], store: Optional[HostStore], chunk: int, users: tuple[tuple[tuple[int, int, int], ...], ...]
+    sizes: tuple[int, ...],
+    store: Optional[HostStore],
+    chunk: int,
+    users: tuple[tuple[tuple[int, int, int], ...], ...],
+    slab: Optional[tuple[int, ...]] = None,
 ) -> _Plan:
+    """The steps of an onload, in the users' order. ``slab``: the offset of each storage in the
+    group's slab, which every regrow puts it in (copies merge across storages)."""
     pack = _Packer(chunk)
     grow_at: dict[int, tuple[int, int]] = {}
     pieces: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
@@ -179,7 +215,7 @@ def onload_plan(
             pieces.setdefault(i, []).append((0, sizes[i], step))
             continue
         for b, bo, so, size in _spans(store, i, start, end, chunk):
-            step = pack.add((COPY_IN, i, b, bo, so, size), size)[0]
+            step = pack.add(_copy(COPY_IN, i, b, bo, so, size, slab), size)[0]
             pieces.setdefault(i, []).append((so, so + size, step))
     for i in range(len(sizes)):  # storages of 0 bytes
         if i not in grow_at:
@@ -268,6 +304,7 @@ class GroupTransfer:
         copy: bool,
         token: Optional[Hashable],
         caller_event,
+        slab: Optional[tuple[Slab, tuple[int, ...]]] = None,
     ):
         self.group, self.direction, self.plan = group, direction, plan
         self.storages, self.sizes = storages, sizes
@@ -280,6 +317,8 @@ class GroupTransfer:
         self._store = group.store
         self._huge_pages = group.config.cpu_huge_pages
         self._lazy = group.config.cpu_release == "lazy"
+        # the group's slab and each storage's offset in it, when the plan copies through it
+        self._slab, self._slab_offsets = slab if slab is not None else (None, ())
         self.batch = Batch(
             "d2h" if direction == "offload" else "h2d", f"{direction} {group.name}", steps=plan.steps, runner=self
         )
@@ -295,14 +334,10 @@ class GroupTransfer:
             _, i, b, bo, so, n = a
             # CUDA: asynchronous into pinned memory (the step's event says when it landed); into
             # pageable memory the driver copies synchronously, slower but as correct
-            self._store.buckets[b][bo : bo + n].copy_(
-                _byte_view(self.storages[i])[so : so + n], non_blocking=self._cuda
-            )
+            self._store.buckets[b][bo : bo + n].copy_(self._device_bytes(i)[so : so + n], non_blocking=self._cuda)
         elif op == COPY_IN:
             _, i, b, bo, so, n = a
-            _byte_view(self.storages[i])[so : so + n].copy_(
-                self._store.buckets[b][bo : bo + n], non_blocking=self._cuda
-            )
+            self._device_bytes(i)[so : so + n].copy_(self._store.buckets[b][bo : bo + n], non_blocking=self._cuda)
         elif op == RELEASE:
             s = self.storages[a[1]]
             if self._cuda and s.nbytes():
@@ -321,30 +356,51 @@ class GroupTransfer:
             _byte_view(self.storages[a[1]]).zero_()
         elif op == WAIT:
             self._d2h_stream.wait_event(self._caller_event)
+        elif op == HAND_BACK:
+            self._slab.hand_back(self._lazy)
         else:  # pragma: no cover
             raise AssertionError(f"unknown action {a!r}")
 
+    def _device_bytes(self, i: int) -> torch.Tensor:
+        """The bytes a copy action reads or writes on the device: storage ``i``'s, or the slab's."""
+        return self._slab.tensor if i == SLAB else _byte_view(self.storages[i])
+
     def _release(self, i: int) -> None:
-        """Release storage ``i``; on a CPU device its memory is kept by the group (device_memory)."""
+        """Release storage ``i``; on a CPU device its memory is kept by the group (device_memory).
+        In a slab its pages are handed back once, by the plan's last action."""
         s = self.storages[i]
-        block = device_memory.release(s, lazy=self._lazy)
+        block = device_memory.release(s, lazy=self._lazy, advise=self._slab is None)
         if block is not None:
             self.group.park(storage_key(s), block)
 
     def _grow(self, i: int) -> None:
-        """Regrow storage ``i``: the memory its release kept, where there is one (CPU)."""
+        """Regrow storage ``i``: the memory its release kept, where there is one (CPU); in a slab,
+        its piece of the slab (the first time, instead of the memory it had)."""
         s = self.storages[i]
         key = storage_key(s)
-        block = self.group.parked(key, self._huge_pages)
+        if self._slab is None:
+            block = self.group.parked(key, self._huge_pages)
+        else:
+            block = self.group.parked(key, False)
+            offset = self._slab_offsets[i]
+            if self.sizes[i] and (block is None or block.address != self._slab.address + offset):
+                block = self._slab.block(offset, self.sizes[i])
         _grow_storage(s, self.sizes[i], block, self._huge_pages)
         self.group.regrown(key, None if self._cuda else s.data_ptr())
 
     def describe(self, a: tuple) -> str:
         op, name = a[0], self.group.name
+        if op in (COPY_OUT, COPY_IN) and a[1] == SLAB:
+            lo, hi = a[4], a[4] + a[5]
+            covered = [i for i, off in enumerate(self._slab_offsets) if off < hi and lo < off + self.sizes[i]]
+            which = f"{covered[0]}" if len(covered) == 1 else f"{covered[0]}..{covered[-1]}" if covered else ""
+            return f"copy {name}[{which}] slab {lo}:{hi}"
         if op in (COPY_OUT, COPY_IN):
             return f"copy {name}[{a[1]}] {a[4]}:{a[4] + a[5]}"
         if op == WAIT:
             return "wait for the caller's stream (R1)"
+        if op == HAND_BACK:
+            return f"hand {name}'s slab pages back"
         return f"{('release', 'regrow', '', 'zero')[op - RELEASE]} {name}[{a[1]}]"
 
     @staticmethod

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostStore", "Span"]
+__all__ = ["ALIGN", "HostStore", "Span"]
 
-_ALIGN = 512  # byte alignment of every storage inside the store (vectorised copies, DMA)
+ALIGN = 512  # byte alignment of every storage inside the store (vectorised copies, DMA)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _plan(sizes: tuple[int, ...], bucket_size: int) -> tuple[list[list[Span]], l
         spans: list[Span] = []
         done = 0
         while done < size:
-            used = -(-used // _ALIGN) * _ALIGN
+            used = -(-used // ALIGN) * ALIGN
             if used >= bucket_size:
                 bucket_sizes.append(0)
                 used = 0
@@ -134,6 +134,15 @@ class HostStore:
     def nbytes(self) -> int:
         """Host bytes held by the buckets."""
         return sum(b.numel() for b in self.buckets)
+
+    def flat_offsets(self) -> tuple[int, ...]:
+        """Where each storage starts in the buckets laid end to end (0 for a storage of no bytes):
+        a device layout with these offsets has the bytes of consecutive storages as consecutive as
+        the store (what a :class:`~chatlearn_mem.device_memory.Slab` holds)."""
+        starts = [0]
+        for b in self.buckets[:-1]:
+            starts.append(starts[-1] + b.numel())
+        return tuple(starts[sp[0].bucket] + sp[0].bucket_offset if sp else 0 for sp in self.spans)
 
     def views(self, index: int) -> list[tuple[torch.Tensor, int]]:
         """Host byte views of storage ``index``: ``(view, offset inside the storage)`` pairs."""

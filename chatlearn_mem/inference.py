@@ -40,6 +40,8 @@ class InferenceMemoryManager(MemoryManagerBase):
         ValueError: ``module`` has no parameters or buffers.
     """
 
+    _CONTIGUOUS_ON_CPU = frozenset({Part.WEIGHTS})  # a model's parameters: nothing else resizes them
+
     def __init__(self, module: torch.nn.Module, config: Optional[MemoryConfig] = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")

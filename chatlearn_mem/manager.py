@@ -65,11 +65,15 @@ class MemoryManagerBase(ModelGuards):
             self._OFFLOAD_ORDER,
             self._ONLOAD_ORDER,
             owners.caller_site(),
+            self._CONTIGUOUS_ON_CPU,
         )
         self._debug_guard = ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard() else None
 
     _OFFLOAD_ORDER: tuple[Part, ...] = (Part.WEIGHTS,)
     _ONLOAD_ORDER: tuple[Part, ...] = (Part.WEIGHTS,)
+    # parts whose storages a CPU device lays out in one slab (storage.StorageGroup's ``contiguous``):
+    # those nothing but the manager resizes
+    _CONTIGUOUS_ON_CPU: frozenset = frozenset()
 
     # -- to be provided by subclasses -------------------------------------------------------
     def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:

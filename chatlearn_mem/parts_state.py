@@ -113,6 +113,7 @@ class PartsState:
         offload_order: tuple[Part, ...],
         onload_order: tuple[Part, ...],
         created_at: str,
+        contiguous: frozenset = frozenset(),
     ):
         self.owner = owner
         self.device = device
@@ -123,7 +124,9 @@ class PartsState:
         self.created_at = created_at
         self.lock = threading.RLock()
         self.closed = False
-        self._groups = {part: StorageGroup(part.value, keep, config) for part, keep in parts.items()}
+        self._groups = {
+            part: StorageGroup(part.value, keep, config, contiguous=part in contiguous) for part, keep in parts.items()
+        }
         self._serving_host: Optional[int] = None  # thread reading the host copies through the model
         self._dirty_epoch = 0
         self._placements: dict[Part, external.Placement] = {}  # recorded after each call, see external.py

@@ -21,7 +21,7 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
-from chatlearn_mem.device_memory import Block, storage_key
+from chatlearn_mem.device_memory import Block, Slab, parks_cpu_memory, storage_key
 from chatlearn_mem.group_transfer import GroupTransfer, TransferStats, device_of, offload_plan, onload_plan
 from chatlearn_mem.host_store import HostStore
 
@@ -63,12 +63,21 @@ class StorageGroup:
         keep_contents: Copy the bytes to the host before releasing and back after restoring.
             When False the storages are dropped and restored zeroed (gradients).
         config: Bucket size and pinning of the host store.
+        contiguous: On a CPU device, lay several storages out in one :class:`~chatlearn_mem.device_memory.Slab`
+            at the offsets of their host store (at their first onload), so that one copy and one
+            release move many of them. Only for storages nothing else resizes: in a slab
+            ``resize_`` raises (a trainer's main weights and optimizer states, an inference model's
+            weights; not megatron's param and grad buffers, which its own offload calls resize).
     """
 
-    def __init__(self, name: str, keep_contents: bool, config: MemoryConfig):
+    def __init__(self, name: str, keep_contents: bool, config: MemoryConfig, contiguous: bool = False):
         self.name = name
         self.keep_contents = keep_contents
+        self.contiguous = contiguous
         self._config = config
+        # CPU, contiguous: the slab the storages live in, and the host store whose layout it has
+        self._slab: Optional[Slab] = None
+        self._slab_store: Optional[HostStore] = None
         self.store: Optional[HostStore] = None
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         # CPU: the memory of each released storage (by storage key) while the group is offloaded
@@ -210,6 +219,7 @@ class StorageGroup:
         self._plans.clear()  # they name the store's buckets
         self._host_token = None
         self._host_keys = ()
+        self._forget_slab()
 
     def prepare(self, storages: list[torch.UntypedStorage]) -> None:
         """Allocate (or reuse) the host store for these storages. Changes nothing on failure."""
@@ -227,7 +237,46 @@ class StorageGroup:
         if old is not None:
             old.close()  # free the old buckets before allocating the new ones: no 2x host peak
         del old
+        self._forget_slab()  # its layout was the old store's
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
+
+    # -- a CPU slab (see device_memory.Slab) ------------------------------------------------
+    def _forget_slab(self) -> None:
+        """The slab's layout is no longer the store's: the next onload lays the storages out anew
+        (storages and kept blocks still in the old slab keep it alive until they leave it)."""
+        self._slab = self._slab_store = None
+
+    def _slab_layout(self, storages: list[torch.UntypedStorage]) -> bool:
+        """Whether these storages are laid out (or are to be) in a slab of the store's layout."""
+        return (
+            self.contiguous
+            and self._config.cpu_contiguous
+            and self.keep_contents
+            and self.store is not None
+            and len(storages) > 1
+            and device_of(storages).type == "cpu"
+            and parks_cpu_memory()
+        )
+
+    def _slab_for_onload(self, storages: list[torch.UntypedStorage]) -> Optional[tuple[Slab, tuple[int, ...]]]:
+        """The slab the onload regrows ``storages`` into, allocated for the store's layout if there is
+        none yet (only address space: pages come with the copies); None when not laid out in one."""
+        if not self._slab_layout(storages):
+            return None
+        if self._slab is None or self._slab_store is not self.store:
+            self._slab = Slab(self.store.nbytes, self._config.cpu_huge_pages)
+            self._slab_store = self.store
+        return self._slab, self.store.flat_offsets()
+
+    def _slab_for_offload(self, storages: list[torch.UntypedStorage]) -> Optional[tuple[Slab, tuple[int, ...]]]:
+        """The slab, when every storage lives in it at its offset (else None: a storage changed
+        memory since its onload, or the storages were never onloaded by this group)."""
+        if not self._slab_layout(storages) or self._slab is None or self._slab_store is not self.store:
+            return None
+        offsets = self.store.flat_offsets()
+        if not all(self._slab.holds(s, off) for s, off in zip(storages, offsets) if s.nbytes()):
+            return None
+        return self._slab, offsets
 
     # -- transitions through the copy engine ------------------------------------------------
     def start_offload(
@@ -259,13 +308,18 @@ class StorageGroup:
         # has no stream to wait with and needs none)
         if device_of(storages).type != "cuda":
             caller_event = None
-        key = ("offload", sizes, copy, id(self.store) if copy else None, caller_event is not None)
+        slab = self._slab_for_offload(storages)
+        key = ("offload", sizes, copy, id(self.store) if copy else None, caller_event is not None, slab is not None)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = offload_plan(
-                sizes, self.store if copy else None, self._config.copy_chunk_bytes, caller_event is not None
+                sizes,
+                self.store if copy else None,
+                self._config.copy_chunk_bytes,
+                caller_event is not None,
+                slab[1] if slab is not None else None,
             )
-        t = GroupTransfer(self, "offload", plan, list(storages), list(sizes), copy, token, caller_event)
+        t = GroupTransfer(self, "offload", plan, list(storages), list(sizes), copy, token, caller_event, slab)
         self._released = list(zip(storages, sizes))
         self.offloaded = True
         self._transfer = t
@@ -291,15 +345,20 @@ class StorageGroup:
         sizes = tuple(n for _, n in self._released)
         index = {storage_key(s): i for i, s in enumerate(storages)}
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
-        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use)
+        slab = self._slab_for_onload(storages)
+        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 8:  # sizes or users changed many times: keep the cache small
                 self._plans.clear()
             plan = self._plans[key] = onload_plan(
-                sizes, self.store if self.keep_contents else None, self._config.copy_chunk_bytes, use
+                sizes,
+                self.store if self.keep_contents else None,
+                self._config.copy_chunk_bytes,
+                use,
+                slab[1] if slab is not None else None,
             )
-        t = GroupTransfer(self, "onload", plan, storages, list(sizes), self.keep_contents, token, None)
+        t = GroupTransfer(self, "onload", plan, storages, list(sizes), self.keep_contents, token, None, slab)
         self.offloaded = False
         self._transfer = t
         return t

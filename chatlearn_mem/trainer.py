@@ -9,7 +9,7 @@ import torch
 from chatlearn_mem import guards
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.config import MemoryConfig
-from chatlearn_mem.device_memory import storage_key
+from chatlearn_mem.device_memory import parks_cpu_memory, storage_key
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError, UnsupportedLayoutError
 from chatlearn_mem.guards import serialized
 from chatlearn_mem.manager import MemoryManagerBase
@@ -61,6 +61,8 @@ class TrainerMemoryManager(MemoryManagerBase):
     # weights then come in the order the forward reads them, the optimizer's parts behind them
     _OFFLOAD_ORDER = (Part.GRADS, Part.OPTIMIZER_STATES, Part.MAIN_WEIGHTS, Part.WEIGHTS)
     _ONLOAD_ORDER = (Part.GRADS, Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+    # not the weights: megatron-core's own offload calls resize its param buffers' storages
+    _CONTIGUOUS_ON_CPU = frozenset({Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES})
 
     def __init__(self, model: Any, optimizer: Any, config: Optional[MemoryConfig] = None):
         layout.check_supported_version()
@@ -194,7 +196,9 @@ class TrainerMemoryManager(MemoryManagerBase):
                 )
         for part in Part:
             for s in self.state.storages(part):
-                if not s.resizable():
+                # a CPU storage's memory is moved out and back (device_memory), never resized:
+                # one in a slab of an earlier manager (MemoryConfig.cpu_contiguous) is fine
+                if not s.resizable() and not (s.device.type == "cpu" and parks_cpu_memory()):
                     raise UnsupportedLayoutError(
                         f"a {part} storage of {s.nbytes()} bytes cannot be resized "
                         "(created from external memory), so it cannot be released"

@@ -174,7 +174,8 @@ def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
     for i, layer in enumerate(model):
         layer.register_forward_pre_hook(probe(i))  # after the manager's own pre-hook
     last = 2 * len(model) - 1  # the last layer's bias: the last storage the forward reads
-    gate = Gate(monkeypatch, f"copy weights[{last}]", lane="h2d")
+    # the copy that brings it ("copy weights[10..11] slab a:b": merged with its neighbours in the slab)
+    gate = Gate(monkeypatch, f"{last}] slab", lane="h2d")
     handle = mm.onload(blocking=False)
     gt = mm.state.in_flight(Part.WEIGHTS)
     with torch.no_grad():
@@ -320,7 +321,7 @@ def test_r7_close_waits_for_a_transfer_in_flight(monkeypatch):
     model = make_model(n_layers=2)
     mm = InferenceMemoryManager(model, CFG)
     mm.offload()
-    gate = Gate(monkeypatch, "copy weights[3]")
+    gate = Gate(monkeypatch, "copy weights[2")  # the second layer's weight (its bias may share the copy)
     handle = mm.onload(blocking=False)
     assert gate.reached.wait(10)
     open_when_settling(monkeypatch, mm, gate)

@@ -196,9 +196,13 @@ def test_size_change_replans_store(tensors, storages):
     assert torch.equal(bits(tensors[-1]), head)
 
 
-def test_onload_failure_rolls_back(monkeypatch, tensors, storages):
+@pytest.mark.parametrize("contiguous", [False, True], ids=["own_memory", "slab"])
+def test_onload_failure_rolls_back(monkeypatch, tensors, storages, contiguous):
     snap = snapshot(tensors)
-    group = StorageGroup("weights", True, SMALL)
+    group = StorageGroup("weights", True, SMALL, contiguous=contiguous)
+    if contiguous:  # the storages in the slab first
+        group.offload(storages)
+        group.onload()
     group.offload(storages)
     released = group.released
     real = storage_mod._grow_storage
@@ -451,3 +455,118 @@ def test_offload_waits_while_a_reader_holds_the_host_store():
     assert done.is_set() and group.readers == 0
     assert torch.equal(group.read_host(t), torch.arange(16.0) + 1)
     group.onload()
+
+
+# -- a contiguous group on a CPU device: its storages in one slab ------------------------------
+def _record_actions(monkeypatch) -> list:
+    actions = []
+    real = storage_mod.GroupTransfer.run
+
+    def run(self, action):
+        actions.append(action)
+        real(self, action)
+
+    monkeypatch.setattr(storage_mod.GroupTransfer, "run", run)
+    return actions
+
+
+def test_a_contiguous_group_moves_many_storages_in_one_copy_and_one_hand_back(monkeypatch, madvise_calls):
+    ts = [torch.arange(i * MiB // 2, (i + 1) * MiB // 2, dtype=torch.int32) * 7 for i in range(12)]  # 2 MiB each
+    views = [t[3:9] for t in ts]
+    expected = [bits(t) for t in ts]
+    storages = [t.untyped_storage() for t in ts]
+    group = StorageGroup("optimizer_states", True, MemoryConfig(bucket_size_mb=64, copy_chunk_mb=64), contiguous=True)
+    group.offload(storages)  # the storages' own memory: a copy and a release each
+    group.onload()  # regrown into the slab, at the host store's offsets
+    offsets = group.store.flat_offsets()
+    base = storages[0].data_ptr()
+    assert [s.data_ptr() - base for s in storages] == list(offsets)  # laid out as the host store
+    actions = _record_actions(monkeypatch)
+    for _ in range(3):
+        madvise_calls.clear()
+        actions.clear()
+        group.offload(storages)
+        copies = [a for a in actions if a[0] == storage_mod.COPY_OUT]
+        assert len(copies) == 1 and copies[0][5] == offsets[-1] + 2 * MiB  # 24 MiB in one copy
+        assert [a[0] for a in actions].count(storage_mod.HAND_BACK) == 1
+        ((address, length, advice),) = madvise_calls  # one madvise for twelve storages
+        assert advice == device_memory._MADV_FREE and address == base and length == 24 * MiB
+        assert all(s.nbytes() == 0 for s in storages)
+        actions.clear()
+        group.onload()
+        assert len([a for a in actions if a[0] == storage_mod.COPY_IN]) == 1
+        assert storages[0].data_ptr() == base  # the same memory, nothing allocated
+        assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+        assert [v.tolist() for v in views] == [(torch.arange(3, 9) + i * MiB // 2).mul(7).tolist() for i in range(12)]
+
+
+def test_a_group_that_is_not_contiguous_copies_and_releases_each_storage(monkeypatch, madvise_calls):
+    ts = [torch.ones(MiB, dtype=torch.int32) * i for i in range(6)]  # 4 MiB each
+    storages = [t.untyped_storage() for t in ts]
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=64, copy_chunk_mb=64))
+    group.offload(storages)
+    group.onload()
+    actions = _record_actions(monkeypatch)
+    madvise_calls.clear()
+    group.offload(storages)
+    assert len([a for a in actions if a[0] == storage_mod.COPY_OUT]) == 6
+    assert storage_mod.HAND_BACK not in [a[0] for a in actions]
+    assert [c[2] for c in madvise_calls] == [device_memory._MADV_FREE] * 6
+    group.onload()
+    assert all(torch.equal(t, torch.ones(MiB, dtype=torch.int32) * i) for i, t in enumerate(ts))
+
+
+def test_a_contiguous_group_keeps_every_view_exact_over_cycles(tensors, storages):
+    snap = snapshot(tensors)
+    group = StorageGroup("weights", True, SMALL, contiguous=True)  # 1 KiB buckets: storages split across them
+    for _ in range(3):
+        group.offload(storages)
+        assert all(s.nbytes() == 0 for s in storages)
+        group.onload()
+        assert_restored(tensors, snap)
+    tensors[0][10] = 123.5  # the views still alias their base
+    assert tensors[2][1, 2].item() == 123.5 and tensors[3][0, 0].item() == 123.5
+    with pytest.raises(RuntimeError, match="not resizable"):
+        storages[0].resize_(0)  # the documented limit of a slab
+
+
+def test_a_storage_that_left_the_slab_is_copied_on_its_own_and_comes_back(monkeypatch):
+    ts = [torch.arange(MiB, dtype=torch.int32) + i for i in range(4)]
+    storages = [t.untyped_storage() for t in ts]
+    group = StorageGroup("main_weights", True, MemoryConfig(bucket_size_mb=64), contiguous=True)
+    group.offload(storages)
+    group.onload()
+    in_slab = [s.data_ptr() for s in storages]
+    moved = torch.UntypedStorage(storages[1].nbytes())
+    moved.copy_(storages[1])
+    storages[1]._swap_data_ptr_(moved)  # someone gave it other memory (same bytes)
+    ts[1].add_(5)
+    actions = _record_actions(monkeypatch)
+    group.offload(storages)
+    copies = [a for a in actions if a[0] == storage_mod.COPY_OUT]
+    assert sorted(a[1] for a in copies) == [0, 1, 2, 3]  # not through the slab: one copy per storage
+    group.onload()  # back into the slab
+    assert [s.data_ptr() for s in storages] == in_slab
+    assert [int(t[0]) for t in ts] == [0, 6, 2, 3]
+
+
+def test_a_contiguous_offload_rolled_back_moves_the_slab_memory_back(monkeypatch):
+    a, b = torch.arange(MiB, dtype=torch.int32), torch.arange(MiB, dtype=torch.int32) * 3
+    expected = bits(a), bits(b)
+    group = StorageGroup("weights", True, MemoryConfig(bucket_size_mb=64, copy_chunk_mb=1), contiguous=True)
+    group.offload([a.untyped_storage(), b.untyped_storage()])
+    group.onload()
+    ptrs = a.data_ptr(), b.data_ptr()
+    real = storage_mod.GroupTransfer.run
+
+    def fail_after_first_release(self, action):
+        if action[0] == storage_mod.COPY_OUT and self.released:
+            raise RuntimeError("simulated copy failure")
+        real(self, action)
+
+    monkeypatch.setattr(storage_mod.GroupTransfer, "run", fail_after_first_release)
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        group.offload([a.untyped_storage(), b.untyped_storage()])
+    assert not group.offloaded and not group.parked_count
+    assert (a.data_ptr(), b.data_ptr()) == ptrs
+    assert torch.equal(bits(a), expected[0]) and torch.equal(bits(b), expected[1])
