@@ -332,6 +332,11 @@ def _time_part(
         # regrow would leave 4 KiB pages on CPU, whose release costs more).
         manager.offload(part)
         manager.onload(part)
+        # untimed: that onload moved storages an alternative had taken out of the manager's CPU
+        # slab back in and freed the memory they had; the manager's timed offload would otherwise
+        # pay for trimming it from the C heap (15-45 ms for the main weights), a cost of the
+        # alternatives' rounds that a manager running alone pays once
+        trim_host_heap()
         for m in methods:  # interleaved, so drifting load hits every method alike
             record = r == cfg.warmup
 

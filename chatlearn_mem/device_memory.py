@@ -169,16 +169,16 @@ def release(storage: torch.UntypedStorage, lazy: bool = True, advise: bool = Tru
     return Block(holder, n, holder.data_ptr())
 
 
-def _hand_back(address: int, nbytes: int, lazy: bool) -> None:
-    """``MADV_FREE`` (lazy) or ``MADV_DONTNEED`` over the whole pages of ``[address, address + nbytes)``."""
+def _hand_back(address: int, nbytes: int, lazy: bool) -> bool:
+    """``MADV_FREE`` (lazy) or ``MADV_DONTNEED`` over the whole pages of ``[address, address + nbytes)``;
+    whether the kernel took the advice (False elsewhere than on Linux, or with no whole page)."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     # lazy: whole 2 MiB pages only. MADV_FREE over part of a transparent huge page splits it
     # into 4 KiB pages, and copies into split pages ran 1.5-2x slower, cycle after cycle
     # (measured on a 135 M-parameter trainer's optimizer states: 4.9 against 8.5 GB/s)
     addr, length = _pages_inside(address, nbytes, _HUGE_PAGE if lazy else _PAGE)
-    if length:
-        _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED)
+    return bool(length) and _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED) == 0
 
 
 class Slab:
@@ -202,7 +202,9 @@ class Slab:
 
     def __init__(self, nbytes: int, huge_pages: bool):
         self.nbytes = int(nbytes)
-        self._map = mmap.mmap(-1, self.nbytes + _HUGE_PAGE)  # anonymous, private; a 2 MiB-aligned start inside
+        # private: a shared anonymous mapping (Python's default) is shmem, where MADV_FREE fails and
+        # transparent huge pages are off on most systems; the 2 MiB-aligned start lies inside
+        self._map = mmap.mmap(-1, self.nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
         self._start = -base % _HUGE_PAGE
         self.address = base + self._start
@@ -220,10 +222,10 @@ class Slab:
         """Whether ``storage``'s memory is the slab's at ``offset``."""
         return storage.data_ptr() == self.address + offset and offset + storage.nbytes() <= self.nbytes
 
-    def hand_back(self, lazy: bool) -> None:
+    def hand_back(self, lazy: bool) -> bool:
         """Hand the slab's whole pages to the kernel (see :func:`release`); call it only while
-        every storage in the slab is released."""
-        _hand_back(self.address, self.nbytes, lazy)
+        every storage in the slab is released. Returns whether the kernel took the advice."""
+        return _hand_back(self.address, self.nbytes, lazy)
 
 
 def _fresh_block(nbytes: int, huge_pages: bool) -> torch.UntypedStorage:

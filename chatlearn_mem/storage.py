@@ -241,6 +241,11 @@ class StorageGroup:
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
 
     # -- a CPU slab (see device_memory.Slab) ------------------------------------------------
+    @property
+    def slab(self) -> Optional[Slab]:
+        """The slab the group's storages are laid out in (CPU, ``contiguous``), or None."""
+        return self._slab
+
     def _forget_slab(self) -> None:
         """The slab's layout is no longer the store's: the next onload lays the storages out anew
         (storages and kept blocks still in the old slab keep it alive until they leave it)."""

@@ -1,5 +1,7 @@
 """Tests of StorageGroup on CPU tensors: in-place release/restore, host-copy tokens, failures."""
 
+import sys
+
 import pytest
 import torch
 
@@ -570,3 +572,37 @@ def test_a_contiguous_offload_rolled_back_moves_the_slab_memory_back(monkeypatch
     assert not group.offloaded and not group.parked_count
     assert (a.data_ptr(), b.data_ptr()) == ptrs
     assert torch.equal(bits(a), expected[0]) and torch.equal(bits(b), expected[1])
+
+
+def _resident_kib(address: int, nbytes: int) -> int:
+    """Resident KiB of the mappings that overlap ``[address, address + nbytes)`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo < address + nbytes and address < hi
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_a_slab_really_hands_its_pages_back(mode):
+    # the real madvise: a shared anonymous mapping (Python's mmap default) refuses MADV_FREE, and its
+    # offloaded pages would stay resident
+    ts = [torch.full((MiB,), i, dtype=torch.int32) for i in range(8)]  # 8 x 4 MiB
+    storages = [t.untyped_storage() for t in ts]
+    group = StorageGroup("optimizer_states", True, MemoryConfig(bucket_size_mb=64, cpu_release=mode), contiguous=True)
+    group.offload(storages)
+    group.onload()
+    slab = group.slab
+    assert _resident_kib(slab.address, slab.nbytes) >= 32 * 1024
+    group.offload(storages)
+    assert slab.hand_back(lazy=mode == "lazy")  # what the offload's last action did: the kernel took it
+    if mode == "eager":
+        assert _resident_kib(slab.address, slab.nbytes) < 4 * 1024  # gone at once
+    group.onload()
+    assert all(torch.equal(t, torch.full((MiB,), i, dtype=torch.int32)) for i, t in enumerate(ts))
