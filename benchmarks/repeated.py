@@ -7,8 +7,12 @@
 * ``soak``: ``soak_cycles`` full offload/onload cycles with a train step every
   ``soak_train_every`` cycles, the process RSS (and on CUDA ``memory_reserved``) after a
   ``gc.collect()`` every ``soak_sample_every`` cycles: memory must stop growing after a warm-up
-  of half the cycles, training between the cycles included. The train steps change the weights,
-  so the benchmark runs this row last, after its integrity check.
+  of half the cycles, training between the cycles included. A train step comes before its
+  cycle's offload, as in a PPO loop (train, sleep, wake), and a sample is taken after the onload:
+  where the trainer wakes, after the offload has trimmed the C heap of what training freed
+  (sampled right after a train step, the heap's untrimmed residue swung the RSS by 100-200 MiB
+  from sample to sample). The train steps change the weights, so the benchmark runs this row
+  last, after its integrity check.
 """
 
 from __future__ import annotations
@@ -72,9 +76,9 @@ def measure_soak(mm, trainer, batch: torch.Tensor, device: torch.device, cycles:
     samples = [sample(0)]
     cycle_s = []
     for c in range(1, cycles + 1):
-        cycle_s.append(timed(lambda: (mm.offload(force=True), mm.onload()), device)[0])
         if train_every and c % train_every == 0:
-            trainer.train_step(batch)
+            trainer.train_step(batch)  # train, then sleep and wake (the offload trims what it freed)
+        cycle_s.append(timed(lambda: (mm.offload(force=True), mm.onload()), device)[0])
         if c % every == 0 or c == cycles:
             samples.append(sample(c))
     return {
