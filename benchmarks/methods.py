@@ -63,7 +63,7 @@ from typing import Optional
 import torch
 
 from chatlearn_mem import Part
-from chatlearn_mem.device_memory import advise_huge_pages, storage_key
+from chatlearn_mem.device_memory import advise_huge_pages, own_memory, storage_key
 from chatlearn_mem.host_store import HostStore
 from chatlearn_mem.mcore import layout
 from chatlearn_mem_bench.config import FULL
@@ -206,10 +206,7 @@ class Method:
         if not self.resizes_storages:
             return
         for s in part_storages(self.mm, part) if part != FULL else all_storages(self.mm):
-            if s.nbytes() and not s.resizable():
-                own = torch.UntypedStorage(s.nbytes(), device=s.device)
-                own.copy_(s)
-                s._swap_data_ptr_(own)  # s: its own memory (resizable); own: the slab's piece, dropped
+            own_memory(s)
 
     def restore(self, part: str) -> None:
         """Untimed: put the trainer back exactly as the manager expects it."""

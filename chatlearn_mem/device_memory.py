@@ -55,6 +55,7 @@ __all__ = [
     "Block",
     "Slab",
     "advise_huge_pages",
+    "own_memory",
     "parks_cpu_memory",
     "regrow",
     "release",
@@ -226,6 +227,18 @@ class Slab:
         """Hand the slab's whole pages to the kernel (see :func:`release`); call it only while
         every storage in the slab is released. Returns whether the kernel took the advice."""
         return _hand_back(self.address, self.nbytes, lazy)
+
+
+def own_memory(storage: torch.UntypedStorage) -> bool:
+    """Give a CPU storage that holds memory it cannot resize (a piece of a :class:`Slab`) memory of
+    its own from torch's allocator, with the same bytes: every view stays valid and ``resize_``
+    works again. Returns whether it moved (a resizable or empty storage is left alone)."""
+    if storage.device.type != "cpu" or storage.resizable() or not storage.nbytes() or not parks_cpu_memory():
+        return False
+    own = torch.UntypedStorage(storage.nbytes())
+    own.copy_(storage)
+    storage._swap_data_ptr_(own)  # storage: its own memory; own: the slab's piece, dropped here
+    return True
 
 
 def _fresh_block(nbytes: int, huge_pages: bool) -> torch.UntypedStorage:

@@ -219,7 +219,9 @@ class MemoryManagerBase(ModelGuards):
         """Detach the manager from its model and free its host store.
 
         Removes every hook and method guard it installed, frees the host buffers and lets another
-        manager take the model. The manager must not be used afterwards (its calls raise). Calling
+        manager take the model. On a CPU device the storages it laid out in one slab
+        (``MemoryConfig.cpu_contiguous``) get memory of their own again (one copy of their bytes),
+        so that other code may resize them. The manager must not be used afterwards (its calls raise). Calling
         it again is a no-op.
 
         Raises:

@@ -493,7 +493,8 @@ class PartsState:
 
     # -- close ---------------------------------------------------------------------------------------
     def close(self, detach: Callable[[], None]) -> bool:
-        """Settle, refuse when a part is offloaded, ``detach()`` the manager, free the host stores.
+        """Settle, refuse when a part is offloaded, ``detach()`` the manager, give storages in a
+        CPU slab memory of their own, free the host stores.
 
         Returns:
             False when already closed (nothing done).
@@ -512,7 +513,9 @@ class PartsState:
                 "restore them). Call onload() first, then close()"
             )
         detach()
-        for g in self._groups.values():
+        for part, g in self._groups.items():
+            # a CPU slab's storages get memory of their own back: resizable by others again
+            g.leave_slab(self.storages(part))
             g.drop_host_store()
         self.closed = True
         return True

@@ -21,7 +21,7 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
-from chatlearn_mem.device_memory import Block, Slab, parks_cpu_memory, storage_key
+from chatlearn_mem.device_memory import Block, Slab, own_memory, parks_cpu_memory, storage_key
 from chatlearn_mem.group_transfer import GroupTransfer, TransferStats, device_of, offload_plan, onload_plan
 from chatlearn_mem.host_store import HostStore
 
@@ -245,6 +245,12 @@ class StorageGroup:
     def slab(self) -> Optional[Slab]:
         """The slab the group's storages are laid out in (CPU, ``contiguous``), or None."""
         return self._slab
+
+    def leave_slab(self, storages: list[torch.UntypedStorage]) -> int:
+        """Give each of ``storages`` that lives in a slab memory of its own, with its bytes (one copy
+        each; :func:`~chatlearn_mem.device_memory.own_memory`), so that others may resize it; the
+        group lays them out again at its next onload. Returns how many moved."""
+        return sum(own_memory(s) for s in storages) if self._slab is not None else 0
 
     def _forget_slab(self) -> None:
         """The slab's layout is no longer the store's: the next onload lays the storages out anew

@@ -586,3 +586,22 @@ def test_a_slab_really_hands_its_pages_back(mode):
         assert _resident_kib(slab.address, slab.nbytes) < 4 * 1024  # gone at once
     group.onload()
     assert all(torch.equal(t, torch.full((MiB,), i, dtype=torch.int32)) for i, t in enumerate(ts))
+
+
+def test_closing_the_manager_gives_slab_storages_memory_of_their_own():
+    from chatlearn_mem import InferenceMemoryManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+    weight = model[1].weight
+    view = weight[2:4, :8]
+    expected = [p.detach().clone() for p in model.parameters()]
+    mm = InferenceMemoryManager(model, MemoryConfig(check_host_memory=False))
+    mm.offload()
+    mm.onload()  # now in one slab
+    assert not any(p.untyped_storage().resizable() for p in model.parameters())
+    mm.close()
+    assert all(p.untyped_storage().resizable() for p in model.parameters())
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+    assert torch.equal(view, expected[2][2:4, :8])  # views still see the same bytes
+    weight.untyped_storage().resize_(0)  # other code may resize them again
