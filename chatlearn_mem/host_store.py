@@ -105,6 +105,13 @@ class HostStore:
         self.sizes = tuple(int(s) for s in sizes)
         self.pinned = pin
         self.spans, bucket_sizes = _plan(self.sizes, bucket_size)
+        starts = [0]
+        for n in bucket_sizes[:-1]:
+            starts.append(starts[-1] + n)
+        self.flat_offsets = tuple(starts[sp[0].bucket] + sp[0].bucket_offset if sp else 0 for sp in self.spans)
+        """Where each storage starts in the buckets laid end to end (0 for a storage of no bytes):
+        a device layout with these offsets has the bytes of consecutive storages as consecutive as
+        the store (what a :class:`~chatlearn_mem.device_memory.Slab` holds)."""
         self._registered: list[int] = []  # pointers this store registered (emptied by close)
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         self.buckets: list[torch.Tensor] = []
@@ -134,15 +141,6 @@ class HostStore:
     def nbytes(self) -> int:
         """Host bytes held by the buckets."""
         return sum(b.numel() for b in self.buckets)
-
-    def flat_offsets(self) -> tuple[int, ...]:
-        """Where each storage starts in the buckets laid end to end (0 for a storage of no bytes):
-        a device layout with these offsets has the bytes of consecutive storages as consecutive as
-        the store (what a :class:`~chatlearn_mem.device_memory.Slab` holds)."""
-        starts = [0]
-        for b in self.buckets[:-1]:
-            starts.append(starts[-1] + b.numel())
-        return tuple(starts[sp[0].bucket] + sp[0].bucket_offset if sp else 0 for sp in self.spans)
 
     def views(self, index: int) -> list[tuple[torch.Tensor, int]]:
         """Host byte views of storage ``index``: ``(view, offset inside the storage)`` pairs."""

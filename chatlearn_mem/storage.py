@@ -75,9 +75,9 @@ class StorageGroup:
         self.keep_contents = keep_contents
         self.contiguous = contiguous
         self._config = config
-        # CPU, contiguous: the slab the storages live in, and the host store whose layout it has
+        # CPU, contiguous: the slab the storages live in, laid out as the host store (forgotten
+        # whenever the store changes)
         self._slab: Optional[Slab] = None
-        self._slab_store: Optional[HostStore] = None
         self.store: Optional[HostStore] = None
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         # CPU: the memory of each released storage (by storage key) while the group is offloaded
@@ -255,7 +255,7 @@ class StorageGroup:
     def _forget_slab(self) -> None:
         """The slab's layout is no longer the store's: the next onload lays the storages out anew
         (storages and kept blocks still in the old slab keep it alive until they leave it)."""
-        self._slab = self._slab_store = None
+        self._slab = None
 
     def _slab_layout(self, storages: list[torch.UntypedStorage]) -> bool:
         """Whether these storages are laid out (or are to be) in a slab of the store's layout."""
@@ -274,17 +274,16 @@ class StorageGroup:
         none yet (only address space: pages come with the copies); None when not laid out in one."""
         if not self._slab_layout(storages):
             return None
-        if self._slab is None or self._slab_store is not self.store:
+        if self._slab is None:
             self._slab = Slab(self.store.nbytes, self._config.cpu_huge_pages)
-            self._slab_store = self.store
-        return self._slab, self.store.flat_offsets()
+        return self._slab, self.store.flat_offsets
 
     def _slab_for_offload(self, storages: list[torch.UntypedStorage]) -> Optional[tuple[Slab, tuple[int, ...]]]:
         """The slab, when every storage lives in it at its offset (else None: a storage changed
         memory since its onload, or the storages were never onloaded by this group)."""
-        if not self._slab_layout(storages) or self._slab is None or self._slab_store is not self.store:
+        if not self._slab_layout(storages) or self._slab is None:
             return None
-        offsets = self.store.flat_offsets()
+        offsets = self.store.flat_offsets
         if not all(self._slab.holds(s, off) for s, off in zip(storages, offsets) if s.nbytes()):
             return None
         return self._slab, offsets

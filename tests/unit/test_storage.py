@@ -482,7 +482,7 @@ def test_a_contiguous_group_moves_many_storages_in_one_copy_and_one_hand_back(mo
     group = StorageGroup("optimizer_states", True, MemoryConfig(bucket_size_mb=64, copy_chunk_mb=64), contiguous=True)
     group.offload(storages)  # the storages' own memory: a copy and a release each
     group.onload()  # regrown into the slab, at the host store's offsets
-    offsets = group.store.flat_offsets()
+    offsets = group.store.flat_offsets
     base = storages[0].data_ptr()
     assert [s.data_ptr() - base for s in storages] == list(offsets)  # laid out as the host store
     actions = _record_actions(monkeypatch)
