@@ -44,8 +44,11 @@ def _without_device_rewrites():
     machine. Those calls name their devices themselves and need no rewriting (the checkpoint
     calls run megatron-core's code, which does, and keep the mode). Any other mode (a user's) stays.
     """
-    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
-
+    try:  # torch's own helpers (private; every torch since 2.0 has them)
+        from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+    except ImportError:  # a torch without them: the call runs under the mode, only slower
+        yield
+        return
     stack = _get_current_function_mode_stack()
     if not stack or not getattr(stack[-1], "skip_in_manager_calls", False):
         yield
