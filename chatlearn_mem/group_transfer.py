@@ -91,6 +91,10 @@ WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO, HAND_BACK = range(7)
 # A group laid out in a device_memory.Slab copies through the slab: i is SLAB and the storage
 # offset is the slab's, so that the copies of consecutive storages merge into one.
 SLAB = -1
+USER_STEP_DIVISOR = 8
+"""An onload with a use order ends a step where a user's bytes end once the step holds
+``copy_chunk_bytes // USER_STEP_DIVISOR``: the forward's first modules wait for their own bytes,
+not for a whole chunk of the next ones'."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +110,18 @@ class _Packer:
 
     def __init__(self, step_bytes: int):
         self.step_bytes, self.steps, self.bytes = step_bytes, [], 0
+        self._cut = False
+
+    def cut(self, min_bytes: int) -> None:
+        """End the current step here if it already holds ``min_bytes`` copied bytes."""
+        if self.bytes >= min_bytes:
+            self._cut = True
 
     def add(self, action: tuple, nbytes: int = 0) -> tuple[int, int]:
-        if not self.steps or self.bytes + nbytes > self.step_bytes:
+        if not self.steps or self._cut or self.bytes + nbytes > self.step_bytes:
             self.steps.append([])
             self.bytes = 0
+            self._cut = False
         self.steps[-1].append(action)
         self.bytes += nbytes
         return len(self.steps) - 1, len(self.steps[-1]) - 1
@@ -207,7 +218,12 @@ def onload_plan(
     pack = _Packer(chunk)
     grow_at: dict[int, tuple[int, int]] = {}
     pieces: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
-    for i, start, end in _use_order(users, sizes):
+    for i, start, end, new_user in _use_order(users, sizes):
+        if new_user:
+            # the previous user's bytes end here: so does the step, so that that user waits for
+            # its own bytes, not for up to a chunk of the next users' (a step holds at least
+            # chunk // USER_STEP_DIVISOR bytes, so that small modules share one)
+            pack.cut(chunk // USER_STEP_DIVISOR)
         if i not in grow_at:
             grow_at[i] = pack.add((GROW, i))
         if store is None:
@@ -223,30 +239,35 @@ def onload_plan(
     return _Plan(pack.finish(), {}, grow_at, _user_steps(users, pieces, grow_at))
 
 
-def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """``(storage index, start, end)`` byte ranges covering every storage exactly once: first the
-    ranges users read, in user order (ranges read earlier are not repeated), then what no user
-    reads, per storage in ascending order. A range that continues the previous one upwards is
-    merged with it; one that lies below it is not (megatron lays a buffer out in reverse: merged,
-    the first layer's weights would come last)."""
+def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
+    """``(storage index, start, end, new user)`` byte ranges covering every storage exactly once:
+    first the ranges users read, in user order (ranges read earlier are not repeated), then what
+    no user reads, per storage in ascending order. ``new user`` marks the first range after
+    another user's (or after the last user's: the unread rest). A range that continues the
+    previous one upwards is merged with it; one that lies below it is not (megatron lays a buffer
+    out in reverse: merged, the first layer's weights would come last)."""
     covered: dict[int, list[tuple[int, int]]] = {}
-    order: list[tuple[int, int, int]] = []
+    order: list[tuple[int, int, int, bool]] = []
 
-    def add(i: int, a: int, b: int) -> None:
+    def add(i: int, a: int, b: int, new_user: bool) -> bool:
         for lo, hi in _subtract((a, b), covered.setdefault(i, [])):
             if order and order[-1][0] == i and order[-1][2] == lo:
-                order[-1] = (i, order[-1][1], hi)
+                order[-1] = (i, order[-1][1], hi, order[-1][3])
             else:
-                order.append((i, lo, hi))
+                order.append((i, lo, hi, new_user and bool(order)))
+            new_user = False
             bisect.insort(covered[i], (lo, hi))
+        return new_user
 
     for ranges in users:
+        new_user = True
         for i, a, b in ranges:
             if a < b:
-                add(i, max(0, a), min(sizes[i], b))
+                new_user = add(i, max(0, a), min(sizes[i], b), new_user)
+    new_user = True
     for i, n in enumerate(sizes):
         if n:
-            add(i, 0, n)
+            new_user = add(i, 0, n, new_user)
     return order
 
 

@@ -256,6 +256,48 @@ def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
     handle.wait()
 
 
+@pytest.mark.parametrize("layout", ["storage per tensor", "one reversed buffer"])
+def test_r4_a_step_ends_where_a_users_bytes_end(layout):
+    """An onload in use order ends a step at the end of each user's bytes once the step holds
+    ``copy_chunk_bytes // USER_STEP_DIVISOR``: a module waits for its own weights, not for a
+    chunk's worth of the next modules' (which made the forward's first module wait for a whole
+    first chunk); modules smaller than that share a step."""
+    from chatlearn_mem.group_transfer import USER_STEP_DIVISOR
+
+    model = make_model(n_layers=6, width=64)  # 16.6 KiB of weights per layer
+    if layout == "one reversed buffer":
+        params = list(model.parameters())
+        flat = torch.empty(sum(p.numel() for p in params))
+        end = flat.numel()
+        for p in params:
+            end -= p.numel()
+            flat[end : end + p.numel()].copy_(p.data.flatten())
+            p.data = flat[end : end + p.numel()].view_as(p)
+    layer = sum(p.numel() * 4 for p in model[0].parameters())
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(x)
+
+    def fences(chunk_bytes):
+        cfg = MemoryConfig(bucket_size_mb=1, copy_chunk_mb=chunk_bytes / 2**20, check_host_memory=False)
+        mm = InferenceMemoryManager(model, cfg)
+        mm.offload()
+        handle = mm.onload(blocking=False)
+        gt = mm.state.in_flight(Part.WEIGHTS)
+        out = [gt.user_fence(u).index for u in range(len(model))]
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+        handle.wait()
+        assert mm.audit().ok
+        mm.close()
+        return out
+
+    # a chunk holds 3 layers, a step at least a third of a layer: one step per layer
+    assert fences(3 * layer + 512 * 3) == list(range(6))
+    # a step must hold 2 layers before it ends: layers share steps in pairs
+    assert fences(2 * layer * USER_STEP_DIVISOR) == [0, 0, 1, 1, 2, 2]
+
+
 def test_r5_offload_waits_for_host_store_readers(monkeypatch):
     tensors, storages = storages_of()
     group = StorageGroup("weights", True, CFG)
