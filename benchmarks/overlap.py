@@ -3,8 +3,11 @@ counterpart in the same run, interleaved repeat by repeat.
 
 * ``onload_then_forward``: serial = ``onload(weights)`` then a no-grad forward pass; overlapped =
   ``onload(weights, blocking=False)`` and the forward at once (each module waits for its own
-  weights only), then ``wait()``. The forward pass alone and the onload alone are timed too: no
-  schedule beats the longer of the two (``best_possible_s``).
+  weights only), then ``wait()``. The forward pass alone, the onload alone and a plain copy of the
+  first module's bytes (the first user of the manager's use order: a GPT's embedding) are timed
+  too: no schedule beats the longer of the onload alone (the last module waits for the last bytes)
+  and the first module's copy followed by the whole forward (nothing of the forward runs before
+  its first module's weights are there): ``best_possible_s``.
 * ``swap``: the benchmark trainer (policy-sized) goes to sleep while a critic-sized trainer (half the
   layers, a value head) wakes up. Serial = ``a.offload()`` then ``b.onload()``; overlapped =
   ``swap(out=a, into=b)`` (both copy directions at once, b's storages regrown as a's are released).
@@ -78,7 +81,7 @@ def measure_overlap(
     try:
         batch = forward_batch(cfg, trainer, mm, device)
         rows = [
-            _onload_then_forward(cfg, trainer, mm, device, batch),
+            _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads=before),
             _swap(cfg, trainer, mm, device),
             _full_cycle(cfg, mm, device),
         ]
@@ -138,7 +141,34 @@ def forward_batch(
     return full[:1, :tokens]
 
 
-def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
+def first_module_bytes(mm: TrainerMemoryManager) -> int:
+    """Bytes of the first module in ``mm``'s use order of the weights (its own parameters and
+    buffers): what a non-blocking weights onload must bring before the forward can start."""
+    ranges = mm.state.weight_user_ranges() or [[]]
+    return sum(b - a for _, a, b in ranges[0])
+
+
+def _first_module_copy(cfg, mm, device, threads: int) -> tuple[int, list[float]]:
+    """A plain copy, host to device, of the first module's bytes (buffers allocated once), timed
+    ``warmup + repeats`` times with ``threads`` intra-op threads (CPU: the copy lane's, the caller
+    being idle while it waits for them); returns the bytes and the timed samples."""
+    nbytes = first_module_bytes(mm)
+    pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        samples = [timed(lambda: dst.copy_(src, non_blocking=pin), device)[0] for _ in range(cfg.warmup + cfg.repeats)]
+    finally:
+        torch.set_num_threads(before)
+    return nbytes, samples[cfg.warmup :]
+
+
+def _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads: int) -> dict:
+    first_bytes, first_samples = _first_module_copy(cfg, mm, device, copy_threads)
+
     def forward():
         with torch.no_grad():
             trainer.loss(batch)
@@ -174,11 +204,14 @@ def _onload_then_forward(cfg, trainer, mm, device, batch) -> dict:
         forward_samples_s=samples["forward"],
         onload_alone_s=copy,
         onload_samples_s=samples["onload"],
+        first_module_bytes=first_bytes,
+        first_module_copy_s=stats(first_samples)["median"],
+        first_module_copy_samples_s=first_samples,
         forward_shape=list(batch.shape),
     )
-    # No schedule beats the longer of its two halves: the forward alone, or the onload alone
-    # (the forward's last module waits for its own weights, the last bytes of the onload).
-    row["best_possible_s"] = max(fwd, copy)
+    # No schedule beats the onload alone (the forward's last module waits for the last bytes of
+    # the onload), nor the first module's bytes copied and then the whole forward.
+    row["best_possible_s"] = max(fwd + row["first_module_copy_s"], copy)
     row["best_possible_ratio"] = row["best_possible_s"] / row["serial_s"] if row["serial_s"] else None
     row["overlapped_vs_forward"] = row["overlapped_s"] / fwd if fwd else None
     row["overlapped_vs_best"] = row["overlapped_s"] / row["best_possible_s"] if row["best_possible_s"] else None
@@ -308,6 +341,19 @@ def plan_args(cfg) -> dict:
     }
 
 
+_OTF_BOUND = "the longer of the onload alone and the first module's copy then the forward"
+
+
+def _first_module_note(r: dict) -> str:
+    if r["name"] != "onload_then_forward" or "first_module_copy_s" not in r:
+        return ""
+    loose = max(r["forward_alone_s"], r["onload_alone_s"]) / r["serial_s"]
+    return (
+        f"; the first module's {r['first_module_bytes'] / 2**20:.0f} MiB copy in "
+        f"{r['first_module_copy_s'] * 1e3:.1f} ms; without it the bound would be {loose:.2f}"
+    )
+
+
 def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
     """The issue's targets for the overlap rows, each ``{"name", "passed", "detail"}``."""
     out = []
@@ -334,12 +380,12 @@ def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
             )
         bound = r.get("copy_bound_ratio") if r["name"] == "swap" else r.get("best_possible_ratio")
         if not gpu and bound is not None:  # what the machine allows, measured in the same run
-            what = "two copies at once" if r["name"] == "swap" else "the longer of the forward and the onload alone"
+            what = "two copies at once" if r["name"] == "swap" else _OTF_BOUND
             out.append(
                 {
                     "name": f"overlap {r['name']}: within 0.05 of its bound ({what})",
                     "passed": r["ratio"] <= bound + 0.05,
-                    "detail": f"{r['ratio']:.2f} of serial against a bound of {bound:.2f}",
+                    "detail": f"{r['ratio']:.2f} of serial against a bound of {bound:.2f}" + _first_module_note(r),
                 }
             )
         if r["name"] == "onload_then_forward" and gpu:
@@ -348,10 +394,10 @@ def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
             ratio = r["overlapped_s"] / best
             out.append(
                 {
-                    "name": "overlap onload_then_forward: <= 1.1x the longer of the forward and the onload alone",
+                    "name": f"overlap onload_then_forward: <= 1.1x {_OTF_BOUND}",
                     "passed": ratio <= 1.1,
                     "detail": f"{ratio:.2f}x ({r['overlapped_s']:.4f} s vs forward {r['forward_alone_s']:.4f} s, "
-                    f"onload {r.get('onload_alone_s', float('nan')):.4f} s)",
+                    f"onload {r.get('onload_alone_s', float('nan')):.4f} s)" + _first_module_note(r),
                 }
             )
     return out

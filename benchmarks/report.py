@@ -232,9 +232,15 @@ def _overlap_lines(rows) -> list[str]:
         note = ""
         if r["name"] == "onload_then_forward":
             onload = r.get("onload_alone_s")
+            first = r.get("first_module_copy_s")
             note = (
                 f"forward alone {_ms(r['forward_alone_s'])} ms"
                 + (f", onload alone {_ms(onload)} ms" if onload is not None else "")
+                + (
+                    f", first module ({r['first_module_bytes'] / MiB:.0f} MiB) copied in {_ms(first)} ms"
+                    if first is not None
+                    else ""
+                )
                 + f": no schedule beats {r['best_possible_ratio']:.2f}; overlapped = "
                 f"{r['overlapped_vs_forward']:.2f}x the forward"
             )
