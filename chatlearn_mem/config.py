@@ -38,11 +38,14 @@ class MemoryConfig(BaseModel):
     manager knows; call ``mark_weights_dirty()`` after writing through ``param.data``."""
 
     copy_chunk_mb: float = Field(64.0, gt=0)
-    """Largest single copy in MiB. Transitions move each storage in pieces of at most this size,
-    in the order the model reads them, so that a forward pass can start on the first layers
-    while later ones are still arriving and a storage is released as soon as its own copies are
-    done. Smaller pieces start compute sooner; each costs one more copy call and event (on a CPU
-    device, 16 MiB pieces copied about 15% slower than 64 MiB ones, measured)."""
+    """Largest single copy in MiB of a non-blocking weights onload, which moves the weights in
+    pieces of at most this size, in the order the model reads them, so that a forward pass can
+    start on the first layers while later ones are still arriving. Smaller pieces start compute
+    sooner; each costs one more copy call and event (on a CPU device, 16 MiB pieces copied about
+    15% slower than 64 MiB ones, measured). Other transitions, which nothing waits on piece by
+    piece, copy each storage in one piece per host bucket; all of them end a step (a fence) about
+    every this many bytes, between storages, and release a storage as soon as its own copies are
+    done."""
 
     empty_cache: bool = True
     """After an offload, give freed memory back: on CUDA the caching allocator's free blocks go to
