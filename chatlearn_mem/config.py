@@ -73,7 +73,7 @@ class MemoryConfig(BaseModel):
     """On a CPU "device", lay out the storages of a part made of many of them (a trainer's main
     weights and optimizer states, an inference model's weights) in one mapping, at the offsets of
     the part's host store, from their first onload on: one copy then moves many storages and
-    one ``madvise`` hands all their pages back (:class:`~chatlearn_mem.device_memory.Slab`; the
+    one ``madvise`` per step hands their pages back (:class:`~chatlearn_mem.device_memory.Slab`; the
     offload of 447 optimizer-state storages of a 135 M-parameter trainer went from 0.77 to about
     the speed of one copy of its bytes). The price: while such a storage is onloaded, ``resize_``
     on it raises ("Trying to resize storage that is not resizable"); set False where other code

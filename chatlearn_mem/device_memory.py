@@ -65,6 +65,9 @@ __all__ = [
 
 _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 * 2**20
+HUGE_PAGE = _HUGE_PAGE
+"""A transparent huge page (x86-64, arm64 with 4 KiB pages): a :class:`Slab` starts on one, and a
+lazy hand-back gives back whole ones only."""
 _MADV_DONTNEED = 4  # linux/mman.h
 _MADV_FREE = 8
 _MADV_HUGEPAGE = 14
@@ -223,10 +226,12 @@ class Slab:
         """Whether ``storage``'s memory is the slab's at ``offset``."""
         return storage.data_ptr() == self.address + offset and offset + storage.nbytes() <= self.nbytes
 
-    def hand_back(self, lazy: bool) -> bool:
-        """Hand the slab's whole pages to the kernel (see :func:`release`); call it only while
-        every storage in the slab is released. Returns whether the kernel took the advice."""
-        return _hand_back(self.address, self.nbytes, lazy)
+    def hand_back(self, lazy: bool, start: int = 0, end: Optional[int] = None) -> bool:
+        """Hand the whole pages of bytes ``[start, end)`` of the slab (default: all of it) to the
+        kernel (see :func:`release`); call it only once every storage there is released. Returns
+        whether the kernel took the advice."""
+        end = self.nbytes if end is None else min(end, self.nbytes)
+        return end > start and _hand_back(self.address + start, end - start, lazy)
 
 
 def own_memory(storage: torch.UntypedStorage) -> bool:

@@ -87,7 +87,8 @@ WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO, HAND_BACK = range(7)
 #   (GROW, i)                                regrow storage i (on the caller's stream on CUDA, R3)
 #   (COPY_IN, i, bucket, bucket offset, storage offset, bytes)     host store -> device
 #   (ZERO, i)                                zero storage i (grads)
-#   (HAND_BACK,)                             a slab's pages to the kernel (after every release)
+#   (HAND_BACK, lo, hi)                      the whole pages of bytes [lo, hi) of a slab to the kernel
+#                                            (after the releases of every storage there)
 # A group laid out in a device_memory.Slab copies through the slab: i is SLAB and the storage
 # offset is the slab's, so that the copies of consecutive storages merge into one.
 SLAB = -1
@@ -208,8 +209,29 @@ def offload_plan(
                 pack.add(_copy(COPY_OUT, i, b, bo, so, size, slab), size)
         release[i] = pack.add((RELEASE, i))[0]
     if slab is not None:
-        pack.add((HAND_BACK,))
+        _hand_back_per_step(pack.steps, sizes, slab)
     return _Plan(pack.finish(), release, {}, ())
+
+
+def _hand_back_per_step(steps: list, sizes: tuple[int, ...], slab: tuple[int, ...]) -> None:
+    """End each step of a slab's offload with a ``(HAND_BACK, lo, hi)`` of the slab's bytes that
+    no storage still holds once the step's releases ran: from the previous hand-back's end to the
+    lowest offset a storage not yet released starts at, rounded down to a huge page (the last one:
+    to the end of the layout). So the memory goes back as the copies progress, not only at the end,
+    and a swap that paces its regrows on the releases (R8) never holds a released storage's pages
+    beyond the next huge page boundary."""
+    order = sorted(range(len(sizes)), key=lambda i: slab[i])  # storages by offset in the slab
+    end = max((slab[i] + sizes[i] for i in order), default=0)
+    released: set[int] = set()
+    k, lo = 0, 0
+    for step in steps:
+        released.update(a[1] for a in step if a[0] == RELEASE)
+        while k < len(order) and order[k] in released:
+            k += 1
+        hi = end if k == len(order) else slab[order[k]] // device_memory.HUGE_PAGE * device_memory.HUGE_PAGE
+        if hi > lo:
+            step.append((HAND_BACK, lo, hi))
+            lo = hi
 
 
 def onload_plan(
@@ -384,7 +406,7 @@ class GroupTransfer:
         elif op == WAIT:
             self._d2h_stream.wait_event(self._caller_event)
         elif op == HAND_BACK:
-            self._slab.hand_back(self._lazy)
+            self._slab.hand_back(self._lazy, a[1], a[2])
         else:  # pragma: no cover
             raise AssertionError(f"unknown action {a!r}")
 
@@ -427,7 +449,7 @@ class GroupTransfer:
         if op == WAIT:
             return "wait for the caller's stream (R1)"
         if op == HAND_BACK:
-            return f"hand {name}'s slab pages back"
+            return f"hand {name}'s slab pages {a[1]}:{a[2]} back"
         return f"{('release', 'regrow', '', 'zero')[op - RELEASE]} {name}[{a[1]}]"
 
     @staticmethod

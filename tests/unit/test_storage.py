@@ -504,6 +504,49 @@ def test_a_contiguous_group_moves_many_storages_in_one_copy_and_one_hand_back(mo
         assert [v.tolist() for v in views] == [(torch.arange(3, 9) + i * MiB // 2).mul(7).tolist() for i in range(12)]
 
 
+@pytest.mark.parametrize("mib_each", [2, 1.5])
+def test_a_slab_hands_its_pages_back_as_the_offload_progresses(monkeypatch, madvise_calls, mib_each):
+    """Each step of a slab's offload ends by handing back the whole huge pages that no storage holds
+    any more (not one hand-back after the last copy): a swap paces the incoming regrows on the
+    outgoing releases (R8), so a released storage's pages must go back with its release."""
+    n = int(mib_each * MiB) // 4
+    ts = [torch.full((n,), i, dtype=torch.int32) for i in range(12)]
+    storages = [t.untyped_storage() for t in ts]
+    cfg = MemoryConfig(bucket_size_mb=64, copy_chunk_mb=4)  # steps of 4 MiB: two or three storages
+    group = StorageGroup("optimizer_states", True, cfg, contiguous=True)
+    group.offload(storages)
+    group.onload()  # into the slab
+    offsets = group.store.flat_offsets
+    base = storages[0].data_ptr()
+    end = offsets[-1] + storages[-1].nbytes()
+    actions = _record_actions(monkeypatch)
+    madvise_calls.clear()
+    group.offload(storages)
+    hand_backs = [a for a in actions if a[0] == storage_mod.HAND_BACK]
+    assert len(hand_backs) >= 4
+    # consecutive ranges from the slab's start to its end, each inner end on a huge page
+    assert hand_backs[0][1] == 0 and hand_backs[-1][2] == end
+    assert all(a[2] == b[1] for a, b in zip(hand_backs, hand_backs[1:]))
+    assert all(h[2] % device_memory.HUGE_PAGE == 0 for h in hand_backs[:-1])
+    for h in hand_backs:  # every storage in a range was released before it was handed back
+        at = actions.index(h)
+        inside = [i for i, off in enumerate(offsets) if off < h[2] and h[1] < off + storages[i].nbytes()]
+        fully = [i for i in inside if h[1] <= offsets[i] and offsets[i] + storages[i].nbytes() <= h[2]]
+        assert fully, h
+        released = {a[1] for a in actions[:at] if a[0] == storage_mod.RELEASE}
+        assert set(inside) <= released, (h, inside, released)
+    # the first pages went back before the last storage's bytes were copied
+    last_copy = max(k for k, a in enumerate(actions) if a[0] == storage_mod.COPY_OUT)
+    assert actions.index(hand_backs[0]) < last_copy
+    # the kernel was asked for the whole huge pages of the layout, each once
+    assert [c[2] for c in madvise_calls] == [device_memory._MADV_FREE] * len(madvise_calls)
+    spans = sorted((a - base, a - base + length) for a, length, _ in madvise_calls)
+    assert spans[0][0] == 0 and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    assert spans[-1][1] == end // device_memory.HUGE_PAGE * device_memory.HUGE_PAGE
+    group.onload()
+    assert all(torch.equal(t, torch.full((n,), i, dtype=torch.int32)) for i, t in enumerate(ts))
+
+
 def test_a_group_that_is_not_contiguous_copies_and_releases_each_storage(monkeypatch, madvise_calls):
     ts = [torch.ones(MiB, dtype=torch.int32) * i for i in range(6)]  # 4 MiB each
     storages = [t.untyped_storage() for t in ts]
