@@ -65,13 +65,14 @@ def _row(name: str, serial: list[float], overlapped: list[float], **extra) -> di
 
 
 def measure_overlap(
-    cfg, trainer, mm: TrainerMemoryManager, device: torch.device, threads: Optional[int] = None
+    cfg, trainer, mm: TrainerMemoryManager, device: torch.device, threads: Optional[int] = None, pin: bool = False
 ) -> list[dict]:
     """The three rows for ``trainer`` (whose manager is ``mm``); every part resident before and after.
 
     Args:
         cfg: The :class:`~chatlearn_mem_bench.config.BenchConfig` (trainer, batch size, repeats).
         threads: Intra-op threads while measuring (CPU only; restored afterwards).
+        pin: The run's host buffers are pinned (the first module's plain copy pins its source too).
     """
     before = torch.get_num_threads()
     if threads and device.type == "cpu":
@@ -81,7 +82,7 @@ def measure_overlap(
     try:
         batch = forward_batch(cfg, trainer, mm, device)
         rows = [
-            _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads=before),
+            _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads=before, pin=pin),
             _swap(cfg, trainer, mm, device),
             _full_cycle(cfg, mm, device),
         ]
@@ -148,12 +149,11 @@ def first_module_bytes(mm: TrainerMemoryManager) -> int:
     return sum(b - a for _, a, b in ranges[0])
 
 
-def _first_module_copy(cfg, mm, device, threads: int) -> tuple[int, list[float]]:
+def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, list[float]]:
     """A plain copy, host to device, of the first module's bytes (buffers allocated once), timed
     ``warmup + repeats`` times with ``threads`` intra-op threads (CPU: the copy lane's, the caller
     being idle while it waits for them); returns the bytes and the timed samples."""
     nbytes = first_module_bytes(mm)
-    pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
     src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     before = torch.get_num_threads()
@@ -166,8 +166,8 @@ def _first_module_copy(cfg, mm, device, threads: int) -> tuple[int, list[float]]
     return nbytes, samples[cfg.warmup :]
 
 
-def _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads: int) -> dict:
-    first_bytes, first_samples = _first_module_copy(cfg, mm, device, copy_threads)
+def _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads: int, pin: bool) -> dict:
+    first_bytes, first_samples = _first_module_copy(cfg, mm, device, copy_threads, pin)
 
     def forward():
         with torch.no_grad():

@@ -268,7 +268,7 @@ def run_benchmark(
         log.info("onload tail (%d weights onloads) done in %.1f s", cfg.tail_onloads, time.perf_counter() - t_tail)
     if cfg.overlap:
         t_overlap = time.perf_counter()
-        res["overlap"] = measure_overlap(cfg, trainer, mm, device, threads=cfg.overlap_threads)
+        res["overlap"] = measure_overlap(cfg, trainer, mm, device, threads=cfg.overlap_threads, pin=pin)
         res["overlap_seconds"] = time.perf_counter() - t_overlap
         publish(res)
     checksum_after = _checksum(mm, trainer)

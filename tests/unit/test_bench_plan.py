@@ -219,3 +219,21 @@ def test_the_cpu_plan_counts_the_copy_bound_buffers():
         ).items
     }
     assert "overlap rows: swap copy-bound buffers" not in gpu
+
+
+def test_the_first_module_copy_pins_as_the_run_does_not_as_the_config_says():
+    """``pin_memory: true`` in the bench config is ignored on a machine without CUDA (the run's host
+    buffers are not pinned); the ``onload_then_forward`` row's first-module copy derived its own
+    pinning from the config and asked torch for pinned memory there, which raises on CPU."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from chatlearn_mem_bench.overlap import _first_module_copy
+
+    cfg = load_config("tiny", ["pin_memory=true", "repeats=3", "warmup=0"])
+    mm = SimpleNamespace(
+        state=SimpleNamespace(weight_user_ranges=lambda: [[(7, 0, 4096), (7, 8192, 9216)], [(7, 0, 1)]])
+    )
+    nbytes, samples = _first_module_copy(cfg, mm, torch.device("cpu"), threads=1, pin=False)
+    assert nbytes == 4096 + 1024 and len(samples) == 3 and all(t > 0 for t in samples)
