@@ -64,8 +64,7 @@ __all__ = [
 ]
 
 _PAGE = mmap.PAGESIZE
-_HUGE_PAGE = 2 * 2**20
-HUGE_PAGE = _HUGE_PAGE
+HUGE_PAGE = 2 * 2**20
 """A transparent huge page (x86-64, arm64 with 4 KiB pages): a :class:`Slab` starts on one, and a
 lazy hand-back gives back whole ones only."""
 _MADV_DONTNEED = 4  # linux/mman.h
@@ -109,11 +108,11 @@ def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
     storages under 4 MiB, non-CPU storages and non-Linux systems are left alone.
     """
     n = storage.nbytes()
-    if storage.device.type != "cpu" or not sys.platform.startswith("linux") or n < 2 * _HUGE_PAGE:
+    if storage.device.type != "cpu" or not sys.platform.startswith("linux") or n < 2 * HUGE_PAGE:
         return False
     ptr = storage.data_ptr()
-    lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
-    hi = (ptr + n) // _HUGE_PAGE * _HUGE_PAGE
+    lo = -(-ptr // HUGE_PAGE) * HUGE_PAGE
+    hi = (ptr + n) // HUGE_PAGE * HUGE_PAGE
     if hi <= lo:
         return False
     return _libc_madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
@@ -181,7 +180,7 @@ def _hand_back(address: int, nbytes: int, lazy: bool) -> bool:
     # lazy: whole 2 MiB pages only. MADV_FREE over part of a transparent huge page splits it
     # into 4 KiB pages, and copies into split pages ran 1.5-2x slower, cycle after cycle
     # (measured on a 135 M-parameter trainer's optimizer states: 4.9 against 8.5 GB/s)
-    addr, length = _pages_inside(address, nbytes, _HUGE_PAGE if lazy else _PAGE)
+    addr, length = _pages_inside(address, nbytes, HUGE_PAGE if lazy else _PAGE)
     return bool(length) and _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED) == 0
 
 
@@ -208,13 +207,13 @@ class Slab:
         self.nbytes = int(nbytes)
         # private: a shared anonymous mapping (Python's default) is shmem, where MADV_FREE fails and
         # transparent huge pages are off on most systems; the 2 MiB-aligned start lies inside
-        self._map = mmap.mmap(-1, self.nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
-        self._start = -base % _HUGE_PAGE
+        self._start = -base % HUGE_PAGE
         self.address = base + self._start
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes, offset=self._start)
-        if huge_pages and sys.platform.startswith("linux") and self.nbytes >= _HUGE_PAGE:
-            _libc_madvise(self.address, self.nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)
+        if huge_pages and sys.platform.startswith("linux") and self.nbytes >= HUGE_PAGE:
+            _libc_madvise(self.address, self.nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
 
     def block(self, offset: int, nbytes: int) -> Block:
         """The memory ``[offset, offset + nbytes)`` of the slab, as a :class:`Block` to regrow a storage into."""

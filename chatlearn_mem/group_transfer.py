@@ -19,7 +19,7 @@ import torch
 
 from chatlearn_mem import device_memory
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
-from chatlearn_mem.device_memory import Block, Slab, storage_key
+from chatlearn_mem.device_memory import HUGE_PAGE, Block, Slab, storage_key
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import ALIGN, HostStore
 
@@ -228,7 +228,7 @@ def _hand_back_per_step(steps: list, sizes: tuple[int, ...], slab: tuple[int, ..
         released.update(a[1] for a in step if a[0] == RELEASE)
         while k < len(order) and order[k] in released:
             k += 1
-        hi = end if k == len(order) else slab[order[k]] // device_memory.HUGE_PAGE * device_memory.HUGE_PAGE
+        hi = end if k == len(order) else slab[order[k]] // HUGE_PAGE * HUGE_PAGE
         if hi > lo:
             step.append((HAND_BACK, lo, hi))
             lo = hi
