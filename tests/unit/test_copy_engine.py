@@ -173,6 +173,20 @@ def make_model(n_layers=6, width=64, seed=0):
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n_layers)])
 
 
+def reversed_into_one_buffer(model):
+    """Lay ``model``'s parameters out in one buffer in reverse order, as megatron's DDP does: the
+    first parameter at the end. Returns the model."""
+    params = list(model.parameters())
+    flat = torch.empty(sum(p.numel() for p in params))
+    end = flat.numel()
+    for p in params:
+        end -= p.numel()
+        view = flat[end : end + p.numel()].view_as(p)
+        view.copy_(p.data)
+        p.data = view
+    return model
+
+
 def test_r4_each_module_waits_for_its_own_weights_only(monkeypatch):
     model = make_model()
     x = torch.randn(4, 64)
@@ -249,15 +263,7 @@ def test_r4_weights_queued_in_forward_order():
 def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
     """megatron's DDP lays parameters out in one buffer in reverse order (the last layer first): the
     first layer's bytes are at the end. They must still be copied first."""
-    model = make_model(n_layers=6, width=64)
-    params = list(model.parameters())
-    flat = torch.empty(sum(p.numel() for p in params))
-    end = flat.numel()
-    for p in params:  # first parameter at the end of the buffer
-        end -= p.numel()
-        view = flat[end : end + p.numel()].view_as(p)
-        view.copy_(p.data)
-        p.data = view
+    model = reversed_into_one_buffer(make_model(n_layers=6, width=64))
     x = torch.randn(2, 64)
     with torch.no_grad():
         expected = model(x)
@@ -285,13 +291,7 @@ def test_r4_a_step_ends_where_a_users_bytes_end(layout):
 
     model = make_model(n_layers=6, width=64)  # 16.6 KiB of weights per layer
     if layout == "one reversed buffer":
-        params = list(model.parameters())
-        flat = torch.empty(sum(p.numel() for p in params))
-        end = flat.numel()
-        for p in params:
-            end -= p.numel()
-            flat[end : end + p.numel()].copy_(p.data.flatten())
-            p.data = flat[end : end + p.numel()].view_as(p)
+        reversed_into_one_buffer(model)
     layer = sum(p.numel() * 4 for p in model[0].parameters())
     x = torch.randn(2, 64)
     with torch.no_grad():
