@@ -569,15 +569,19 @@ class MegatronBuiltin(Method):
                 c.offload_grad_buffers(synchronize=self._cuda(), empty_cache=False)
         if part == FULL:
             copied += _optimizer_bytes(self.trainer.optimizer, self.device)
-            originals = _optimizer_tensors(self.trainer.optimizer, self.device)
+            # Every slot, also the host-resident ones (AdamW's step counters): its restore moves
+            # every tensor not on CUDA to CUDA, also those its offload never moved.
+            self._originals = [
+                (ref, t, t.untyped_storage().nbytes()) for ref, t in _optimizer_tensors(self.trainer.optimizer)
+            ]
             self.trainer.optimizer.offload_to_cpu()  # empties the CUDA cache itself
             # The tensors it moved (on CUDA, all) now live on the host and megatron dropped the
             # device ones; the manager still references their storages, so release them as
             # dropping them would have.
-            self._originals = [(ref, t, t.untyped_storage().nbytes()) for ref, t in originals if _moved(ref, t)]
-            for _, t, _ in self._originals:
+            moved = [t for ref, t, _ in self._originals if _moved(ref, t)]
+            for t in moved:
                 t.untyped_storage().resize_(0)
-            if self._originals and self._cuda():
+            if moved and self._cuda():
                 torch.cuda.empty_cache()
         elif self._cuda() and self.mm.config.empty_cache:
             torch.cuda.empty_cache()  # as the manager does after an offload
@@ -602,17 +606,23 @@ class MegatronBuiltin(Method):
 
     def restore(self, part: str) -> None:
         """``restore_from_cpu()`` brought main weights and states back as new device tensors (on a
-        GPU; on CPU it does nothing): copy them into the manager's original storages and rebind,
-        so that the manager and the next method find the trainer as it was. Left as megatron leaves
-        it, the manager would refuse to offload (ExternalChangeError), and before it learned to
-        notice, it offloaded its stale storages while the live ones, 7.3 GB here, stayed on the GPU."""
+        GPU; on CPU it does nothing), and moved the host-resident ones (AdamW's ``step`` counters,
+        which its offload never moved) to the device too: copy every slot's tensor into its
+        original storage and rebind, so that the manager and the next method find the trainer as
+        it was. Left as megatron leaves it, the manager would refuse to offload
+        (ExternalChangeError), and before it learned to notice, it offloaded its stale storages
+        while the live ones, 7.3 GB here, stayed on the GPU."""
         originals, self._originals = getattr(self, "_originals", None), None
         if part != FULL or not originals:
             return
         with torch.no_grad():
             for (holder, key), t, nbytes in originals:
-                t.untyped_storage().resize_(nbytes)
-                t.copy_(holder.data if key is None else holder[key])
+                now = holder.data if key is None else holder[key]
+                if storage_key(now) == storage_key(t):
+                    continue
+                if t.untyped_storage().nbytes() != nbytes:
+                    t.untyped_storage().resize_(nbytes)
+                t.copy_(now)
                 if key is None:
                     holder.data = t
                 else:
@@ -633,19 +643,15 @@ class MegatronBuiltin(Method):
         return kept, kept if self._cuda() else 0
 
 
-def _optimizer_tensors(optimizer, device: torch.device) -> list:
-    """``((holder, key), tensor)`` for every tensor ``MegatronOptimizer.offload_to_cpu`` moves: a
-    param-group tensor (``holder.data``, key None) or a state entry (``holder[key]``) on the device."""
+def _optimizer_tensors(optimizer) -> list:
+    """``((holder, key), tensor)`` for every tensor ``MegatronOptimizer.offload_to_cpu`` and
+    ``restore_from_cpu`` may replace: a param-group tensor (``holder.data``, key None) or a state
+    entry (``holder[key]``), wherever it lives."""
     out = []
     for leaf in layout.leaf_optimizers(optimizer):
         opt = layout.torch_optimizer(leaf)
-        out += [((p, None), p.data) for g in opt.param_groups for p in g["params"] if p.device == device]
-        out += [
-            ((st, k), v)
-            for st in opt.state.values()
-            for k, v in st.items()
-            if isinstance(v, torch.Tensor) and v.device == device
-        ]
+        out += [((p, None), p.data) for g in opt.param_groups for p in g["params"]]
+        out += [((st, k), v) for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)]
     return out
 
 

@@ -20,6 +20,7 @@ pytest.importorskip("psutil")
 import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from chatlearn_mem.device_memory import storage_key  # noqa: E402
 from chatlearn_mem_bench import PARTS  # noqa: E402
 from chatlearn_mem_bench.config import COPY_PARTS, FULL  # noqa: E402
 from chatlearn_mem_cli.app import app  # noqa: E402
@@ -414,7 +415,10 @@ def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, 
     offloaded its stale storages while the live ones stayed (7.3 GB of 18.4 GB still allocated after
     a full offload on an H200) and the integrity checksum differed. restore() now copies them back
     into the manager's storages. On CPU megatron's calls are no-ops, so they are replaced here by
-    what they do on a GPU (a new tensor each way)."""
+    what they do on a GPU: its offload moves the tensors on the device (a new tensor each), not
+    AdamW's step counters, which live on the host; its restore moves every tensor not on the device
+    there, the step counters too (on an H100 they came back as CUDA tensors, and the integrity
+    checksum differed)."""
     from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors, part_storages
 
     with trained_manager() as (trainer, mm):
@@ -422,25 +426,32 @@ def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, 
         if not method.available:
             pytest.skip("this megatron-core has no built-in offload (added in 0.16)")
 
-        def move(opt):  # megatron's offload_to_cpu / restore_from_cpu, as on a GPU
+        def move(opt, steps: bool):  # megatron's offload_to_cpu / restore_from_cpu, as on a GPU
             for leaf in opt.chained_optimizers:
                 for p in (p for g in leaf.optimizer.param_groups for p in g["params"]):
                     p.data = p.data.clone()
                 for st in leaf.optimizer.state.values():
                     for k, v in st.items():
-                        if torch.is_tensor(v):
+                        if torch.is_tensor(v) and (k != "step" or steps):
                             st[k] = v.clone()
 
-        monkeypatch.setattr(trainer.optimizer, "offload_to_cpu", lambda: move(trainer.optimizer))
-        monkeypatch.setattr(trainer.optimizer, "restore_from_cpu", lambda: move(trainer.optimizer))
+        monkeypatch.setattr(trainer.optimizer, "offload_to_cpu", lambda: move(trainer.optimizer, steps=False))
+        monkeypatch.setattr(trainer.optimizer, "restore_from_cpu", lambda: move(trainer.optimizer, steps=True))
         parts = ("main_weights", "optimizer_states")
         before = {p: [t.detach().clone() for t in logical_tensors(mm, trainer, p)] for p in parts}
         storages = {p: part_storages(mm, p) for p in parts}
+        steps = [st["step"] for leaf in trainer.optimizer.chained_optimizers for st in leaf.optimizer.state.values()]
+        assert steps
         method.offload(FULL)
-        assert all(s.nbytes() == 0 for p in parts for s in storages[p])  # released, as megatron drops them
+        on_host = {storage_key(x) for x in steps}  # as on a GPU, where the device storages are the rest
+        assert all(s.nbytes() == 0 for p in parts for s in storages[p] if storage_key(s) not in on_host)  # released
         method.onload(FULL)
         method.restore(FULL)
         assert mm.audit().ok, mm.audit()
+        now_steps = [
+            st["step"] for leaf in trainer.optimizer.chained_optimizers for st in leaf.optimizer.state.values()
+        ]
+        assert all(a is b for a, b in zip(steps, now_steps))  # the host's own step counters again
         for p in parts:
             now = logical_tensors(mm, trainer, p)
             assert all(a.equal(b) for a, b in zip(before[p], now)) and len(now) == len(before[p])
