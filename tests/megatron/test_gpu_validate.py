@@ -273,6 +273,14 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     assert json.loads(paths[0].read_text())["report"]["audit_ok"] and paths[2].stat().st_size > 10_000
     assert gv.gpu_slug("NVIDIA H100 80GB HBM3") == "gpu-nvidia-h100-80gb-hbm3"
 
+    # A benchmark that wrote all its results and was stopped while exiting (on an H100 and an H200
+    # the step was cut at its limit 30-50 s after the last target was printed) is done, not failed.
+    written = (tmp_path / "b.json").stat().st_mtime
+    entry = {"step": "bench", "status": "timed out after 279 s", "outputs": [str(tmp_path / "b.json")]}
+    done = dict(entry, ended_at=written + 40)
+    gv._collect("bench", {}, tmp_path, done)
+    assert done["status"] == "ok" and "stopped at its limit 40 s after writing its results" in done["detail"]
+
     # Steps cut off by their budget: a benchmark that finished only its first part gets its
     # markdown and plot from its JSON and says what is missing; tests without a junit file are
     # read from the streamed log.
@@ -303,5 +311,6 @@ def test_summary_files_from_real_results(dist1, tmp_path):
         ("test_gpu_memory::test_c", "failed"),
     ]
     assert "missing parts grads, main_weights, optimizer_states, full" in partial["steps"][1]["detail"]
+    assert partial["steps"][1]["status"] == "timed out after 10 s"  # cut before it finished: a failure
     assert "Incomplete run" in (tmp_path / "c.md").read_text() and (tmp_path / "c.png").stat().st_size > 10_000
     assert {t["name"].split(":")[0] for t in partial["bench_targets"]} >= {"weights offload", "weights onload"}
