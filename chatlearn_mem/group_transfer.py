@@ -267,6 +267,9 @@ def onload_plan(
     return _Plan(pack.finish(), {}, grow_at, _user_steps(users, pieces, grow_at))
 
 
+_AFTER_ALL = float("inf")  # sorts after every end of a range starting at the same byte
+
+
 def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int, bool]]:
     """``(storage index, start, end, new user)`` byte ranges covering every storage exactly once:
     first the ranges users read, in user order (ranges read earlier are not repeated), then what
@@ -284,7 +287,7 @@ def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int, bool]
             else:
                 order.append((i, lo, hi, new_user and bool(order)))
             new_user = False
-            bisect.insort(covered[i], (lo, hi))
+            _cover(covered[i], lo, hi)
         return new_user
 
     for ranges in users:
@@ -299,12 +302,30 @@ def _use_order(users, sizes: tuple[int, ...]) -> list[tuple[int, int, int, bool]
     return order
 
 
+def _cover(taken: list[tuple[int, int]], lo: int, hi: int) -> None:
+    """Add ``[lo, hi)``, disjoint from the sorted ranges ``taken``, merging it with the ranges it
+    touches: a buffer read in order (or in reverse) stays one range, not one per parameter."""
+    k = bisect.bisect_left(taken, (lo, hi))
+    if k > 0 and taken[k - 1][1] == lo:
+        k -= 1
+        lo = taken.pop(k)[0]
+    if k < len(taken) and taken[k][0] == hi:
+        hi = taken.pop(k)[1]
+    taken.insert(k, (lo, hi))
+
+
 def _subtract(r: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``r`` outside the sorted, disjoint ranges ``taken``."""
+    """The parts of ``r`` outside the sorted, disjoint ranges ``taken``. Visits only the ranges
+    that can overlap ``r`` (found by bisection): a buffer of n parameters costs O(n log n) per
+    onload, not O(n^2) (12800 of them took 1.7 s a call)."""
     a, b = r
     out = []
-    for lo, hi in taken:
-        if hi <= a or lo >= b:
+    k = max(0, bisect.bisect_right(taken, (a, _AFTER_ALL)) - 1)  # the last range starting at or before a
+    for k in range(k, len(taken)):
+        lo, hi = taken[k]
+        if lo >= b:
+            break
+        if hi <= a:
             continue
         if lo > a:
             out.append((a, lo))
