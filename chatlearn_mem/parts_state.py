@@ -316,7 +316,11 @@ class PartsState:
         w = self._weights_in_flight
         if w is not None and w[0] is gt:
             self._weights_in_flight = None
-        self.record_placement([part])
+        if part not in self._placements:
+            # A transfer resizes storages and never rebinds a tensor, so the placement the call was
+            # checked against still holds: not scanning every tensor again saves O(tensors) per
+            # call, and a change made while a non-blocking transfer ran is still caught next call.
+            self.record_placement([part])
 
     def after_offload_settled(self) -> None:
         """Return freed memory (CUDA: the caching allocator's blocks; CPU: the heap's top)."""

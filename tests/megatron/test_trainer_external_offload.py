@@ -247,3 +247,23 @@ def test_megatron_optimizer_offload_while_the_manager_holds_the_states_is_refuse
     mm.onload()
     trainer.optimizer.offload_to_cpu()  # awake: megatron's own call runs (a no-op on CPU)
     assert mm.audit().ok
+
+
+def test_tensors_replaced_while_a_non_blocking_onload_runs_are_refused_at_the_next_call(baseline):
+    """The manager checks where every tensor is before a call, and keeps what it checked: a tensor
+    replaced while a non-blocking onload was in flight (after its copies, before it was settled) is
+    named at the next call. It once recorded the tensors again when the onload settled, and so took
+    the replaced ones for its own."""
+    import time
+
+    _, _, mm, trainer = train(CFG, steps=AT + 1)
+    mm.offload()
+    handle = mm.onload(blocking=False)
+    deadline = time.monotonic() + 30
+    while not handle.done():  # copied, not settled
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert _restore_from_cpu_as_on_a_gpu(trainer) > 0
+    handle.wait()
+    _refused(mm, mm.offload, "use new memory the manager does not manage")
+    mm.close()
