@@ -178,6 +178,9 @@ class Batch:
         self.completed = 0  # steps that ran without error
         self.started_at: Optional[float] = None
         self.finished_at: Optional[float] = None
+        # seconds the host spent running the steps' actions, per side ("caller", "worker" or
+        # "all": one thread writes each key); on CUDA the time to issue them, the copies run after
+        self._host_s: dict[str, float] = {}
         self._afters: dict[tuple[int, int], Fence] = {}
         self._last_bytes = 0
         self._lane = None
@@ -226,6 +229,13 @@ class Batch:
         submitting thread's stream, where actions that allocate run (R3). ``part``: ``"caller"``
         or ``"worker"`` runs only the actions on that side (a CPU lane), ``"all"`` every one."""
         runner = self.runner
+        t0 = time.perf_counter()
+        try:
+            self._run_actions(runner, lane, index, cuda, caller, part)
+        finally:
+            self._host_s[part] = self._host_s.get(part, 0.0) + time.perf_counter() - t0
+
+    def _run_actions(self, runner, lane: str, index: int, cuda, caller, part: str) -> None:
         for action in self.steps[index]:
             on_caller = runner.on_caller_stream(action)
             if (part == "caller" and not on_caller) or (part == "worker" and on_caller):
@@ -267,6 +277,13 @@ class Batch:
         if self._lane is None:
             return False
         return not self.steps or self.fence()._wait_reached(timeout)
+
+    @property
+    def host_seconds(self) -> float:
+        """Seconds the host spent running the steps' actions (on the lane's thread and, for the
+        regrows, the caller's): on CUDA the Python work and the launches, the copies run after; on a
+        CPU device the copies themselves."""
+        return sum(self._host_s.values())
 
     @property
     def seconds(self) -> float:

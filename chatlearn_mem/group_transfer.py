@@ -58,6 +58,9 @@ class TransferStats:
     nbytes: int  # bytes released or restored on the device
     copied_bytes: int  # bytes that crossed to or from the host
     seconds: float
+    steps: int = 0  # the lane's steps (one fence each)
+    actions: int = 0  # copies, releases, regrows, zeroings... in them: the per-call work of the lane
+    host_seconds: float = 0.0  # the host's time running them (CUDA: issuing them; CPU: the copies too)
 
     @property
     def gb_per_s(self) -> float:
@@ -540,7 +543,16 @@ class GroupTransfer:
         else:
             copied = nbytes if group.keep_contents else 0
         group.transfer_succeeded(self.direction, self.storages, self.copy, self.token)
-        self.stats = TransferStats(group.name, self.direction, nbytes, copied, self.batch.seconds)
+        self.stats = TransferStats(
+            group.name,
+            self.direction,
+            nbytes,
+            copied,
+            self.batch.seconds,
+            steps=len(self.batch.steps),
+            actions=sum(len(s) for s in self.batch.steps),
+            host_seconds=self.batch.host_seconds,
+        )
         logger.info(
             "%s %s: %.1f MB, %.1f MB copied (%.2f GB/s)",
             self.direction,

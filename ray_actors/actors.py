@@ -34,6 +34,9 @@ def _stats(stats) -> list[dict]:
             "bytes": s.nbytes,
             "copied_bytes": s.copied_bytes,
             "seconds": s.seconds,
+            "steps": s.steps,
+            "actions": s.actions,
+            "host_seconds": s.host_seconds,
         }
         for s in stats
         if s is not None

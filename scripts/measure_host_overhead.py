@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The host's work per call of a trainer's transitions, against the number of parameters.
+
+Builds megatron-core GPTs of ``--layers`` layers each (tiny tensors: hidden 64, so that the copies
+take next to nothing and what is left is the host's work), one at a time, and times
+``--repeats`` calls of each kind after two full offload/onload cycles:
+
+* ``weights offload`` / ``weights onload``: blocking, the weights part alone (one buffer);
+* ``weights onload, non-blocking``: ``onload(weights, blocking=False)`` until it returns (the time
+  before a forward can start) and until ``wait()`` returns;
+* ``full offload`` / ``full onload``: every part.
+
+For each it prints the median wall time of the call, the lanes' steps and actions and the host time
+the lanes spent running them (:class:`chatlearn_mem.TransferStats`; on CUDA the time to issue the
+copies, on a CPU device the copies too), and, between the smallest and the largest model, the extra
+microseconds per extra parameter (the per-call O(parameters) work: the manager's checks of every
+tensor before a call and its record of where they are after one). On a GPU it runs with NCCL; on a
+machine without one, through the CPU backend. Run::
+
+    python scripts/measure_host_overhead.py [--layers 4,16,64] [--repeats 15] [--out FILE.json]
+
+Results of a run are in ``docs/transitions.md`` (host work per call and per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CALLS = ("weights offload", "weights onload", "weights onload, non-blocking", "full offload", "full onload")
+
+
+def measure(layers: int, repeats: int) -> dict:
+    """One model of ``layers`` layers: per kind of call, the median wall time and the lanes' counts."""
+    import torch
+
+    from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
+    from chatlearn_mem.models import gpt
+
+    cfg = gpt.GPTTrainerConfig(
+        num_layers=layers, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=16, precision="bf16"
+    )
+    trainer = gpt.build_gpt_trainer(cfg)
+    trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=2))  # the optimizer states exist
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
+    device = mm.state.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        mm.offload()
+        mm.onload()
+    row: dict = {
+        "layers": layers,
+        "parameters": sum(1 for _ in trainer.model.parameters()),
+        "storages": {p.value: len(mm.state.storages(p)) for p in mm.parts},
+    }
+
+    def timed(call, before=None) -> dict:
+        walls, returns, stats = [], [], []
+        for _ in range(repeats):
+            if before is not None:
+                before()
+            sync()
+            t0 = time.perf_counter()
+            result = call()
+            t1 = time.perf_counter()
+            if hasattr(result, "wait"):  # a non-blocking handle: returned at t1, done at wait()
+                result = result.wait()
+                sync()
+                returns.append(t1 - t0)
+                t1 = time.perf_counter()
+            walls.append(t1 - t0)
+            stats.append(result)
+        last = [s for s in stats[-1] if s is not None]
+        out = {
+            "wall_ms": statistics.median(walls) * 1e3,
+            "steps": sum(s.steps for s in last),
+            "actions": sum(s.actions for s in last),
+            "lane_host_ms": statistics.median(sum(s.host_seconds for s in r if s is not None) for r in stats) * 1e3,
+        }
+        if returns:
+            out["returns_ms"] = statistics.median(returns) * 1e3
+        return out
+
+    def resident(*parts):
+        todo = [p for p in parts or mm.parts if mm.is_offloaded(p)]
+        return lambda: todo and mm.onload(todo)
+
+    def offloaded(*parts):
+        todo = [p for p in parts or mm.parts if not mm.is_offloaded(p)]
+        return lambda: todo and mm.offload(todo)
+
+    w = Part.WEIGHTS
+    row["calls"] = {
+        "weights offload": timed(lambda: mm.offload(w), before=lambda: resident(w)()),
+        "weights onload": timed(lambda: mm.onload(w), before=lambda: offloaded(w)()),
+        "weights onload, non-blocking": timed(lambda: mm.onload(w, blocking=False), before=lambda: offloaded(w)()),
+        "full offload": timed(mm.offload, before=lambda: resident()()),
+        "full onload": timed(mm.onload, before=lambda: offloaded()()),
+    }
+    assert mm.audit().ok
+    mm.close()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", default="4,16,64", help="comma-separated layer counts, one model each")
+    p.add_argument("--repeats", type=int, default=15, help="timed calls of each kind per model")
+    p.add_argument("--out", help="write every figure here as JSON")
+    args = p.parse_args(argv)
+    layers = [int(x) for x in args.layers.split(",")]
+    if len(layers) < 2:
+        p.error("--layers needs two layer counts at least (the cost per parameter is a difference)")
+
+    import torch
+
+    from chatlearn_mem.models import gpt
+
+    with tempfile.TemporaryDirectory() as d:
+        gpt.init_distributed(init_method=f"file://{d}/init", cpu_backend=True)
+        device = (
+            torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"
+        )
+        rows = []
+        for n in layers:
+            print(f"[host-overhead] {n} layers ...", file=sys.stderr, flush=True)
+            rows.append(measure(n, args.repeats))
+    print(f"device: {device}; medians of {args.repeats} calls; hidden 64 (the copies take next to nothing)")
+    print("| call | " + " | ".join(f"{r['parameters']} params" for r in rows) + " | us per extra param |")
+    print("|---|" + "---:|" * (len(rows) + 1))
+    first, last = rows[0], rows[-1]
+    slopes = {}
+    for call in CALLS:
+        cells = []
+        for r in rows:
+            c = r["calls"][call]
+            extra = f", returns {c['returns_ms']:.2f}" if "returns_ms" in c else ""
+            cells.append(
+                f"{c['wall_ms']:.2f} ms{extra} ({c['steps']} steps, {c['actions']} actions, lanes {c['lane_host_ms']:.2f} ms)"
+            )
+        dp = last["parameters"] - first["parameters"]
+        slopes[call] = (last["calls"][call]["wall_ms"] - first["calls"][call]["wall_ms"]) * 1e3 / dp
+        print(f"| {call} | " + " | ".join(cells) + f" | {slopes[call]:.1f} |")
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "torch": torch.__version__,
+                    "repeats": args.repeats,
+                    "rows": rows,
+                    "us_per_param": slopes,
+                },
+                indent=1,
+            )
+        )
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
