@@ -67,6 +67,7 @@ R9. *A failed step leaves nothing half done.* It skips the rest of its job; fenc
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -88,6 +89,20 @@ def _before_step(lane: str, label: str) -> None:
 
 
 _NO_HOOK = _before_step
+
+_timing = [False]  # CUDA: whether the lanes' step events record timestamps (see timed_events)
+
+
+@contextlib.contextmanager
+def timed_events():
+    """CUDA: the step events of the transitions submitted inside record timestamps, so that
+    ``start.elapsed_time(fence.cuda_event)`` says when a step's copies landed (the bench's onload
+    timeline). Outside it the events are the lighter untimed kind, which suffice for waiting."""
+    before, _timing[0] = _timing[0], True
+    try:
+        yield
+    finally:
+        _timing[0] = before
 
 
 @dataclass
@@ -181,6 +196,7 @@ class Batch:
         # seconds the host spent running the steps' actions, per side ("caller", "worker" or
         # "all": one thread writes each key); on CUDA the time to issue them, the copies run after
         self._host_s: dict[str, float] = {}
+        self._step_finished_at: dict[int, float] = {}  # CPU: step -> perf_counter() when it finished
         self._afters: dict[tuple[int, int], Fence] = {}
         self._last_bytes = 0
         self._lane = None
@@ -313,6 +329,20 @@ class Fence:
         """Whether the step has run without error (its bytes are where they belong)."""
         return self.done() and self.batch.completed > self.index
 
+    @property
+    def cuda_event(self):
+        """CUDA: the event recorded on the lane's stream after the step (for ``elapsed_time`` or a
+        stream of the caller's own to wait on); None on a CPU lane, before the step was submitted,
+        or when it did not run."""
+        events = self.batch._events
+        return events[self.index] if self.index < len(events) else None
+
+    @property
+    def finished_at(self) -> Optional[float]:
+        """CPU lane: the ``time.perf_counter()`` at which the step finished; None on CUDA (see
+        :attr:`cuda_event`) or before it finished."""
+        return self.batch._step_finished_at.get(self.index)
+
     def _wait_reached(self, timeout: Optional[float] = None) -> bool:
         lane = self.batch._lane
         if lane is None:
@@ -433,6 +463,7 @@ class _CpuLane:
                     batch._run_step(self.name, index, part="worker")
                     batch.completed += 1
                     batch.finished_at = time.perf_counter()
+                    batch._step_finished_at[index] = batch.finished_at
             except BaseException as e:  # noqa: BLE001 - reported through the job, never lost
                 if batch.job is not None:
                     batch.job._fail(e, getattr(e, "_chatlearn_action", None) or batch.step_label(index))
@@ -464,7 +495,7 @@ class _CudaLane:
                 caller = torch.cuda.current_stream(self.device)
                 with torch.cuda.stream(self.stream):
                     batch._run_step(self.name, index, cuda=self, caller=caller)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=_timing[0])
                 event.record(self.stream)
                 batch.completed += 1
         except BaseException as e:  # noqa: BLE001 - reported through the job

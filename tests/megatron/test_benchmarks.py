@@ -491,3 +491,36 @@ def test_the_overlap_forward_batch(dist1):
         assert not mm.is_offloaded("weights")  # the calibration leaves the weights resident
     finally:
         mm.close()
+
+
+def test_the_onload_timeline_shows_each_module_starting_after_its_own_bytes(dist1):
+    """onload_then_forward's timed run: every module of the forward starts after its own bytes
+    landed (the per-module fences); with copies slower than the forward (each copy delayed), the
+    forward starts before the last bytes land and ends after they did."""
+    from trainer_runs import slow_lanes
+
+    from chatlearn_mem import MemoryConfig, TrainerMemoryManager
+    from chatlearn_mem.models import gpt
+    from chatlearn_mem_bench.overlap import onload_timeline
+
+    cfg = gpt.GPTTrainerConfig()
+    trainer = gpt.build_gpt_trainer(cfg)
+    # steps of 64 KiB: a module's bytes end a step (the default's 64 MiB would be one step here)
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(copy_chunk_mb=1 / 16))
+    with contextlib.closing(mm):
+        batch = gpt.synthetic_batch(cfg, 1, batch_size=2)
+
+        def forward():
+            with torch.no_grad():
+                trainer.loss(batch)
+
+        with slow_lanes(3e-3):
+            t = onload_timeline(trainer, mm, torch.device("cpu"), forward)
+        mods = t["modules"]
+        assert len(mods) == len(mm.state.weight_users) > 3
+        ran = [m for m in mods if m["started_ms"] is not None]
+        assert ran and all(m["arrived_ms"] is not None and m["started_ms"] >= m["arrived_ms"] for m in ran), ran
+        assert mods[0]["module"].endswith("embedding.word_embeddings") and mods[0]["bytes"] > 0
+        assert t["first_start_ms"] < t["last_arrival_ms"] <= t["end_ms"] and t["last_start_ms"] <= t["end_ms"]
+        assert 0 < t["submit_ms"] < t["end_ms"]
+        assert not mm.is_offloaded("weights") and mm.audit().ok
