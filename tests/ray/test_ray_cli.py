@@ -125,10 +125,26 @@ def test_joining_a_ray_start_head_with_token_auth(ray_start_head):
         ], out.stdout + out.stderr
 
 
+def _popen_with_ctrl_c(*args, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` whose child takes Ctrl-C as a terminal's foreground job does. A process
+    started in the background of a non-interactive shell (``cmd &``) has SIGINT ignored, its children
+    inherit that through exec, and Python then leaves it ignored: a CI stream started that way ran
+    the whole PPO run through the test's Ctrl-C (exit 0). A handler set here is reset to the default
+    in the child by exec, where Python turns it into KeyboardInterrupt."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(*args, **kwargs)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _signal_after_first_iteration(args: list, send) -> tuple[int, list, str, list]:
     """Run ``chatlearn-mem ppo`` in a new session; once iteration 1 is printed, call ``send(pid)``.
     Returns the exit code, the Ray processes the run had started, its stderr and its stdout lines."""
-    proc = subprocess.Popen(
+    proc = _popen_with_ctrl_c(
         [*RUN, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     lines: queue.Queue = queue.Queue()

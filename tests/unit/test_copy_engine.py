@@ -591,8 +591,9 @@ def test_ctrl_c_while_waiting_interrupts_the_wait_not_the_copies(monkeypatch):
     handle = mm.onload(blocking=False)
     assert gate.reached.wait(10)
     main = threading.main_thread().ident
-    # Ctrl-C as Python's own handler raises it, whatever earlier tests in this process left, sent
-    # until it lands (once, on one CI run, a single SIGINT never raised); later ones are dropped
+    # Ctrl-C as Python's own handler raises it, sent until it lands, later ones dropped: a process
+    # started in the background of a non-interactive shell (a CI stream, `cmd &`) has SIGINT
+    # ignored, and there the single SIGINT this test sent never raised
     landed = threading.Event()
 
     def on_ctrl_c(signum, frame):
