@@ -33,10 +33,16 @@ def _counted(monkeypatch, call):
 def test_stats_count_the_steps_actions_and_host_time_of_each_call(dist1, monkeypatch):
     trainer, mm = _manager(2)
     try:
-        for call in (mm.offload, mm.onload, lambda: mm.onload(Part.WEIGHTS, blocking=False).wait()):
-            if call is not mm.offload and not mm.is_offloaded(Part.WEIGHTS):
-                mm.offload(Part.WEIGHTS)
+        calls = (  # (untimed preparation, the counted call, the parts it moves)
+            (None, mm.offload, len(mm.parts)),
+            (None, mm.onload, len(mm.parts)),
+            (lambda: mm.offload(Part.WEIGHTS), lambda: mm.onload(Part.WEIGHTS, blocking=False).wait(), 1),
+        )
+        for prepare, call, parts in calls:
+            if prepare is not None:
+                prepare()
             stats, ran, wall = _counted(monkeypatch, call)
+            assert len(stats) == parts
             assert sum(s.actions for s in stats) == len(ran) > 0  # every action the lanes ran, counted once
             assert all(0 < s.steps <= s.actions for s in stats)
             assert all(0 < s.host_seconds <= wall for s in stats)
