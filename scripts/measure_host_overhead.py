@@ -13,8 +13,8 @@ take next to nothing and what is left is the host's work), one at a time, and ti
 For each it prints the median wall time of the call, the lanes' steps and actions and the host time
 the lanes spent running them (:class:`chatlearn_mem.TransferStats`; on CUDA the time to issue the
 copies, on a CPU device the copies too), and, between the smallest and the largest model, the extra
-microseconds per extra parameter (the per-call O(parameters) work: the manager's checks of every
-tensor before a call and its record of where they are after one). On a GPU it runs with NCCL; on a
+microseconds per extra parameter (the per-call O(parameters) work: chiefly the manager's check of
+every tensor against where it left them, before each call). On a GPU it runs with NCCL; on a
 machine without one, through the CPU backend. Run::
 
     python scripts/measure_host_overhead.py [--layers 4,16,64] [--repeats 15] [--out FILE.json]
@@ -87,21 +87,23 @@ def measure(layers: int, repeats: int) -> dict:
             out["returns_ms"] = statistics.median(returns) * 1e3
         return out
 
-    def resident(*parts):
+    def resident(*parts) -> None:  # untimed, before a timed offload
         todo = [p for p in parts or mm.parts if mm.is_offloaded(p)]
-        return lambda: todo and mm.onload(todo)
+        if todo:
+            mm.onload(todo)
 
-    def offloaded(*parts):
+    def offloaded(*parts) -> None:  # untimed, before a timed onload
         todo = [p for p in parts or mm.parts if not mm.is_offloaded(p)]
-        return lambda: todo and mm.offload(todo)
+        if todo:
+            mm.offload(todo)
 
     w = Part.WEIGHTS
     row["calls"] = {
-        "weights offload": timed(lambda: mm.offload(w), before=lambda: resident(w)()),
-        "weights onload": timed(lambda: mm.onload(w), before=lambda: offloaded(w)()),
-        "weights onload, non-blocking": timed(lambda: mm.onload(w, blocking=False), before=lambda: offloaded(w)()),
-        "full offload": timed(mm.offload, before=lambda: resident()()),
-        "full onload": timed(mm.onload, before=lambda: offloaded()()),
+        "weights offload": timed(lambda: mm.offload(w), before=lambda: resident(w)),
+        "weights onload": timed(lambda: mm.onload(w), before=lambda: offloaded(w)),
+        "weights onload, non-blocking": timed(lambda: mm.onload(w, blocking=False), before=lambda: offloaded(w)),
+        "full offload": timed(mm.offload, before=resident),
+        "full onload": timed(mm.onload, before=offloaded),
     }
     assert mm.audit().ok
     mm.close()
