@@ -50,8 +50,11 @@ def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> li
 
 def extent(t: torch.Tensor) -> int:
     """Elements of its storage a tensor reaches past its storage offset (0 when empty)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return 0
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        return n
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 

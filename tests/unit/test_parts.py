@@ -31,3 +31,20 @@ def test_parse_parts_names_every_mistake():
         parse_parts("grads", [Part.WEIGHTS])
     with pytest.raises(TypeError, match="parts must be a Part"):
         parse_parts(3, list(Part))
+
+
+def test_own_tensors_are_the_modules_parameters_then_buffers_each_once():
+    import torch
+
+    from chatlearn_mem.parts_state import _own_tensors
+
+    m = torch.nn.Linear(3, 2)
+    m.register_buffer("scale", torch.ones(2))
+    m.register_buffer("absent", None)
+    m.register_parameter("missing", None)
+    m.tied = m.weight  # the same tensor under a second name
+    m.child = torch.nn.Linear(2, 2)  # a child's tensors are not the module's own
+    expected = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+    got = _own_tensors(m)
+    assert [id(t) for t in got] == [id(t) for t in expected] == [id(m.weight), id(m.bias), id(m.scale)]
+    assert _own_tensors(torch.nn.ReLU()) == []

@@ -648,3 +648,28 @@ def test_closing_the_manager_gives_slab_storages_memory_of_their_own():
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
     assert torch.equal(view, expected[2][2:4, :8])  # views still see the same bytes
     weight.untyped_storage().resize_(0)  # other code may resize them again
+
+
+def _extent_by_dimensions(t):  # the formula for any layout: the oracle of the fast path
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: b[:12].view(3, 4),  # contiguous
+        lambda b: b[5:17].view(3, 4),  # contiguous, at an offset
+        lambda b: b[:12].view(3, 4).t(),  # transposed
+        lambda b: b[:24].view(4, 6)[:, 1:4],  # a column slice: strided
+        lambda b: b[::3],  # a step
+        lambda b: b[:4].view(4, 1).expand(4, 5),  # stride 0
+        lambda b: b[:4].view(1, 4).as_strided((1, 4), (99, 1)),  # a size-1 dimension with any stride
+        lambda b: b[:0],  # empty
+        lambda b: b[7],  # a scalar view
+    ],
+)
+def test_extent_is_the_reach_of_the_dimensions_for_every_layout(make):
+    from chatlearn_mem.storage import extent
+
+    t = make(torch.arange(64, dtype=torch.float32))
+    assert extent(t) == _extent_by_dimensions(t)
