@@ -77,3 +77,30 @@ def test_a_buffers_parameters_cost_the_lane_nothing_per_parameter(dist1, monkeyp
             for t in transitions:  # a release or a regrow per storage, at most one copy per storage
                 # (on a CPU device consecutive storages' copies merge in a slab), a few per step
                 assert st[p] <= t[p].actions <= 2 * st[p] + 2 * t[p].steps, (p, st[p], t[p])
+
+
+def test_profile_onload_script_measures_and_profiles_both_cache_settings(dist1, tmp_path):
+    """scripts/profile_onload.py (run on the GPU machines) on the bench's tiny trainer: every
+    figure is there, each non-blocking onload returned before it was done, and the profile is of
+    the onload call."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("psutil")  # the bench's extra (installed with [test])
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_onload.py"
+    spec = importlib.util.spec_from_file_location("profile_onload", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "profile.json"
+    assert mod.main(["--preset", "tiny", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert sorted(results) == ["empty_cache=False", "empty_cache=True"]
+    for r in results.values():
+        assert len(r["nonblocking_return_ms"]) == len(r["onload_total_ms"]) == 6
+        assert all(a <= b for a, b in zip(r["nonblocking_return_ms"], r["onload_total_ms"]))
+        assert len(r["serial_ms"]) == len(r["overlapped_ms"]) == 4
+        assert r["weights_storages"] >= 1 and r["weights_mib"] > 0
+        assert "direction='onload'" in r["stats"] and "onload" in r["profile_cumtime"]
