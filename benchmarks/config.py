@@ -79,9 +79,10 @@ class BenchConfig(BaseModel):
     compute, which only a forward of about the copy's duration can show: a forward six times the copy
     bounds any schedule to 0.86 of serial (each result's ``best_possible_ratio`` is its bound)."""
     overlap_threads: Optional[int] = Field(1, ge=1)
-    """Intra-op threads while the overlap rows run on a CPU "device" (both sides alike): one leaves a
-    core to the copy lane, the way a GPU's copy engines are hardware of their own. None: the run's.
-    Ignored on CUDA."""
+    """Intra-op threads while the overlap rows run on a CPU "device" (both sides alike: a lane copies
+    with the threads of the thread that submitted the transition): one gives the compute one core
+    and the copy lane the other, the way a GPU's copy engines are hardware of their own. None: the
+    run's. Ignored on CUDA."""
     tail_onloads: int = Field(20, ge=0)
     """Blocking weights onloads of the ``onload_tail`` row, each beside a plain copy of the same
     bytes (0 skips the row): the median against the copy, the 90th percentile against the median."""

@@ -20,7 +20,9 @@ counterpart in the same run, interleaved repeat by repeat.
 On a CPU "device" the copy engine's lanes are worker threads, so the copies and the compute share the
 machine's cores and memory bus; ``BenchConfig.overlap_threads`` (default 1) gives the compute one
 intra-op thread, leaving a core for the copy lane, the way a GPU's copy engines are hardware of
-their own. Both sides of every row run with the same setting. Ignored on CUDA.
+their own. A lane copies with the intra-op threads of the thread that submitted the transition, so
+the lanes run with the same setting, and so do the plain copies the rows' bounds are made of (the
+first module's copy, the swap's two copies at once). Ignored on CUDA.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def measure_overlap(
     try:
         batch = forward_batch(cfg, trainer, mm, device)
         rows = [
-            _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads=before, pin=pin),
+            _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads=torch.get_num_threads(), pin=pin),
             _swap(cfg, trainer, mm, device),
             _full_cycle(cfg, mm, device),
         ]
@@ -152,8 +154,8 @@ def first_module_bytes(mm: TrainerMemoryManager) -> int:
 
 def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, list[float]]:
     """A plain copy, host to device, of the first module's bytes (buffers allocated once), timed
-    ``warmup + repeats`` times with ``threads`` intra-op threads (CPU: the copy lane's, the caller
-    being idle while it waits for them); returns the bytes and the timed samples."""
+    ``warmup + repeats`` times with ``threads`` intra-op threads (CPU: the copy lane's, which are
+    the submitting thread's); returns the bytes and the timed samples."""
     nbytes = first_module_bytes(mm)
     src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -320,8 +322,9 @@ def critic_config(trainer_cfg):
 
 
 def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = COPY_BOUND_BYTES) -> float:
-    """On a CPU "device": the time of two host copies run at once (two threads, as the two lanes)
-    over the time of the same copies one after the other, median of ``repeats`` interleaved pairs.
+    """On a CPU "device": the time of two host copies run at once (two threads, as the two lanes,
+    each with the caller's intra-op threads, as the lanes copy) over the time of the same copies one
+    after the other, median of ``repeats`` interleaved pairs.
     The copies are ``out_bytes`` and ``in_bytes`` scaled so that the larger is at most ``nbytes``
     (:func:`~chatlearn_mem_bench.plan.copy_bound_sizes`): how much a
     swap can gain from running its two directions together on this machine's memory bus, before any
@@ -336,8 +339,14 @@ def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = 
         for d, s in zip(dst, src):
             d.copy_(s)
 
+    threads = torch.get_num_threads()
+
+    def copy_with_the_callers_threads(d, s):
+        torch.set_num_threads(threads)  # this thread's own setting, as a lane's
+        d.copy_(s)
+
     def together():
-        other = threading.Thread(target=dst[0].copy_, args=(src[0],))
+        other = threading.Thread(target=copy_with_the_callers_threads, args=(dst[0], src[0]))
         other.start()
         dst[1].copy_(src[1])
         other.join()

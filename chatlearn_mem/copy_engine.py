@@ -201,6 +201,7 @@ class Batch:
         self._last_bytes = 0
         self._lane = None
         self._seq: list[int] = []  # CPU: each submitted step's sequence number in its lane
+        self._threads = 0  # CPU: the intra-op threads of the thread that submitted the batch
         self._events: list = []  # CUDA: one event per step that ran (None after a failure)
 
     def add(
@@ -407,6 +408,7 @@ class _CpuLane:
     def begin(self, batch: Batch) -> None:
         batch._lane = self
         batch._seq = []  # per step submitted: its sequence number in this lane
+        batch._threads = torch.get_num_threads()  # the submitting thread's: the worker copies with as many
 
     def run_step(self, batch: Batch, index: int) -> None:
         """Run the step's caller-side actions now and queue the rest for the worker."""
@@ -460,6 +462,8 @@ class _CpuLane:
                 batch, index, run = self._queue.popleft()
             try:
                 if run and not batch._skip():
+                    if batch._threads and torch.get_num_threads() != batch._threads:
+                        torch.set_num_threads(batch._threads)  # this thread's intra-op threads only
                     batch._run_step(self.name, index, part="worker")
                     batch.completed += 1
                     batch.finished_at = time.perf_counter()

@@ -655,3 +655,32 @@ def test_swap_refuses_bad_arguments():
     mb = InferenceMemoryManager(b, CFG)
     with pytest.raises(ValueError, match="headroom_bytes must be >= 0"):
         swap(out=ma, into=mb, headroom_bytes=-1)
+
+
+def test_a_cpu_lane_copies_with_the_intra_op_threads_of_the_thread_that_submitted():
+    """A CPU lane's worker runs each batch with as many intra-op threads as its submitter had: a
+    caller that keeps one core for its compute gets a lane on one core, not on every core (torch's
+    setting is per thread once a thread has used it, so the worker keeps whatever it started with
+    otherwise). The caller's own setting is left as it was."""
+    engine = CopyEngine.for_device(CPU)
+    seen = []
+
+    def submit_from_a_thread_with(threads: int) -> None:
+        def body():
+            torch.set_num_threads(threads)
+            batch = Batch("h2d", "probe")
+            batch.add(lambda: seen.append(torch.get_num_threads()))
+            job = Job()
+            engine.submit(job, [batch])
+            assert job.wait(30) and job.error is None
+            seen.append(("caller", torch.get_num_threads()))
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+
+    main = torch.get_num_threads()
+    for n in (1, 3, 1):
+        submit_from_a_thread_with(n)
+    assert seen == [1, ("caller", 1), 3, ("caller", 3), 1, ("caller", 1)]
+    assert torch.get_num_threads() == main
