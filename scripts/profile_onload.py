@@ -40,6 +40,7 @@ def measure(trainer, cfg, empty_cache: bool) -> dict:
 
     from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
     from chatlearn_mem.models import gpt
+    from chatlearn_mem_bench.measure import timed
 
     cuda = torch.cuda.is_available()
     mm = TrainerMemoryManager(
@@ -103,21 +104,21 @@ def measure(trainer, cfg, empty_cache: bool) -> dict:
         r["nonblocking_return_ms"] = [round(x * 1e3, 2) for x in returned]
         r["onload_total_ms"] = [round(x * 1e3, 2) for x in total]
         r["stats"] = repr(stats)[:600]
-        for name in ("serial", "overlapped"):
+
+        def serial():
+            mm.onload(Part.WEIGHTS)
+            forward()
+
+        def overlapped():
+            handle = mm.onload(Part.WEIGHTS, blocking=False)
+            forward()
+            handle.wait()
+
+        for name, fn in (("serial", serial), ("overlapped", overlapped)):
             xs = []
             for _ in range(4):
                 mm.offload(Part.WEIGHTS)
-                sync()
-                t0 = time.perf_counter()
-                if name == "serial":
-                    mm.onload(Part.WEIGHTS)
-                    forward()
-                else:
-                    handle = mm.onload(Part.WEIGHTS, blocking=False)
-                    forward()
-                    handle.wait()
-                sync()
-                xs.append(time.perf_counter() - t0)
+                xs.append(timed(fn, dev)[0])  # the device idle before and after
             r[name + "_ms"] = [round(x * 1e3, 2) for x in xs]
         mm.offload(Part.WEIGHTS)
         sync()
