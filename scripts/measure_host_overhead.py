@@ -116,7 +116,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=15, help="timed calls of each kind per model")
     p.add_argument("--out", help="write every figure here as JSON")
     args = p.parse_args(argv)
-    layers = [int(x) for x in args.layers.split(",")]
+    try:
+        layers = [int(x) for x in args.layers.split(",")]
+    except ValueError:
+        p.error(f"--layers takes comma-separated layer counts such as 4,16,64, got {args.layers!r}")
     if len(layers) < 2:
         p.error("--layers needs two layer counts at least (the cost per parameter is a difference)")
 

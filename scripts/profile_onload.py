@@ -152,11 +152,15 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="bench config overrides, key=value")
     args = p.parse_args(argv)
 
+    from chatlearn_mem.errors import ConfigError
     from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.config import load_config
     from chatlearn_mem_bench.run import _init_distributed
 
-    cfg = load_config(args.preset, args.overrides)
+    try:
+        cfg = load_config(args.preset, args.overrides)
+    except ConfigError as e:
+        p.error(str(e))
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
         _init_distributed(tmp)
