@@ -90,6 +90,22 @@ def _before_step(lane: str, label: str) -> None:
 
 _NO_HOOK = _before_step
 
+
+def _run_action(runner, lane: str, action) -> None:
+    """Run one action (the test hook first, when set); an error is tagged with the action's name."""
+    hook = _before_step
+    try:
+        if hook is not _NO_HOOK:
+            hook(lane, runner.describe(action))
+        runner.run(action)
+    except BaseException as e:
+        try:
+            e._chatlearn_action = runner.describe(action)  # which action failed, for messages
+        except Exception:  # noqa: BLE001 - an exception type without a __dict__
+            pass
+        raise
+
+
 _timing = [False]  # CUDA: whether the lanes' step events record timestamps (see timed_events)
 
 
@@ -203,6 +219,7 @@ class Batch:
         self._seq: list[int] = []  # CPU: each submitted step's sequence number in its lane
         self._threads = 0  # CPU: the intra-op threads of the thread that submitted the batch
         self._events: list = []  # CUDA: one event per step that ran (None after a failure)
+        self._caller = None  # CUDA: the submitting thread's stream, read once at submission
 
     def add(
         self,
@@ -253,26 +270,31 @@ class Batch:
             self._host_s[part] = self._host_s.get(part, 0.0) + time.perf_counter() - t0
 
     def _run_actions(self, runner, lane: str, index: int, cuda, caller, part: str) -> None:
-        for action in self.steps[index]:
-            on_caller = runner.on_caller_stream(action)
-            if (part == "caller" and not on_caller) or (part == "worker" and on_caller):
-                continue
-            hook = _before_step
+        step = self.steps[index]
+        if cuda is None:
+            for action in step:
+                on_caller = runner.on_caller_stream(action)
+                if (part == "caller" and not on_caller) or (part == "worker" and on_caller):
+                    continue
+                _run_action(runner, lane, action)
+            return
+        # CUDA: the step's caller-side actions (its regrows) first, on the caller's stream, then
+        # one wait of the lane for the caller's stream (R3), then the lane's actions on the lane's
+        # stream: the order a CPU lane runs a step in (its caller part at submission, the rest on
+        # the worker), with one switch and one cross-stream wait per step instead of per regrow
+        on_caller, on_lane = [], []
+        for a in step:
+            (on_caller if runner.on_caller_stream(a) else on_lane).append(a)
+        if on_caller:
+            torch.cuda.set_stream(caller)  # run_step made the lane's stream current
             try:
-                if hook is not _NO_HOOK:
-                    hook(lane, runner.describe(action))
-                if cuda is not None and on_caller:
-                    with torch.cuda.stream(caller):
-                        runner.run(action)
-                    cuda.stream.wait_stream(caller)
-                else:
-                    runner.run(action)
-            except BaseException as e:
-                try:
-                    e._chatlearn_action = runner.describe(action)  # which action failed, for messages
-                except Exception:  # noqa: BLE001 - an exception type without a __dict__
-                    pass
-                raise
+                for action in on_caller:
+                    _run_action(runner, lane, action)
+            finally:
+                torch.cuda.set_stream(cuda.stream)
+            cuda.stream.wait_stream(caller)
+        for action in on_lane:
+            _run_action(runner, lane, action)
 
     def fence(self, index: int = -1) -> "Fence":
         """The completion of step ``index`` (the last step by default)."""
@@ -478,7 +500,13 @@ class _CpuLane:
 
 
 class _CudaLane:
-    """A side stream of one device; the submitting thread enqueues each step on it."""
+    """A side stream of one device; the submitting thread enqueues each step on it.
+
+    The host's work per step is kept to what the step needs (the issue of each step is on the
+    critical path of a non-blocking call): the caller's stream is read once per batch, at
+    :meth:`begin`, and each step makes the lane's stream current and the caller's again with one
+    ``set_stream`` each, inside the device and stream context that :meth:`CopyEngine.submit` holds
+    for the whole submission (which restores the thread's device and streams however it ends)."""
 
     def __init__(self, name: str, device: torch.device):
         self.name = name
@@ -487,18 +515,23 @@ class _CudaLane:
 
     def begin(self, batch: Batch) -> None:
         batch._lane = self
+        batch._caller = torch.cuda.current_stream(self.device)
 
     def run_step(self, batch: Batch, index: int) -> None:
         """Enqueue step ``index`` (or record it skipped); a KeyboardInterrupt propagates after the
-        step is recorded as failed, so that the caller can roll back what was submitted."""
+        step is recorded as failed, so that the caller can roll back what was submitted. Called
+        within :meth:`CopyEngine.submit`'s context (this device current)."""
         event = None
         try:
             if not batch._skip():
                 if batch.started_at is None:
                     batch.started_at = time.perf_counter()
-                caller = torch.cuda.current_stream(self.device)
-                with torch.cuda.stream(self.stream):
+                caller = batch._caller
+                torch.cuda.set_stream(self.stream)
+                try:
                     batch._run_step(self.name, index, cuda=self, caller=caller)
+                finally:
+                    torch.cuda.set_stream(caller)
                 event = torch.cuda.Event(enable_timing=_timing[0])
                 event.record(self.stream)
                 batch.completed += 1
@@ -587,6 +620,18 @@ class CopyEngine:
         fence of another batch (``set_after``) is submitted once that step was submitted and has
         completed (the host waits, R8); the other batches' steps are submitted meanwhile.
         """
+        with self._submitting():
+            self._submit(job, batches)
+
+    def _submitting(self):
+        """CUDA: the device made current, with the caller's stream, for the submission; on exit the
+        thread's current device and streams are what they were (the lanes switch streams per step
+        with ``set_stream``). CPU: nothing."""
+        if not self.is_cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.current_stream(self.device))
+
+    def _submit(self, job: Job, batches: list[Batch]) -> None:
         for b in batches:
             b.job = job
             job.batches.append(b)

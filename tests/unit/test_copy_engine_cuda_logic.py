@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chatlearn_mem import TransferError
-from chatlearn_mem.copy_engine import Batch, CopyEngine, Job
+from chatlearn_mem.copy_engine import Action, Batch, CopyEngine, Job
 
 
 class FakeStream:
@@ -57,8 +57,19 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(log, next(made)))
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log, current))
     monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+
+    def set_stream(s):
+        current[0] = s
+
+    def current_stream(device=None):
+        reads.append(device)
+        return current[0]
+
+    reads = []
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
     engine = CopyEngine(torch.device("cuda", 0))
+    engine.stream_reads = reads  # every current_stream() call, for the per-step cost tests
     return engine, log, current
 
 
@@ -131,3 +142,79 @@ def test_swap_pacing_enqueues_a_regrow_only_after_the_release_it_waits_for(fake_
     engine.submit(Job(), [into, out])
     assert order.index("release a0") < order.index("grow b0")
     assert any(line.startswith("host waits for event") for line in log)  # R8 on CUDA: the host waited
+
+
+def _onload_batch(current, steps: int, seen: list) -> Batch:
+    b = Batch("h2d", "onload x", step_bytes=10)  # a step per regrow and its copy
+    for i in range(steps):
+        b.add(lambda: seen.append(("grow", current[0].name)), f"regrow x[{i}]", on_caller_stream=True, new_step=True)
+        b.add(lambda: seen.append(("copy", current[0].name)), f"copy x[{i}]", 10)
+    return b
+
+
+def test_the_callers_stream_is_read_once_per_submission_not_per_step(fake_cuda):
+    # the issue of each step is host time on the critical path of a non-blocking onload: reading
+    # the caller's stream per step (a device-index lookup and a Stream object each) made it O(steps)
+    engine, _, current = fake_cuda
+    reads = engine.stream_reads
+    counts = {}
+    for steps in (1, 40):
+        seen = []
+        reads.clear()
+        engine.submit(Job(), [_onload_batch(current, steps, seen)])
+        counts[steps] = len(reads)
+        assert seen == [("grow", "caller"), ("copy", "h2d")] * steps
+    assert counts[40] == counts[1] <= 2
+
+
+@pytest.mark.parametrize("fail", [None, RuntimeError, KeyboardInterrupt])
+def test_the_callers_stream_is_current_again_after_a_submission_however_it_ends(fake_cuda, fail):
+    engine, _, current = fake_cuda
+    caller = current[0]
+    seen = []
+    b = _onload_batch(current, 3, seen)
+
+    def boom():
+        raise fail("boom")
+
+    if fail is not None:
+        # the second step fails on the caller's stream, between its regrow and its copy
+        b.steps[1].insert(1, Action(boom, "regrow x[1] again", on_caller_stream=True))
+    job = Job()
+    if fail is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            engine.submit(job, [b])
+    else:
+        engine.submit(job, [b])
+    assert current[0] is caller
+    if fail is not None:
+        assert job.failed_step == "regrow x[1] again" and seen == [
+            ("grow", "caller"),
+            ("copy", "h2d"),
+            ("grow", "caller"),
+        ]
+
+
+def test_a_steps_regrows_run_first_on_the_callers_stream_then_one_wait_then_its_copies(fake_cuda):
+    # as a CPU lane runs a step (its caller part at submission, the rest on the worker); one
+    # switch and one cross-stream wait per step, not per regrow (a full onload regrows a storage
+    # per main weight and optimizer state)
+    engine, log, current = fake_cuda
+    seen = []
+    b = Batch("h2d", "onload x", step_bytes=100)
+    for name in "abc":
+        b.add(lambda n=name: seen.append(("grow " + n, current[0].name)), f"regrow {name}", on_caller_stream=True)
+        b.add(lambda n=name: seen.append(("copy " + n, current[0].name)), f"copy {name}", 10)
+    assert len(b.steps) == 1
+    engine.submit(Job(), [b])
+    assert seen == [
+        ("grow a", "caller"),
+        ("grow b", "caller"),
+        ("grow c", "caller"),
+        ("copy a", "h2d"),
+        ("copy b", "h2d"),
+        ("copy c", "h2d"),
+    ]
+    assert log.count("h2d waits for caller") == 1  # R3: before the copies, after every regrow
+    assert log.index("h2d waits for caller") < next(i for i, x in enumerate(log) if x.endswith("on h2d"))
+    assert current[0].name == "caller"
