@@ -224,13 +224,16 @@ class ManagerMethod(Method):
     name = "manager"
     resizes_storages = False
 
+    last_stats: list = []
+    """The :class:`~chatlearn_mem.TransferStats` of the last offload or onload (its host time)."""
+
     def offload(self, part: str) -> int:
-        mm = self.mm
-        return sum(s.copied_bytes for s in mm.offload(None if part == FULL else part, force=True))
+        self.last_stats = self.mm.offload(None if part == FULL else part, force=True)
+        return sum(s.copied_bytes for s in self.last_stats)
 
     def onload(self, part: str) -> int:
-        mm = self.mm
-        return sum(s.copied_bytes for s in mm.onload(None if part == FULL else part))
+        self.last_stats = self.mm.onload(None if part == FULL else part)
+        return sum(s.copied_bytes for s in self.last_stats)
 
     def device_bytes(self, part: str) -> int:
         r = self.mm.residency()

@@ -77,6 +77,7 @@ def markdown(res: dict) -> str:
             f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {vb} | {tm} | "
             f"{r.get('manager_is', '')} |"
         )
+    lines += _host_work_lines(res)
     lines += [
         "",
         "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".",
@@ -257,6 +258,37 @@ def _overlap_lines(rows) -> list[str]:
         lines.append(
             f"| {r['name']} | {_ms(r['serial_s'])} ({_ms(s[0])}-{_ms(s[1])}) | {_ms(r['overlapped_s'])} "
             f"({_ms(o[0])}-{_ms(o[1])}) | {r['ratio']:.2f} ({q[0]:.2f}-{q[1]:.2f}) | {note} |"
+        )
+    return lines
+
+
+def _host_work_lines(res: dict) -> list[str]:
+    """The table of the host's time issuing the manager's transitions (its ``TransferStats``)."""
+    rows = [r for r in res["timings"] if r["method"] == "manager" and r.get("host_seconds")]
+    if not rows:
+        return []
+    cuda = res["hardware"]["device"].startswith("cuda")
+    lines = [
+        "",
+        "## The manager's host work",
+        "",
+        "Host time running the transition's actions (summed `TransferStats.host_seconds`, median) "
+        "against the call's time. "
+        + (
+            "On CUDA the host only issues the copies: a share well below 1 means the copies, not "
+            "the host, bound the call."
+            if cuda
+            else "On a CPU device the host time includes the copies themselves."
+        ),
+        "",
+        "| part | direction | steps | actions | host ms | call ms | host share |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        share = f"{r['host_share']:.2f}" if r.get("host_share") is not None else ""
+        lines.append(
+            f"| {r['part']} | {r['direction']} | {r.get('steps', '')} | {r.get('actions', '')} | "
+            f"{_ms(r['host_seconds']['median'])} | {_ms(r['seconds']['median'])} | {share} |"
         )
     return lines
 

@@ -325,6 +325,8 @@ def _time_part(
     ceiling.use(nbytes[part])
     bound.prepare(nbytes[part])
     samples = {(m.name, d): [] for m in methods for d in ("offload", "onload")}
+    # the manager's own count of its host work: (host seconds, steps, actions) per timed call
+    host = {"offload": [], "onload": []}
     copied = {}
     for r in range(cfg.warmup + cfg.repeats):
         # Untimed: one manager cycle first, so the manager's timed offload starts from the state
@@ -349,8 +351,12 @@ def _time_part(
             m.before(part)
             snap("before")
             t_off, c_off = timed(lambda: m.offload(part), device)
+            if m is manager and r >= cfg.warmup:
+                host["offload"].append(_host_work(manager.last_stats))
             snap("after_offload")
             t_on, c_on = timed(lambda: m.onload(part), device)
+            if m is manager and r >= cfg.warmup:
+                host["onload"].append(_host_work(manager.last_stats))
             snap("after_onload")
             m.restore(part)
             trim_host_heap()  # untimed: the next method must not count this one's copies
@@ -385,6 +391,12 @@ def _time_part(
                 "gb_per_s_iqr": [b / s["q75"] / 1e9, b / s["q25"] / 1e9] if b and s["q25"] else None,
             }
             if m.name == "manager":
+                hs = stats([h[0] for h in host[direction]])
+                row["host_seconds"] = hs
+                # on CUDA: the share of the call the host spent issuing its steps (at 1 the host,
+                # not the copies, bounds it); on a CPU device the host time includes the copies
+                row["host_share"] = hs["median"] / s["median"] if s["median"] else None
+                row["steps"], row["actions"] = host[direction][-1][1:] if host[direction] else (0, 0)
                 ceiling_copies = part != Part.GRADS or direction == "onload"
                 row["vs_ceiling"] = cs["median"] / s["median"] if ceiling_copies and s["median"] else None
                 row["vs_release_bound"] = bs["median"] / s["median"] if ceiling_copies and s["median"] else None
@@ -398,6 +410,15 @@ def _time_part(
                 row["manager_is"] = compare(ms, s)
             rows.append(row)
     return rows
+
+
+def _host_work(stats: list) -> tuple[float, int, int]:
+    """``(host seconds, steps, actions)`` of one manager call, summed over its groups."""
+    return (
+        sum(s.host_seconds for s in stats),
+        sum(s.steps for s in stats),
+        sum(s.actions for s in stats),
+    )
 
 
 def _cycles(mm, trainer, cfg: BenchConfig, device: torch.device) -> dict:

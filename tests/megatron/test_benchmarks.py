@@ -87,6 +87,10 @@ def test_benchmark_end_to_end(dist1, tmp_path):
                     assert r["vs_ceiling"] > 0 and r["vs_release_bound"] > 0
                 if m in alternatives:
                     assert r["time_vs_manager"] > 0 and r["manager_is"] in ("faster", "slower", "noise")
+                if m == "manager":  # the manager's own count of its host work, per timed call
+                    assert r["host_seconds"]["n"] == res["config"]["repeats"] and r["host_seconds"]["median"] > 0
+                    assert r["host_share"] == r["host_seconds"]["median"] / r["seconds"]["median"]
+                    assert 1 <= r["steps"] <= r["actions"]
 
     # the overlap rows: each against its serial counterpart, spreads, the forward-alone bound
     overlap = {r["name"]: r for r in res["overlap"]}
@@ -193,6 +197,8 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     ]
     assert any(n.endswith("faster than replace_rebuild") for n in targets)
     assert "CUDA reserved MiB" in markdown(gpu)
+    assert "## The manager's host work" in md and "the host time includes the copies" in md
+    assert "On CUDA the host only issues the copies" in markdown(gpu)
 
 
 # -- a run cut short ---------------------------------------------------------------------------
