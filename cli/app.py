@@ -153,9 +153,11 @@ def bench(
     )
 
     def run() -> None:
+        from chatlearn_mem.models import gpt
         from chatlearn_mem_bench.run import run_and_report
 
-        run_and_report(cfg, command, quiet=quiet, echo=typer.echo)
+        with gpt.owned_process_group():  # destroyed before exit: a NCCL group left to it holds it up
+            run_and_report(cfg, command, quiet=quiet, echo=typer.echo)
 
     _guarded(run)
 

@@ -930,7 +930,10 @@ def main(argv=None) -> int:
     parser.add_argument("--report-json", default=None, help=argparse.SUPPRESS)  # the report step's own process
     args = parser.parse_args(argv)
     if args.report_json:
-        Path(args.report_json).write_text(json.dumps(measure_device_report(), indent=1))
+        from chatlearn_mem.models import gpt
+
+        with gpt.owned_process_group():  # destroyed before exit: a NCCL group left to it holds it up
+            Path(args.report_json).write_text(json.dumps(measure_device_report(), indent=1))
         print(json.loads(Path(args.report_json).read_text())["text"])
         return 0
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]

@@ -25,6 +25,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -67,6 +68,7 @@ def main() -> None:
     bench = load_config(args.preset)
     cfg = gpt.GPTTrainerConfig(**bench.trainer.model_dump()) if hasattr(bench.trainer, "model_dump") else bench.trainer
     gpt.init_distributed(init_method=f"file://{tempfile.mktemp()}", cpu_backend=True)
+    atexit.register(gpt.shutdown_distributed)  # a NCCL group left to the exit holds it up
     trainer = gpt.build_gpt_trainer(cfg)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(bucket_size_mb=bench.bucket_size_mb))
     trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=bench.batch_size))

@@ -16,6 +16,7 @@ Run: ``python scripts/measure_debug_guard.py [--hidden 64] [--layers 2] [--repea
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import statistics
 import tempfile
@@ -45,6 +46,7 @@ def main() -> None:
     from chatlearn_mem.models import gpt
 
     gpt.init_distributed(init_method=f"file://{tempfile.mktemp()}", cpu_backend=True)
+    atexit.register(gpt.shutdown_distributed)  # a NCCL group left to the exit holds it up
     cfg = gpt.GPTTrainerConfig(hidden_size=args.hidden, num_layers=args.layers)
     batch = gpt.synthetic_batch(cfg, 0, batch_size=4)
     runs = {}

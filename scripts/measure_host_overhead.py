@@ -127,7 +127,7 @@ def main(argv=None) -> int:
 
     from chatlearn_mem.models import gpt
 
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, gpt.owned_process_group():
         gpt.init_distributed(init_method=f"file://{d}/init", cpu_backend=True)
         device = (
             torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"

@@ -161,12 +161,13 @@ def main(argv=None) -> int:
         cfg = load_config(args.preset, args.overrides)
     except ConfigError as e:
         p.error(str(e))
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
-        _init_distributed(tmp)
-        trainer = gpt.build_gpt_trainer(cfg.trainer)
-        trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
-    results = {f"empty_cache={e}": measure(trainer, cfg, e) for e in (True, False)}
+    with gpt.owned_process_group():  # destroyed before exit: a NCCL group left to it holds it up
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
+            _init_distributed(tmp)
+            trainer = gpt.build_gpt_trainer(cfg.trainer)
+            trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
+        results = {f"empty_cache={e}": measure(trainer, cfg, e) for e in (True, False)}
     for key, r in results.items():
         print("=====", key)
         for name, value in r.items():

@@ -21,6 +21,7 @@ def dist1(tmp_path_factory):
         warnings.simplefilter("ignore")
         gpt.init_distributed(init_method=f"file://{init_file}", cpu_backend=True)
     yield
+    gpt.shutdown_distributed()  # before the exit: a NCCL group left to it (GPU tier) holds it up
 
 
 @pytest.fixture(scope="module")

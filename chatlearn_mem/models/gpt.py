@@ -9,9 +9,11 @@ needs :func:`chatlearn_mem.cpu_backend.install` first: call it yourself, or pass
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -28,6 +30,8 @@ __all__ = [
     "build_gpt_trainer",
     "build_gpt_pipeline_trainer",
     "init_distributed",
+    "owned_process_group",
+    "shutdown_distributed",
     "synthetic_batch",
 ]
 
@@ -262,6 +266,46 @@ def init_distributed(
             expert_model_parallel_size=expert_model_parallel_size,
         )
     model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown_distributed() -> None:
+    """Destroy megatron's model-parallel groups and the default process group (what
+    :func:`init_distributed` set up); nothing when none is initialised.
+
+    Call it when the process is done with collectives, before it exits: torch asks for it, and a
+    NCCL process group left to the interpreter's exit is torn down by destructors, which can hold
+    the exit up long after the work is done. Every rank of the group calls it.
+    """
+    import torch.distributed as dist
+
+    if "megatron.core" in sys.modules:  # nothing to leave when megatron was never imported
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def owned_process_group() -> Iterator[None]:
+    """A block that may create the process group (:func:`init_distributed`) and then owns it:
+    leaving the block, however it ends, calls :func:`shutdown_distributed` when the group was
+    created inside it. A group that existed before the block (a test session's, a caller's) is
+    left as it is. For the main function of a script or command::
+
+        with gpt.owned_process_group():
+            gpt.init_distributed(...)
+            ...
+    """
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not before and dist.is_available() and dist.is_initialized():
+            shutdown_distributed()
 
 
 def _megatron_module():

@@ -33,6 +33,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
         app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=smoke", "-q", "revision=abc123"]
     )
     assert result.exit_code == 0, result.output
+    assert torch.distributed.is_initialized()  # the session's group, which the command did not create
     out = result.output
     assert out.startswith("command: chatlearn-mem bench --config tiny")
     last = out.strip().splitlines()
