@@ -149,6 +149,14 @@ def test_the_revision_comes_from_the_wheelhouse_when_the_copy_has_no_git(tmp_pat
     assert gv.source_revision("given", str(wh)) == ("given", "--revision")
     monkeypatch.setattr(gv, "_checkout_revision", lambda: None)
     assert gv.source_revision(None, str(wh)) == ("0123abcd", str(wh / "REVISION"))
+    # a copy whose .git is an older commit, the newer one's changes dirty on it: the run recorded
+    # that older commit, while the library it ran was the wheel's
+    monkeypatch.setattr(gv, "_checkout_revision", lambda: "9d15a7e+dirty")
+    revision, source = gv.source_revision(None, str(wh))
+    assert revision == "0123abcd" and source.endswith("the wheel's; git in " + str(gv.REPO) + " says 9d15a7e+dirty")
+    monkeypatch.setattr(gv, "_checkout_revision", lambda: "0123abcd")
+    assert gv.source_revision(None, str(wh)) == ("0123abcd", f"git in {gv.REPO}")
+    monkeypatch.setattr(gv, "_checkout_revision", lambda: None)
     assert gv.source_revision(None, str(tmp_path / "none")) == (None, "")
     bench = next(e for e in gv.plan(tmp_path, "s", ["bench"], tmp_path, "0123abcd") if e["step"] == "bench")
     assert "revision=0123abcd" in bench["command"]
