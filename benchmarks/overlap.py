@@ -7,7 +7,11 @@ counterpart in the same run, interleaved repeat by repeat.
   first module's bytes (the first user of the manager's use order: a GPT's embedding) are timed
   too: no schedule beats the longer of the onload alone (the last module waits for the last bytes)
   and the first module's copy followed by the whole forward (nothing of the forward runs before
-  its first module's weights are there): ``best_possible_s``.
+  its first module's weights are there): ``best_possible_s``. On a CPU "device" the row also times
+  that schedule with plain copies (the first module's copy, then the forward while a thread copies
+  the rest): the forward beside a copy is slower than alone there, the two sharing one memory bus,
+  and no schedule of the onload escapes that. ``contended_best_s``, the longer of it and the
+  onload alone, is the bound the CPU target uses, as the swap's uses two copies at once.
 * ``swap``: the benchmark trainer (policy-sized) goes to sleep while a critic-sized trainer (half the
   layers, a value head) wakes up. Serial = ``a.offload()`` then ``b.onload()``; overlapped =
   ``swap(out=a, into=b)`` (both copy directions at once, b's storages regrown as a's are released).
@@ -169,6 +173,36 @@ def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, l
     return nbytes, samples[cfg.warmup :]
 
 
+def _plain_onload_beside_forward(weights_bytes: int, first_bytes: int, threads: int, forward):
+    """CPU only: the schedule ``onload(blocking=False)`` aims at, with plain copies. A copy of the
+    first module's bytes, then the forward while a thread copies the rest of the weights' bytes (with
+    ``threads`` intra-op threads, as a lane copies); returns the function to time. On a CPU
+    "device" the forward and the copy share the memory bus: this is the row's bound counting that
+    contention, as ``copy_bound_ratio`` is the swap's."""
+    import threading
+
+    src = torch.ones(weights_bytes, dtype=torch.uint8)
+    dst = torch.zeros(weights_bytes, dtype=torch.uint8)
+
+    def copy_rest():
+        torch.set_num_threads(threads)  # this thread's own setting, as a lane's
+        dst[first_bytes:].copy_(src[first_bytes:])
+
+    def run():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            dst[:first_bytes].copy_(src[:first_bytes])
+        finally:
+            torch.set_num_threads(before)
+        other = threading.Thread(target=copy_rest)
+        other.start()
+        forward()
+        other.join()
+
+    return run
+
+
 def _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads: int, pin: bool) -> dict:
     first_bytes, first_samples = _first_module_copy(cfg, mm, device, copy_threads, pin)
 
@@ -189,10 +223,14 @@ def _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads: int, pin
         mm.onload(Part.WEIGHTS)
 
     forward()  # warm
-    samples = {"serial": [], "overlapped": [], "forward": [], "onload": []}
+    kinds = [("forward", forward), ("onload", onload), ("serial", serial), ("overlapped", overlapped)]
+    if device.type == "cpu":
+        weights_bytes = sum(s.nbytes() for s in mm.state.storages(Part.WEIGHTS))
+        kinds.append(("plain", _plain_onload_beside_forward(weights_bytes, first_bytes, copy_threads, forward)))
+    samples = {name: [] for name, _ in kinds}
     for r in range(cfg.warmup + cfg.repeats):
-        for name, fn in (("forward", forward), ("onload", onload), ("serial", serial), ("overlapped", overlapped)):
-            if name != "forward":
+        for name, fn in kinds:
+            if name in ("onload", "serial", "overlapped"):
                 mm.offload(Part.WEIGHTS)
             t, _ = timed(fn, device)
             if r >= cfg.warmup:
@@ -217,6 +255,13 @@ def _onload_then_forward(cfg, trainer, mm, device, batch, copy_threads: int, pin
     # the onload), nor the first module's bytes copied and then the whole forward.
     row["best_possible_s"] = max(fwd + row["first_module_copy_s"], copy)
     row["best_possible_ratio"] = row["best_possible_s"] / row["serial_s"] if row["serial_s"] else None
+    if samples.get("plain"):
+        # CPU: the same schedule with plain copies, the forward beside the copy on one memory bus
+        # (the bound above counts the forward as it runs alone); no schedule of the onload beats it
+        row["plain_overlap_samples_s"] = samples["plain"]
+        row["plain_overlap_s"] = stats(samples["plain"])["median"]
+        row["contended_best_s"] = max(row["plain_overlap_s"], copy)
+        row["contended_best_ratio"] = row["contended_best_s"] / row["serial_s"] if row["serial_s"] else None
     row["overlapped_vs_forward"] = row["overlapped_s"] / fwd if fwd else None
     row["overlapped_vs_best"] = row["overlapped_s"] / row["best_possible_s"] if row["best_possible_s"] else None
     return row
@@ -445,6 +490,17 @@ def plan_args(cfg) -> dict:
 
 
 _OTF_BOUND = "the longer of the onload alone and the first module's copy then the forward"
+_OTF_CONTENDED = "the same schedule with plain copies, the forward beside the copy"
+
+
+def _contended_note(r: dict) -> str:
+    if r["name"] != "onload_then_forward" or r.get("contended_best_ratio") is None:
+        return ""
+    return (
+        f"; plain copies in the same schedule take {r['plain_overlap_s'] * 1e3:.1f} ms (the first module's "
+        f"copy, then the forward beside the rest of the copy), against {r['forward_alone_s'] * 1e3:.1f} ms "
+        f"for the forward alone; the bound without that contention would be {r['best_possible_ratio']:.2f}"
+    )
 
 
 def _first_module_note(r: dict) -> str:
@@ -481,14 +537,19 @@ def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
                     "detail": detail,
                 }
             )
-        bound = r.get("copy_bound_ratio") if r["name"] == "swap" else r.get("best_possible_ratio")
+        if r["name"] == "swap":
+            bound, what = r.get("copy_bound_ratio"), "two copies at once"
+        elif r.get("contended_best_ratio") is not None:
+            bound, what = r["contended_best_ratio"], _OTF_CONTENDED
+        else:  # results from before the contended bound
+            bound, what = r.get("best_possible_ratio"), _OTF_BOUND
         if not gpu and bound is not None:  # what the machine allows, measured in the same run
-            what = "two copies at once" if r["name"] == "swap" else _OTF_BOUND
             out.append(
                 {
                     "name": f"overlap {r['name']}: within 0.05 of its bound ({what})",
                     "passed": r["ratio"] <= bound + 0.05,
                     "detail": f"{r['ratio']:.2f} of serial against a bound of {bound:.2f}"
+                    + _contended_note(r)
                     + _first_module_note(r)
                     + _timeline_note(r),
                 }

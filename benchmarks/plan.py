@@ -267,6 +267,9 @@ def plan_host_memory(
             # the swap row's copy bound: its two copies scaled down, sources and destinations
             n_out, n_in = copy_bound_sizes(sum(b[str(p)] for p in Part), sum(overlap_bytes.values()))
             items.append(PlanItem("overlap rows: swap copy-bound buffers", 2 * (n_out + n_in), False, "overlap"))
+            # onload_then_forward's bound with contention: a source and a destination of the weights
+            n_weights = b[Part.WEIGHTS.value]
+            items.append(PlanItem("overlap rows: plain-copy bound buffers", 2 * n_weights, False, "overlap"))
     return HostMemoryPlan(tuple(items))
 
 
@@ -411,7 +414,8 @@ def estimate_seconds(
         critic = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value) / 1e9 / bw["pinned"]
         critic_params = overlap_bytes.get(Part.OPTIMIZER_STATES.value, 0) / 8
         overlap_s = (
-            rounds * (3 * forward + 3 * weights)  # onload_then_forward: forward, onload, serial, overlapped
+            # onload_then_forward: forward, onload, serial, overlapped (and on CPU the plain-copy bound)
+            rounds * ((3 if cuda else 4) * forward + 3 * weights)
             + rounds * 4 * (full + 2 * critic)  # swap: serial and overlapped, there and back
             + rounds * 2 * full  # full_cycle: serial and overlapped
             + 2.0

@@ -189,6 +189,19 @@ def test_the_gpu_onload_then_forward_target_is_judged_against_the_longer_half():
         "overlap onload_then_forward: within 0.05 of its bound "
         "(the longer of the onload alone and the first module's copy then the forward)"
     )
+    # on a CPU device the row also times the same schedule with plain copies (the forward beside
+    # the copy on one memory bus): the target is judged against that, and says what it was without
+    contended = {**row, "plain_overlap_s": 0.0300, "contended_best_s": 0.0300, "contended_best_ratio": 0.0300 / 0.0430}
+    target = overlap_targets([contended], gpu=False)[1]
+    assert target["name"] == (
+        "overlap onload_then_forward: within 0.05 of its bound "
+        "(the same schedule with plain copies, the forward beside the copy)"
+    )
+    assert target["passed"] and target["detail"].startswith("0.60 of serial against a bound of 0.70")
+    assert "plain copies in the same schedule take 30.0 ms" in target["detail"]
+    assert "the bound without that contention would be 0.58" in target["detail"]
+    assert not overlap_targets([{**contended, "ratio": 0.76}], gpu=False)[1]["passed"]
+    assert overlap_targets([contended], gpu=True)[0]["name"].startswith("overlap onload_then_forward: <= 1.1x")
     # a row that timed the first module's copy says so, and what the bound would be without it
     with_first = {**row, "first_module_bytes": 48 * 2**20, "first_module_copy_s": 0.006}
     assert (
@@ -219,6 +232,9 @@ def test_the_cpu_plan_counts_the_copy_bound_buffers():
         ).items
     }
     assert "overlap rows: swap copy-bound buffers" not in gpu
+    # onload_then_forward's bound with plain copies beside the forward: the weights' bytes, twice
+    assert cpu["overlap rows: plain-copy bound buffers"] == 2 * 2**20
+    assert "overlap rows: plain-copy bound buffers" not in gpu
 
 
 def test_the_first_module_copy_pins_as_the_run_does_not_as_the_config_says():
