@@ -31,10 +31,11 @@ R2. *A storage is released only after its bytes reached the host.* CUDA: the sto
     allocator hands that memory out again only once the stream has passed the copy. CPU: the
     release is the step after the storage's copy steps in the d2h lane.
 R3. *A storage is regrown just before its copy, and written only after the caller's earlier work.*
-    It is regrown by the submitting thread as its copies are submitted. CUDA: on the caller's
-    stream (the allocator's blocks stay in the caller's pool), and the h2d stream waits for the
-    caller's stream right after, so a block the caller freed earlier is not overwritten while the
-    caller's queued kernels may still read it. CPU: from the caller's malloc arena, which the
+    It is regrown by the submitting thread as its copies are submitted: a step's regrows run
+    before that step's copies. CUDA: on the caller's stream (the allocator's blocks stay in the
+    caller's pool), and the h2d stream waits for the caller's stream once they ran, before the
+    step's copies, so a block the caller freed earlier is not overwritten while the caller's queued
+    kernels may still read it. CPU: from the caller's malloc arena, which the
     releases give it back to; the worker copies after it.
 R4. *Nothing reads a restored storage before its bytes arrived.* Every guarded entry of a manager
     waits for the fence of the transition it depends on: the forward pre-hook of each module for

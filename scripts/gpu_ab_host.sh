@@ -8,12 +8,15 @@
 # scripts/measure_host_overhead.py for base and then new. The scripts are this checkout's: the
 # builds differ only in the library. Everything is written under --out as it happens (a command cut
 # short keeps what it measured):
-#   bash scripts/gpu_ab_host.sh --out "$OUT" [--rounds 1] [--layers 4,64] [--repeats 10] [--preset gpu]
+#   bash scripts/gpu_ab_host.sh --out "$OUT" [--rounds 1] [--layers 4,64] [--repeats 10] [--preset gpu] [--run-timeout 150]
+# Each process runs under `timeout --run-timeout` seconds: one that hangs in its exit after writing
+# its results (a build without gpt.shutdown_distributed() in its scripts did, with NCCL) does not
+# take the others' time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WH="${WHEELHOUSE:-.whl}"
 PY="${PYTHON:-python3}"
-OUTDIR="" ROUNDS=1 LAYERS="4,64" REPEATS=10 PRESET=gpu
+OUTDIR="" ROUNDS=1 LAYERS="4,64" REPEATS=10 PRESET=gpu RUN_TIMEOUT=150
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUTDIR="$2"; shift 2 ;;
@@ -21,7 +24,8 @@ while [ $# -gt 0 ]; do
     --layers) LAYERS="$2"; shift 2 ;;
     --repeats) REPEATS="$2"; shift 2 ;;
     --preset) PRESET="$2"; shift 2 ;;
-    *) echo "usage: bash scripts/gpu_ab_host.sh --out DIR [--rounds N] [--layers 4,64] [--repeats 10] [--preset gpu]" >&2; exit 2 ;;
+    --run-timeout) RUN_TIMEOUT="$2"; shift 2 ;;
+    *) echo "usage: bash scripts/gpu_ab_host.sh --out DIR [--rounds N] [--layers 4,64] [--repeats 10] [--preset gpu] [--run-timeout 150]" >&2; exit 2 ;;
   esac
 done
 if [ -z "$OUTDIR" ]; then
@@ -45,8 +49,8 @@ export PYTHONUNBUFFERED=1
 run() {  # run BUILD NAME SCRIPT ARGS...: one process of one build, its log and JSON under --out
   local build="$1" name="$2"; shift 2
   local t=$(date +%s)
-  PYTHONPATH="/tmp/ab_$build" "$PY" "$@" --out "$OUTDIR/${name}_$build.json" > "$OUTDIR/${name}_$build.log" 2>&1 \
-    || echo "[ab] $name $build exited with $?"
+  PYTHONPATH="/tmp/ab_$build" timeout "$RUN_TIMEOUT" "$PY" "$@" --out "$OUTDIR/${name}_$build.json" \
+    > "$OUTDIR/${name}_$build.log" 2>&1 || echo "[ab] $name $build exited with $? (124: cut at $RUN_TIMEOUT s)"
   echo "[ab] $name $build: $(( $(date +%s) - t )) s"
 }
 for r in $(seq 1 "$ROUNDS"); do
