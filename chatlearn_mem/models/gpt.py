@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional
 
@@ -281,8 +282,9 @@ def shutdown_distributed() -> None:
     if "megatron.core" in sys.modules:  # nothing to leave when megatron was never imported
         from megatron.core import parallel_state
 
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        # unconditionally: it resets every group global, also those of an initialisation that
+        # failed half way (which model_parallel_is_initialized() does not see), and does nothing twice
+        parallel_state.destroy_model_parallel()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -303,9 +305,15 @@ def owned_process_group() -> Iterator[None]:
     before = dist.is_available() and dist.is_initialized()
     try:
         yield
-    finally:
+    except BaseException:
         if not before and dist.is_available() and dist.is_initialized():
-            shutdown_distributed()
+            try:
+                shutdown_distributed()
+            except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
+                warnings.warn(f"shutting the process group down after an error failed too: {e!r}", stacklevel=2)
+        raise
+    if not before and dist.is_available() and dist.is_initialized():
+        shutdown_distributed()
 
 
 def _megatron_module():

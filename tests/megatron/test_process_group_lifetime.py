@@ -50,3 +50,18 @@ def test_a_group_that_was_there_before_is_left_alone(dist1):
     with gpt.owned_process_group():
         gpt.init_distributed(cpu_backend=True)  # joins the session's group
     assert torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()
+
+
+def test_the_blocks_own_error_is_the_one_raised_when_the_shutdown_fails_too(monkeypatch):
+    # a NCCL collective that failed can make destroy_process_group() raise as well: that error must
+    # not replace the one that ended the block (it is reported as a warning)
+    answers = iter([False])  # not initialised before the block, initialised after
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: next(answers, True))
+
+    def broken():
+        raise RuntimeError("NCCL communicator was aborted")
+
+    monkeypatch.setattr(gpt, "shutdown_distributed", broken)
+    with pytest.raises(KeyError, match="the block's own"), pytest.warns(UserWarning, match="failed too"):
+        with gpt.owned_process_group():
+            raise KeyError("the block's own")
