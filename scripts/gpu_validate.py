@@ -227,17 +227,17 @@ def _checkout_revision() -> str | None:
 
 
 def source_revision(explicit: str | None, wheelhouse: str | None) -> tuple[str | None, str]:
-    """The revision to record and where it came from: ``--revision``, else the wheelhouse's
-    ``REVISION`` when this checkout's git says otherwise (the library that runs is the wheel's; a
-    copy of the repository may carry a ``.git`` of an older commit, its changes since showing as
-    dirty), else this checkout's git ``HEAD``, else the wheelhouse's ``REVISION`` (a copy without
-    ``.git``)."""
+    """The revision to record and where it came from: ``--revision``, else, with ``--wheelhouse``
+    given (the library that runs is then the wheel's), its ``REVISION`` when this checkout's git is
+    at another commit (a copy of the repository may carry a ``.git`` of an older commit, the newer
+    changes dirty on it), else this checkout's git ``HEAD`` (``+dirty`` kept), else the
+    wheelhouse's ``REVISION`` (a copy without ``.git``)."""
     if explicit:
         return explicit, "--revision"
     here = _checkout_revision()
     wh = Path(wheelhouse) if wheelhouse else REPO / ".whl"
     built_from = wheelhouse_revision(wh)
-    if here and built_from and here != built_from:
+    if wheelhouse and here and built_from and here.split("+")[0] != built_from.split("+")[0]:
         return built_from, f"{wh / REVISION_FILE}, the wheel's; git in {REPO} says {here}"
     if here:
         return here, f"git in {REPO}"

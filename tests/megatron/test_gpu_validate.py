@@ -156,6 +156,12 @@ def test_the_revision_comes_from_the_wheelhouse_when_the_copy_has_no_git(tmp_pat
     assert revision == "0123abcd" and source.endswith("the wheel's; git in " + str(gv.REPO) + " says 9d15a7e+dirty")
     monkeypatch.setattr(gv, "_checkout_revision", lambda: "0123abcd")
     assert gv.source_revision(None, str(wh)) == ("0123abcd", f"git in {gv.REPO}")
+    # the same commit with changes in the checkout: its "+dirty" stays on the record
+    monkeypatch.setattr(gv, "_checkout_revision", lambda: "0123abcd+dirty")
+    assert gv.source_revision(None, str(wh)) == ("0123abcd+dirty", f"git in {gv.REPO}")
+    # no --wheelhouse: the library is the checkout's own, whatever a leftover .whl/REVISION says
+    monkeypatch.setattr(gv, "_checkout_revision", lambda: "9d15a7e")
+    assert gv.source_revision(None, None) == ("9d15a7e", f"git in {gv.REPO}")
     monkeypatch.setattr(gv, "_checkout_revision", lambda: None)
     assert gv.source_revision(None, str(tmp_path / "none")) == (None, "")
     bench = next(e for e in gv.plan(tmp_path, "s", ["bench"], tmp_path, "0123abcd") if e["step"] == "bench")
