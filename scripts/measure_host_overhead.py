@@ -25,6 +25,7 @@ Results of a run are in ``docs/transitions.md`` (host work per call and per step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -127,7 +128,10 @@ def main(argv=None) -> int:
 
     from chatlearn_mem.models import gpt
 
-    with tempfile.TemporaryDirectory() as d, gpt.owned_process_group():
+    # the group destroyed before exit: a NCCL group left to it holds it up (an older build, the base
+    # of scripts/gpu_ab_host.sh, lacks owned_process_group: that script destroys the group at exit)
+    owned = getattr(gpt, "owned_process_group", contextlib.nullcontext)
+    with tempfile.TemporaryDirectory() as d, owned():
         gpt.init_distributed(init_method=f"file://{d}/init", cpu_backend=True)
         device = (
             torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"

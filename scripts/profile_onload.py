@@ -25,6 +25,7 @@ Run (on a GPU; on a CPU it runs through the CPU backend)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -161,7 +162,9 @@ def main(argv=None) -> int:
         cfg = load_config(args.preset, args.overrides)
     except ConfigError as e:
         p.error(str(e))
-    with gpt.owned_process_group():  # destroyed before exit: a NCCL group left to it holds it up
+    # the group destroyed before exit: a NCCL group left to it holds it up (an older build, the base
+    # of scripts/gpu_ab_host.sh, lacks owned_process_group: that script destroys the group at exit)
+    with getattr(gpt, "owned_process_group", contextlib.nullcontext)():
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
             _init_distributed(tmp)
