@@ -267,9 +267,12 @@ def plan_host_memory(
             # the swap row's copy bound: its two copies scaled down, sources and destinations
             n_out, n_in = copy_bound_sizes(sum(b[str(p)] for p in Part), sum(overlap_bytes.values()))
             items.append(PlanItem("overlap rows: swap copy-bound buffers", 2 * (n_out + n_in), False, "overlap"))
-            # onload_then_forward's bound with contention: a source and a destination of the weights
+            # onload_then_forward's bound with contention: a source and a destination of the weights,
+            # freed before the swap row builds its second trainer (a phase of its own)
             n_weights = b[Part.WEIGHTS.value]
-            items.append(PlanItem("overlap rows: plain-copy bound buffers", 2 * n_weights, False, "overlap"))
+            items.append(
+                PlanItem("overlap rows: plain-copy bound buffers", 2 * n_weights, False, "overlap onload_then_forward")
+            )
     return HostMemoryPlan(tuple(items))
 
 

@@ -77,11 +77,11 @@ def markdown(res: dict) -> str:
             f"{_ms(s['q25'])}-{_ms(s['q75'])} | {_ms(s['min'])}-{_ms(s['max'])} | {gbs} | {vc} | {vb} | {tm} | "
             f"{r.get('manager_is', '')} |"
         )
-    lines += _host_work_lines(res)
     lines += [
         "",
         "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".",
         "",
+        *_host_work_lines(res),
         "## Memory per stage (first timed repeat)",
         "",
         "Device bytes: CUDA allocated/reserved on GPU; on CPU the manager's `residency()` for the "
@@ -269,7 +269,6 @@ def _host_work_lines(res: dict) -> list[str]:
         return []
     cuda = res["hardware"]["device"].startswith("cuda")
     lines = [
-        "",
         "## The manager's host work",
         "",
         "Host time running the transition's actions (summed `TransferStats.host_seconds`, median) "
@@ -278,7 +277,8 @@ def _host_work_lines(res: dict) -> list[str]:
             "On CUDA the host only issues the copies: a share well below 1 means the copies, not "
             "the host, bound the call."
             if cuda
-            else "On a CPU device the host time includes the copies themselves."
+            else "On a CPU device the host time includes the copies themselves, and the regrows (on the "
+            "calling thread) and the copies (on the lane's) add up from two threads, so a share can exceed 1."
         ),
         "",
         "| part | direction | steps | actions | host ms | call ms | host share |",
@@ -290,7 +290,7 @@ def _host_work_lines(res: dict) -> list[str]:
             f"| {r['part']} | {r['direction']} | {r.get('steps', '')} | {r.get('actions', '')} | "
             f"{_ms(r['host_seconds']['median'])} | {_ms(r['seconds']['median'])} | {share} |"
         )
-    return lines
+    return lines + [""]
 
 
 def _plan_lines(res: dict) -> list[str]:

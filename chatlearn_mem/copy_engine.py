@@ -129,8 +129,10 @@ class Action:
     Attributes:
         fn: Does the work; on CUDA it runs with the lane's stream current (its copies go there).
         label: What it does, for messages and tests ("copy weights[0] 0:16777216").
-        on_caller_stream: CUDA only: run ``fn`` on the caller's stream instead (allocations, R3);
-            the lane's stream then waits for the caller's stream.
+        on_caller_stream: Run ``fn`` on the submitting thread at submission, before the lane's
+            actions of the same step (allocations, R3); on CUDA on the caller's stream, and the
+            lane's stream waits for the caller's once the step's caller-side actions ran. A CPU
+            lane runs them on the submitting thread too.
     """
 
     fn: Callable[[], None]
@@ -245,7 +247,9 @@ class Batch:
         return len(self.steps) - 1, len(self.steps[-1]) - 1
 
     def set_after(self, where: tuple[int, int], fence: "Fence") -> None:
-        """Make the action at ``where`` ``(step, action)`` wait for ``fence`` (of another lane) first."""
+        """Make the action at ``where`` ``(step, action)`` wait for ``fence`` (of another lane) first.
+        The wait is per step: the host waits for every fence set on a step before it runs any of
+        that step's actions (R8)."""
         assert self._lane is None, "set before the batch is submitted"
         self._afters[where] = fence
 
