@@ -26,6 +26,7 @@ Example (runs as written; a test runs it)::
     mm.onload()                                # everything, in place
     assert mm.audit().ok
     trainer.train_step(gpt.synthetic_batch(config, 1))
+    gpt.shutdown_distributed()                 # before the process exits (torch asks for it)
 
 The rest of the API: checkpoints of a sleeping trainer (:func:`save_checkpoint`,
 :func:`load_checkpoint`), what stays on the device and who holds it (:func:`device_report`),

@@ -75,6 +75,7 @@ def main() -> None:
             raise SystemExit(1)
     mm.onload()
     print("done: trainer awake, audit", "ok" if mm.audit().ok else "FAILED")
+    gpt.shutdown_distributed()  # before the process exits: a process group left to the exit can hang or abort it
 
 
 if __name__ == "__main__":
