@@ -31,7 +31,9 @@ first module's copy, the swap's two copies at once). Ignored on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -156,6 +158,24 @@ def first_module_bytes(mm: TrainerMemoryManager) -> int:
     return sum(b - a for _, a, b in ranges[0])
 
 
+@contextlib.contextmanager
+def _intra_op_threads(threads: int):
+    """This thread's intra-op threads set to ``threads`` inside, as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _copy_with_threads(threads: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on a thread of its own with ``threads`` intra-op threads (that thread's
+    own setting), as a lane's worker copies."""
+    torch.set_num_threads(threads)
+    dst.copy_(src)
+
+
 def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, list[float]]:
     """A plain copy, host to device, of the first module's bytes (buffers allocated once), timed
     ``warmup + repeats`` times with ``threads`` intra-op threads (CPU: the copy lane's, which are
@@ -163,13 +183,8 @@ def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, l
     nbytes = first_module_bytes(mm)
     src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(threads)
-    try:
+    with _intra_op_threads(threads) if device.type == "cpu" else contextlib.nullcontext():
         samples = [timed(lambda: dst.copy_(src, non_blocking=pin), device)[0] for _ in range(cfg.warmup + cfg.repeats)]
-    finally:
-        torch.set_num_threads(before)
     return nbytes, samples[cfg.warmup :]
 
 
@@ -179,23 +194,13 @@ def _plain_onload_beside_forward(weights_bytes: int, first_bytes: int, threads: 
     ``threads`` intra-op threads, as a lane copies); returns the function to time. On a CPU
     "device" the forward and the copy share the memory bus: this is the row's bound counting that
     contention, as ``copy_bound_ratio`` is the swap's."""
-    import threading
-
     src = torch.ones(weights_bytes, dtype=torch.uint8)
     dst = torch.zeros(weights_bytes, dtype=torch.uint8)
 
-    def copy_rest():
-        torch.set_num_threads(threads)  # this thread's own setting, as a lane's
-        dst[first_bytes:].copy_(src[first_bytes:])
-
     def run():
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _intra_op_threads(threads):
             dst[:first_bytes].copy_(src[:first_bytes])
-        finally:
-            torch.set_num_threads(before)
-        other = threading.Thread(target=copy_rest)
+        other = threading.Thread(target=_copy_with_threads, args=(threads, dst[first_bytes:], src[first_bytes:]))
         other.start()
         forward()
         other.join()
@@ -374,8 +379,6 @@ def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = 
     (:func:`~chatlearn_mem_bench.plan.copy_bound_sizes`): how much a
     swap can gain from running its two directions together on this machine's memory bus, before any
     release, regrow or pacing. A GPU's two copy engines are separate hardware; this is CPU only."""
-    import threading
-
     sizes = copy_bound_sizes(out_bytes, in_bytes, nbytes)
     src = [torch.ones(n, dtype=torch.uint8) for n in sizes]
     dst = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
@@ -384,14 +387,10 @@ def copy_bound_ratio(out_bytes: int, in_bytes: int, repeats: int, nbytes: int = 
         for d, s in zip(dst, src):
             d.copy_(s)
 
-    threads = torch.get_num_threads()
-
-    def copy_with_the_callers_threads(d, s):
-        torch.set_num_threads(threads)  # this thread's own setting, as a lane's
-        d.copy_(s)
+    threads = torch.get_num_threads()  # the caller's, as a lane copies with
 
     def together():
-        other = threading.Thread(target=copy_with_the_callers_threads, args=(dst[0], src[0]))
+        other = threading.Thread(target=_copy_with_threads, args=(threads, dst[0], src[0]))
         other.start()
         dst[1].copy_(src[1])
         other.join()
