@@ -73,6 +73,16 @@ _MADV_HUGEPAGE = 14
 _libc_functions: dict = {}  # name -> resolved libc function, or False when unavailable
 
 
+_CPU = torch.device("cpu")
+
+
+def _on_cpu(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` is a CPU storage (a device comparison: ``storage.device.type`` costs
+    several times as much, and this runs once per storage of every transition)."""
+    device = storage.device
+    return device == _CPU or device.type == "cpu"
+
+
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """Identity of the storage object behind a tensor (stable while it is resized)."""
     s = t.untyped_storage() if isinstance(t, torch.Tensor) else t
@@ -108,7 +118,7 @@ def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
     storages under 4 MiB, non-CPU storages and non-Linux systems are left alone.
     """
     n = storage.nbytes()
-    if storage.device.type != "cpu" or not sys.platform.startswith("linux") or n < 2 * HUGE_PAGE:
+    if n < 2 * HUGE_PAGE or not _on_cpu(storage) or not sys.platform.startswith("linux"):
         return False
     ptr = storage.data_ptr()
     lo = -(-ptr // HUGE_PAGE) * HUGE_PAGE
@@ -162,7 +172,7 @@ def release(storage: torch.UntypedStorage, lazy: bool = True, advise: bool = Tru
         and pass it to :func:`regrow`, or drop it to free the memory. Otherwise None.
     """
     n = storage.nbytes()
-    if storage.device.type != "cpu" or not parks_cpu_memory() or n == 0:
+    if n == 0 or not _on_cpu(storage) or not parks_cpu_memory():
         storage.resize_(0)
         return None
     holder = torch.UntypedStorage(0)
@@ -237,7 +247,7 @@ def own_memory(storage: torch.UntypedStorage) -> bool:
     """Give a CPU storage that holds memory it cannot resize (a piece of a :class:`Slab`) memory of
     its own from torch's allocator, with the same bytes: every view stays valid and ``resize_``
     works again. Returns whether it moved (a resizable or empty storage is left alone)."""
-    if storage.device.type != "cpu" or storage.resizable() or not storage.nbytes() or not parks_cpu_memory():
+    if not _on_cpu(storage) or storage.resizable() or not storage.nbytes() or not parks_cpu_memory():
         return False
     own = torch.UntypedStorage(storage.nbytes())
     own.copy_(storage)
@@ -268,7 +278,7 @@ def regrow(storage: torch.UntypedStorage, nbytes: int, block: Optional[Block] = 
     Raises:
         Whatever the allocation raises (``MemoryError``, a device OOM); the storage is unchanged.
     """
-    if storage.device.type != "cpu" or not parks_cpu_memory():
+    if not _on_cpu(storage) or not parks_cpu_memory():
         storage.resize_(nbytes)
         if huge_pages:
             advise_huge_pages(storage)

@@ -19,7 +19,6 @@ from typing import Hashable, Iterable, Optional
 
 import torch
 
-from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ExternalChangeError
 
 __all__ = ["ExternalChangeError", "Placement", "changes"]
@@ -57,13 +56,8 @@ class Placement:
     @classmethod
     def of(cls, slots: Iterable[tuple[Hashable, torch.Tensor]], device: torch.device) -> "Placement":
         """Record the slots whose tensor lives on ``device``, with the storage each one uses."""
-        return cls({slot: storage_key(t) for slot, t in slots if t.device == device})
-
-
-def _released(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage was released (``resize_(0)``, what megatron's offload calls do)
-    although ``t`` has elements. (The audit's residency check also catches partial shrinks.)"""
-    return t.untyped_storage().nbytes() == 0 and t.numel() > 0
+        # (storage_key inlined: this runs over every tensor of a part after each call)
+        return cls({slot: t.untyped_storage()._cdata for slot, t in slots if t.device == device})
 
 
 def changes(
@@ -97,12 +91,16 @@ def changes(
             )
         return out
     short = moved = rebound = 0
-    for slot, t in slots:
-        seen = before.on_device.get(slot) if before is not None else None
+    on_device = before.on_device if before is not None else {}
+    for slot, t in slots:  # every tensor of the part, before every call: one storage lookup each
+        seen = on_device.get(slot)
         if t.device == device:
-            if _released(t):
+            s = t.untyped_storage()
+            if s.nbytes() == 0 and t.numel() > 0:
+                # released (resize_(0), what megatron's offload calls do) although it has elements
+                # (the audit's residency check also catches partial shrinks)
                 short += 1
-            elif seen is not None and storage_key(t) != seen:
+            elif seen is not None and s._cdata != seen:  # another storage (storage_key) than before
                 rebound += 1
         elif seen is not None:
             moved += 1

@@ -44,7 +44,7 @@ def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> li
         if t is None or t.device != device:
             continue
         s = t.untyped_storage()
-        seen.setdefault(storage_key(s), s)
+        seen.setdefault(s._cdata, s)  # storage_key(s), inlined: once per tensor of a part, every call
     return list(seen.values())
 
 
@@ -287,8 +287,11 @@ class StorageGroup:
         if not self._slab_layout(storages) or self._slab is None:
             return None
         offsets = self.store.flat_offsets
-        if not all(self._slab.holds(s, off) for s, off in zip(storages, offsets) if s.nbytes()):
-            return None
+        base, end = self._slab.address, self._slab.nbytes
+        for s, off in zip(storages, offsets):  # Slab.holds for each, inlined (every storage, every offload)
+            n = s.nbytes()
+            if n and (s.data_ptr() != base + off or off + n > end):
+                return None
         return self._slab, offsets
 
     # -- transitions through the copy engine ------------------------------------------------
@@ -356,7 +359,7 @@ class StorageGroup:
         assert self._transfer is None, f"{self.name} has a transition in flight"
         storages = [s for s, _ in self._released]
         sizes = tuple(n for _, n in self._released)
-        index = {storage_key(s): i for i, s in enumerate(storages)}
+        index = {s._cdata: i for i, s in enumerate(storages)} if users else {}  # storage_key(s)
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
         slab = self._slab_for_onload(storages)
         key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None)

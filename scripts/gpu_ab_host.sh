@@ -6,7 +6,8 @@
 # it with `pip wheel --no-deps -w .whl/base .` and `git rev-parse HEAD > .whl/base/REVISION` in a
 # checkout of the other commit). Then, for
 # --rounds rounds, runs scripts/profile_onload.py for base and then new, and last
-# scripts/measure_host_overhead.py for base and then new. The scripts are this checkout's: the
+# scripts/measure_host_overhead.py --profile for base and then new (with each kind of call's leading
+# functions under cProfile on the largest model). The scripts are this checkout's: the
 # builds differ only in the library. Everything is written under --out as it happens (a command cut
 # short keeps what it measured):
 #   bash scripts/gpu_ab_host.sh --out "$OUT" [--rounds 1] [--layers 4,64] [--repeats 10] [--preset gpu] [--run-timeout 150]
@@ -80,6 +81,6 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 for build in base new; do
-  run "$build" host scripts/measure_host_overhead.py --layers "$LAYERS" --repeats "$REPEATS"
+  run "$build" host scripts/measure_host_overhead.py --layers "$LAYERS" --repeats "$REPEATS" --profile
 done
 echo "[ab] done in $(( $(date +%s) - t0 )) s"

@@ -19,6 +19,12 @@ machine without one, through the CPU backend. Run::
 
     python scripts/measure_host_overhead.py [--layers 4,16,64] [--repeats 15] [--out FILE.json]
 
+``--profile`` also runs each kind of call ``--repeats`` more times, on the largest model, under
+cProfile (apart from the timed calls, which it would slow), and keeps the functions that took the
+most time of their own: per call, how often each ran and its microseconds (``profile`` in the JSON,
+the full transitions' leaders printed). On a GPU it says which torch calls the per-storage work is
+made of (an allocation, a stream record, a copy launch) and how much is Python.
+
 Results of a run are in ``docs/transitions.md`` (host work per call and per step).
 """
 
@@ -26,19 +32,44 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 CALLS = ("weights offload", "weights onload", "weights onload, non-blocking", "full offload", "full onload")
+PROFILE_TOP = 25  # functions kept per kind of call
 
 
-def measure(layers: int, repeats: int) -> dict:
-    """One model of ``layers`` layers: per kind of call, the median wall time and the lanes' counts."""
+def _leaders(profile: cProfile.Profile, calls: int, top: int = PROFILE_TOP) -> list[dict]:
+    """The ``top`` functions of ``profile`` by time of their own, per call of the ``calls`` it
+    covered: ``function`` (file:line(name), or the C method), ``ncalls``, ``tottime_us`` (own time),
+    ``cumtime_us`` (with what it called)."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
+    rows = []
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in stats.items():
+        where = name if file == "~" else f"{Path(file).name}:{line}({name})"
+        rows.append(
+            {
+                "function": where,
+                "ncalls": ncalls / calls,
+                "tottime_us": tottime / calls * 1e6,
+                "cumtime_us": cumtime / calls * 1e6,
+            }
+        )
+    rows.sort(key=lambda r: -r["tottime_us"])
+    return rows[:top]
+
+
+def measure(layers: int, repeats: int, profile: bool = False) -> dict:
+    """One model of ``layers`` layers: per kind of call, the median wall time and the lanes' counts;
+    with ``profile``, each kind's leading functions under cProfile (:func:`_leaders`)."""
     import torch
 
     from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
@@ -61,12 +92,14 @@ def measure(layers: int, repeats: int) -> dict:
         "storages": {p.value: len(mm.state.storages(p)) for p in mm.parts},
     }
 
-    def timed(call, before=None) -> dict:
+    def timed(call, before=None, profiler: Optional[cProfile.Profile] = None) -> dict:
         walls, returns, stats = [], [], []
         for _ in range(repeats):
             if before is not None:
                 before()
             sync()
+            if profiler is not None:
+                profiler.enable()
             t0 = time.perf_counter()
             result = call()
             t1 = time.perf_counter()
@@ -75,6 +108,8 @@ def measure(layers: int, repeats: int) -> dict:
                 sync()
                 returns.append(t1 - t0)
                 t1 = time.perf_counter()
+            if profiler is not None:
+                profiler.disable()
             walls.append(t1 - t0)
             stats.append(result)
         last = [s for s in stats[-1] if s is not None]
@@ -99,16 +134,41 @@ def measure(layers: int, repeats: int) -> dict:
             mm.offload(todo)
 
     w = Part.WEIGHTS
-    row["calls"] = {
-        "weights offload": timed(lambda: mm.offload(w), before=lambda: resident(w)),
-        "weights onload": timed(lambda: mm.onload(w), before=lambda: offloaded(w)),
-        "weights onload, non-blocking": timed(lambda: mm.onload(w, blocking=False), before=lambda: offloaded(w)),
-        "full offload": timed(mm.offload, before=resident),
-        "full onload": timed(mm.onload, before=offloaded),
+    kinds = {  # (the call, what makes it possible, untimed)
+        "weights offload": (lambda: mm.offload(w), lambda: resident(w)),
+        "weights onload": (lambda: mm.onload(w), lambda: offloaded(w)),
+        "weights onload, non-blocking": (lambda: mm.onload(w, blocking=False), lambda: offloaded(w)),
+        "full offload": (mm.offload, resident),
+        "full onload": (mm.onload, offloaded),
     }
+    assert tuple(kinds) == CALLS
+    row["calls"] = {name: timed(call, before) for name, (call, before) in kinds.items()}
+    if profile:  # apart from the timed calls: cProfile slows every Python call
+        row["profile"] = {}
+        for name, (call, before) in kinds.items():
+            profiler = cProfile.Profile()
+            out = timed(call, before, profiler)
+            row["profile"][name] = {"profiled_wall_ms": out["wall_ms"], "functions": _leaders(profiler, repeats)}
     assert mm.audit().ok
     mm.close()
     return row
+
+
+def _print_leaders(row: dict, call: str, top: int = 10) -> None:
+    """The ``top`` functions of ``call``'s profile in ``row``, per call and per storage moved."""
+    prof = row["profile"][call]
+    storages = sum(row["storages"].values())
+    print(
+        f"\n{call}, {row['parameters']} params, {storages} storages: under cProfile {prof['profiled_wall_ms']:.2f} ms "
+        f"a call (timed: {row['calls'][call]['wall_ms']:.2f} ms); the functions with the most time of their own"
+    )
+    print("| function | calls per call | own us per call | own us per storage | with callees us per call |")
+    print("|---|---:|---:|---:|---:|")
+    for f in prof["functions"][:top]:
+        print(
+            f"| `{f['function']}` | {f['ncalls']:.0f} | {f['tottime_us']:.0f} | {f['tottime_us'] / storages:.2f} "
+            f"| {f['cumtime_us']:.0f} |"
+        )
 
 
 def main(argv=None) -> int:
@@ -116,6 +176,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default="4,16,64", help="comma-separated layer counts, one model each")
     p.add_argument("--repeats", type=int, default=15, help="timed calls of each kind per model")
     p.add_argument("--out", help="write every figure here as JSON")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each kind of call on the largest model (cProfile, apart from the timed calls)",
+    )
     args = p.parse_args(argv)
     try:
         layers = [int(x) for x in args.layers.split(",")]
@@ -139,7 +204,7 @@ def main(argv=None) -> int:
         rows = []
         for n in layers:
             print(f"[host-overhead] {n} layers ...", file=sys.stderr, flush=True)
-            rows.append(measure(n, args.repeats))
+            rows.append(measure(n, args.repeats, profile=args.profile and n == max(layers)))
     print(f"device: {device}; medians of {args.repeats} calls; hidden 64 (the copies take next to nothing)")
     print("| call | " + " | ".join(f"{r['parameters']} params" for r in rows) + " | us per extra param |")
     print("|---|" + "---:|" * (len(rows) + 1))
@@ -156,6 +221,9 @@ def main(argv=None) -> int:
         dp = last["parameters"] - first["parameters"]
         slopes[call] = (last["calls"][call]["wall_ms"] - first["calls"][call]["wall_ms"]) * 1e3 / dp
         print(f"| {call} | " + " | ".join(cells) + f" | {slopes[call]:.1f} |")
+    for r in rows:
+        for call in ("full offload", "full onload") if "profile" in r else ():
+            _print_leaders(r, call)
     if args.out:
         Path(args.out).write_text(
             json.dumps(

@@ -104,3 +104,27 @@ def test_profile_onload_script_measures_and_profiles_both_cache_settings(dist1, 
         assert len(r["serial_ms"]) == len(r["overlapped_ms"]) == 4
         assert r["weights_storages"] >= 1 and r["weights_mib"] > 0
         assert "direction='onload'" in r["stats"] and "onload" in r["profile_cumtime"]
+
+
+def test_measure_host_overhead_profiles_each_kind_of_call(dist1):
+    """scripts/measure_host_overhead.py --profile: every kind of call has its leading functions,
+    per call, and a full onload's regrows are counted once per storage (on a CPU device they run
+    on the calling thread, which cProfile follows)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "measure_host_overhead.py"
+    spec = importlib.util.spec_from_file_location("measure_host_overhead", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = mod.measure(2, 2, profile=True)
+    assert sorted(row["profile"]) == sorted(mod.CALLS) == sorted(row["calls"])
+    for prof in row["profile"].values():
+        functions = prof["functions"]
+        assert 0 < len(functions) <= mod.PROFILE_TOP and prof["profiled_wall_ms"] > 0
+        own = [f["tottime_us"] for f in functions]
+        assert own == sorted(own, reverse=True) and all(f["ncalls"] > 0 for f in functions)
+    regrow = [f for f in row["profile"]["full onload"]["functions"] if f["function"].endswith("(regrow)")]
+    assert len(regrow) == 1 and regrow[0]["ncalls"] == sum(row["storages"].values())
+    unprofiled = mod.measure(2, 2)
+    assert "profile" not in unprofiled and sorted(unprofiled["calls"]) == sorted(mod.CALLS)
