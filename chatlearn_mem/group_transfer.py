@@ -104,7 +104,14 @@ copies, and steps still end every ``copy_chunk_bytes`` between storages."""
 USER_STEP_DIVISOR = 8
 """An onload with a use order ends a step where a user's bytes end once the step holds
 ``copy_chunk_bytes // USER_STEP_DIVISOR``: the forward's first modules wait for their own bytes,
-not for a whole chunk of the next ones'."""
+not for a whole chunk of the next ones'. Within its first ``copy_chunk_bytes`` the step ends
+there once it holds ``copy_chunk_bytes // FIRST_CHUNK_STEP_DIVISOR``: there the forward has done
+next to nothing yet and waits for each step whole (the position embeddings of the bench's CPU
+trainer, 0.2 MB, waited 2.2 ms for a step carrying 8 MiB of the first layer's weights)."""
+FIRST_CHUNK_STEP_DIVISOR = 64
+"""1 MiB steps of the default 64 MiB chunk in the first chunk: a wait of 0.2 ms at a CPU copy's
+5 GB/s (20 us on a GPU), about what a step costs the host; at most 64 such steps per onload, so
+that a model of many small modules does not take a step per module."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class _Packer:
 
     def __init__(self, step_bytes: int):
         self.step_bytes, self.steps, self.bytes = step_bytes, [], 0
+        self.total = 0  # copied bytes in every step so far
         self._cut = False
 
     def cut(self, min_bytes: int) -> None:
@@ -134,6 +142,7 @@ class _Packer:
             self._cut = False
         self.steps[-1].append(action)
         self.bytes += nbytes
+        self.total += nbytes
         return len(self.steps) - 1, len(self.steps[-1]) - 1
 
     def finish(self) -> list:
@@ -253,8 +262,9 @@ def onload_plan(
         if new_user:
             # the previous user's bytes end here: so does the step, so that that user waits for
             # its own bytes, not for up to a chunk of the next users' (a step holds at least
-            # chunk // USER_STEP_DIVISOR bytes, so that small modules share one)
-            pack.cut(chunk // USER_STEP_DIVISOR)
+            # chunk // USER_STEP_DIVISOR bytes, in the first chunk chunk // FIRST_CHUNK_STEP_DIVISOR,
+            # so that small modules share one)
+            pack.cut(chunk // (FIRST_CHUNK_STEP_DIVISOR if pack.total < chunk else USER_STEP_DIVISOR))
         if i not in grow_at:
             grow_at[i] = pack.add((GROW, i))
         if store is None:

@@ -286,10 +286,13 @@ def test_r4_a_step_ends_where_a_users_bytes_end(layout):
     """An onload in use order ends a step at the end of each user's bytes once the step holds
     ``copy_chunk_bytes // USER_STEP_DIVISOR``: a module waits for its own weights, not for a
     chunk's worth of the next modules' (which made the forward's first module wait for a whole
-    first chunk); modules smaller than that share a step."""
-    from chatlearn_mem.group_transfer import USER_STEP_DIVISOR
+    first chunk); modules smaller than that share a step. Within the first chunk the step ends
+    there once it holds ``copy_chunk_bytes // FIRST_CHUNK_STEP_DIVISOR`` (the forward has done
+    next to nothing yet: the position embeddings waited for a step carrying 8 MiB of the first
+    layer)."""
+    from chatlearn_mem.group_transfer import FIRST_CHUNK_STEP_DIVISOR, USER_STEP_DIVISOR
 
-    model = make_model(n_layers=6, width=64)  # 16.6 KiB of weights per layer
+    model = make_model(n_layers=24, width=64)  # 16.6 KiB of weights per layer
     if layout == "one reversed buffer":
         reversed_into_one_buffer(model)
     layer = sum(p.numel() * 4 for p in model[0].parameters())
@@ -312,9 +315,12 @@ def test_r4_a_step_ends_where_a_users_bytes_end(layout):
         return out
 
     # a chunk holds 3 layers, a step at least a third of a layer: one step per layer
-    assert fences(3 * layer + 512 * 3) == list(range(6))
-    # a step must hold 2 layers before it ends: layers share steps in pairs
-    assert fences(2 * layer * USER_STEP_DIVISOR) == [0, 0, 1, 1, 2, 2]
+    assert fences(3 * layer + 512 * 3) == list(range(24))
+    # a chunk holds 16 layers: one step per layer in it; past it a step must hold 2 layers before
+    # it ends (the 16th layer's step takes the 17th), so that layers share steps in pairs
+    assert fences(2 * layer * USER_STEP_DIVISOR) == list(range(15)) + [15, 15, 16, 16, 17, 17, 18, 18, 19]
+    # in the first chunk a step must hold 2 layers too when that is the chunk's 1/64: pairs throughout
+    assert fences(2 * layer * FIRST_CHUNK_STEP_DIVISOR) == [k // 2 for k in range(24)]
 
 
 def test_r5_offload_waits_for_host_store_readers(monkeypatch):
