@@ -45,9 +45,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import operator
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -59,6 +60,7 @@ __all__ = [
     "parks_cpu_memory",
     "regrow",
     "release",
+    "storage_id",
     "storage_key",
     "trim_host_heap",
 ]
@@ -83,10 +85,14 @@ def _on_cpu(storage: torch.UntypedStorage) -> bool:
     return device == _CPU or device.type == "cpu"
 
 
+storage_id = operator.attrgetter("_cdata")
+"""``storage_id(storage)``: :func:`storage_key` of an ``UntypedStorage``, without the test for a
+tensor (the loops over every storage or tensor of a part, every call, take it)."""
+
+
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """Identity of the storage object behind a tensor (stable while it is resized)."""
-    s = t.untyped_storage() if isinstance(t, torch.Tensor) else t
-    return s._cdata
+    return storage_id(t.untyped_storage() if isinstance(t, torch.Tensor) else t)
 
 
 def _libc_function(name: str, argtypes: list, restype=ctypes.c_int):
@@ -231,9 +237,15 @@ class Slab:
         holder = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=self._start + offset)
         return Block(holder.untyped_storage(), nbytes, self.address + offset)
 
-    def holds(self, storage: torch.UntypedStorage, offset: int) -> bool:
-        """Whether ``storage``'s memory is the slab's at ``offset``."""
-        return storage.data_ptr() == self.address + offset and offset + storage.nbytes() <= self.nbytes
+    def holds_all(self, storages: Iterable[torch.UntypedStorage], offsets: Iterable[int]) -> bool:
+        """Whether each non-empty storage's memory is the slab's at its offset (one loop: this
+        runs over every storage of a part before every offload)."""
+        base, end = self.address, self.nbytes
+        for s, off in zip(storages, offsets):
+            n = s.nbytes()
+            if n and (s.data_ptr() != base + off or off + n > end):
+                return False
+        return True
 
     def hand_back(self, lazy: bool, start: int = 0, end: Optional[int] = None) -> bool:
         """Hand the whole pages of bytes ``[start, end)`` of the slab (default: all of it) to the

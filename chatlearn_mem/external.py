@@ -19,6 +19,7 @@ from typing import Hashable, Iterable, Optional
 
 import torch
 
+from chatlearn_mem.device_memory import storage_id
 from chatlearn_mem.errors import ExternalChangeError
 
 __all__ = ["ExternalChangeError", "Placement", "changes"]
@@ -56,8 +57,7 @@ class Placement:
     @classmethod
     def of(cls, slots: Iterable[tuple[Hashable, torch.Tensor]], device: torch.device) -> "Placement":
         """Record the slots whose tensor lives on ``device``, with the storage each one uses."""
-        # (storage_key inlined: this runs over every tensor of a part after each call)
-        return cls({slot: t.untyped_storage()._cdata for slot, t in slots if t.device == device})
+        return cls({slot: storage_id(t.untyped_storage()) for slot, t in slots if t.device == device})
 
 
 def changes(
@@ -100,7 +100,7 @@ def changes(
                 # released (resize_(0), what megatron's offload calls do) although it has elements
                 # (the audit's residency check also catches partial shrinks)
                 short += 1
-            elif seen is not None and s._cdata != seen:  # another storage (storage_key) than before
+            elif seen is not None and storage_id(s) != seen:  # another storage than before
                 rebound += 1
         elif seen is not None:
             moved += 1

@@ -19,7 +19,7 @@ import torch
 
 from chatlearn_mem import device_memory
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
-from chatlearn_mem.device_memory import HUGE_PAGE, Block, Slab
+from chatlearn_mem.device_memory import HUGE_PAGE, Block, Slab, storage_id
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import ALIGN, HostStore
 
@@ -454,13 +454,13 @@ class GroupTransfer:
         s = self.storages[i]
         block = device_memory.release(s, lazy=self._lazy, advise=self._slab is None)
         if block is not None:
-            self.group.park(s._cdata, block)  # storage_key(s)
+            self.group.park(storage_id(s), block)
 
     def _grow(self, i: int) -> None:
         """Regrow storage ``i``: the memory its release kept, where there is one (CPU); in a slab,
         its piece of the slab (the first time, instead of the memory it had)."""
         s = self.storages[i]
-        key = s._cdata  # storage_key(s)
+        key = storage_id(s)
         if self._slab is None:
             block = self.group.parked(key, self._huge_pages)
         else:

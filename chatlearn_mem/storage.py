@@ -21,7 +21,7 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
-from chatlearn_mem.device_memory import Block, Slab, own_memory, parks_cpu_memory, storage_key
+from chatlearn_mem.device_memory import Block, Slab, own_memory, parks_cpu_memory, storage_id, storage_key
 from chatlearn_mem.group_transfer import GroupTransfer, TransferStats, device_of, offload_plan, onload_plan
 from chatlearn_mem.host_store import HostStore
 
@@ -44,7 +44,7 @@ def unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> li
         if t is None or t.device != device:
             continue
         s = t.untyped_storage()
-        seen.setdefault(s._cdata, s)  # storage_key(s), inlined: once per tensor of a part, every call
+        seen.setdefault(storage_id(s), s)
     return list(seen.values())
 
 
@@ -287,11 +287,8 @@ class StorageGroup:
         if not self._slab_layout(storages) or self._slab is None:
             return None
         offsets = self.store.flat_offsets
-        base, end = self._slab.address, self._slab.nbytes
-        for s, off in zip(storages, offsets):  # Slab.holds for each, inlined (every storage, every offload)
-            n = s.nbytes()
-            if n and (s.data_ptr() != base + off or off + n > end):
-                return None
+        if not self._slab.holds_all(storages, offsets):
+            return None
         return self._slab, offsets
 
     # -- transitions through the copy engine ------------------------------------------------
@@ -359,7 +356,7 @@ class StorageGroup:
         assert self._transfer is None, f"{self.name} has a transition in flight"
         storages = [s for s, _ in self._released]
         sizes = tuple(n for _, n in self._released)
-        index = {s._cdata: i for i, s in enumerate(storages)} if users else {}  # storage_key(s)
+        index = {storage_id(s): i for i, s in enumerate(storages)} if users else {}
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
         slab = self._slab_for_onload(storages)
         key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None)
