@@ -233,6 +233,23 @@ def _dropped_with_model(results: list) -> None:
     )
 
 
+BASELINE_AGAIN = "baseline_again"
+"""The child's record of a second run without any manager, made when a case was not exact."""
+
+
+def _difference(losses: list, state: list, base_losses: list, base_state: list) -> dict:
+    """What differs from the baseline: the steps whose loss differs, and which of the snapshot's
+    tensors (weights, then main weights, then optimizer states) with the largest difference."""
+    tensors = [i for i, (a, b) in enumerate(zip(state, base_state)) if a.dtype != b.dtype or not torch.equal(a, b)]
+    largest = max(((state[i].double() - base_state[i].double()).abs().max().item() for i in tensors), default=0.0)
+    return {
+        "loss_steps": [i for i, (a, b) in enumerate(zip(losses, base_losses)) if a != b],
+        "losses": losses,
+        "base_losses": base_losses,
+        "tensors": f"{len(tensors)} of {len(base_state)} differ (first: {tensors[:5]}), largest difference {largest:g}",
+    }
+
+
 def child(out_path: str, names: list[str], blocking: bool = True) -> None:
     """Run the cases; append one JSON object per case to ``out_path`` as soon as it is done.
 
@@ -257,11 +274,16 @@ def child(out_path: str, names: list[str], blocking: bool = True) -> None:
     gpt.init_distributed(init_method=f"file://{os.path.join(tmp, 'init')}", cpu_backend=True)
     cfg = gpt.GPTTrainerConfig(**CFG_FIELDS)
     base_losses, base_state, _, _ = train(cfg, steps=STEPS)
+    # twice: a case that is not exact is then judged against training that reproduced itself here
+    check_losses, check_state, _, _ = train(cfg, steps=STEPS)
+    at_start = check_losses == base_losses and bit_equal(check_state, base_state)
+    threads = torch.get_num_threads()
 
     def emit(result):
         with open(out_path, "a") as f:
             f.write(json.dumps(result) + "\n")
 
+    inexact = False
     for name in names:
         trainer = gpt.build_gpt_trainer(cfg)
         mm = TrainerMemoryManager(
@@ -289,8 +311,26 @@ def child(out_path: str, names: list[str], blocking: bool = True) -> None:
             mm.onload(blocking=blocking)
             losses += [trainer.train_step(_batch(s)) for s in range(2, STEPS)]
         result["audit_ok"] = mm.audit().ok
-        result["exact"] = losses == base_losses and bit_equal(snapshot(trainer), base_state)
+        result["threads"] = torch.get_num_threads()
+        state = snapshot(trainer)
+        result["exact"] = losses == base_losses and bit_equal(state, base_state)
+        if not result["exact"]:
+            result["diff"] = _difference(losses, state, base_losses, base_state)
+            inexact = True
         emit(result)
+    if inexact:
+        # as trainer_runs.assert_exact: tell a manager that lost state from training that does not
+        # reproduce itself in this process (the run without any manager, before the cases and after)
+        again_losses, again_state, _, _ = train(cfg, steps=STEPS)
+        emit(
+            {
+                "case": BASELINE_AGAIN,
+                "at_start": at_start,
+                "reproduces": again_losses == base_losses and bit_equal(again_state, base_state),
+                "threads": [threads, torch.get_num_threads()],
+                "diff": _difference(again_losses, again_state, base_losses, base_state),
+            }
+        )
     extra: list = []
     _inference_backward(extra)
     _dropped_with_model(extra)
@@ -331,10 +371,26 @@ def test_child_process_survives_every_misuse(misuse):
     assert proc.returncode == 0, f"exit status {proc.returncode} (negative: killed by that signal)\n{tail}"
     for marker in ("Segmentation fault", "Fatal Python error", "Traceback"):
         assert marker not in proc.stderr, tail
-    assert set(results) == set(CASES) | {
+    assert set(results) - {BASELINE_AGAIN} == set(CASES) | {
         "inference_backward_after_offload",
         "manager_and_model_dropped_while_offloaded",
     }
+
+
+def _why(results: dict) -> str:
+    """What the runs without any manager (:data:`BASELINE_AGAIN`) say about a case that is not exact."""
+    again = results.get(BASELINE_AGAIN)
+    if again is None:
+        return "the child did not run the baseline again"
+    threads = f"intra-op threads {again['threads'][0]} before the cases, {again['threads'][1]} after"
+    if not again["at_start"]:
+        return f"two runs without any manager differ before any case ran: training in this process is not deterministic, so exactness cannot be judged; {threads}"
+    if not again["reproduces"]:
+        return (
+            "runs without any manager before the cases and after them differ: something the cases ran changed "
+            f"this process's numerics (thread settings, a library's global state); {threads}; {again['diff']}"
+        )
+    return "a run without any manager after the cases reproduced the baseline: the manager lost state"
 
 
 def _result(misuse, name):
@@ -342,7 +398,10 @@ def _result(misuse, name):
     assert name in results, f"case {name} did not finish (exit status {proc.returncode}):\n{proc.stderr[-3000:]}"
     r = results[name]
     assert r.get("audit_ok", True), r
-    assert r.get("exact", True), f"{name}: state not bit-exact after onload and training on"
+    if not r.get("exact", True):
+        pytest.fail(
+            f"{name}: state not bit-exact after onload and training on ({_why(results)}); {r['diff']}", pytrace=False
+        )
     return r
 
 
@@ -461,6 +520,28 @@ def test_misuse_raises_one_clear_line_and_loses_nothing(misuse, name):
     assert r["error"] == kind, r
     assert "\n" not in r["message"], r["message"]
     assert re.search(pattern, r["message"]), r["message"]
+
+
+def test_a_case_not_exact_says_what_differs_and_whether_the_baseline_reproduces():
+    """The failure of an inexact case names the steps and tensors that differ, and tells a manager
+    that lost state from training that does not reproduce itself (the baseline run again)."""
+    base = [torch.zeros(3), torch.ones(2, dtype=torch.bfloat16)]
+    state = [torch.zeros(3), torch.tensor([1.0, 1.5], dtype=torch.bfloat16)]
+    diff = _difference([1.0, 2.0, 3.0], state, [1.0, 2.0, 3.5], base)
+    assert diff["loss_steps"] == [2]
+    assert diff["tensors"] == "1 of 2 differ (first: [1]), largest difference 0.5"
+    assert _difference([1.0], base, [1.0], base)["loss_steps"] == []
+    case = {"case": "c", "error": None, "audit_ok": True, "exact": False, "diff": diff}
+    for at_start, reproduces, says in (
+        (True, True, "the manager lost state"),
+        (True, False, "something the cases ran changed this process's numerics"),
+        (False, False, "training in this process is not deterministic"),
+    ):
+        again = {"at_start": at_start, "reproduces": reproduces, "threads": [2, 2], "diff": diff}
+        results = {"c": case, BASELINE_AGAIN: again}
+        with pytest.raises(pytest.fail.Exception, match=says) as failed:
+            _result((None, results), "c")
+        assert "'loss_steps': [2]" in str(failed.value)
 
 
 def test_every_case_has_an_expectation():
