@@ -108,6 +108,13 @@ not for a whole chunk of the next ones'. Within its first ``copy_chunk_bytes`` t
 there once it holds ``copy_chunk_bytes // FIRST_CHUNK_STEP_DIVISOR``: there the forward has done
 next to nothing yet and waits for each step whole (the position embeddings of the bench's CPU
 trainer, 0.2 MB, waited 2.2 ms for a step carrying 8 MiB of the first layer's weights)."""
+CPU_USER_STEP_DIVISOR = 2
+""":data:`USER_STEP_DIVISOR` on a CPU device: there a lane is a thread, which after each step
+waits for the GIL that the forward's Python holds between its torch calls (about 0.2 ms a step on
+a 2-core CPU). The bench's 258 MiB weights onload beside its forward copied in 35.8-37.4 ms in 23
+steps (8 MiB), 33.0-33.2 ms in 11 (32 MiB), against about 31 ms for the same schedule with plain
+copies (docs/transitions.md, "Where the rest of the CPU gap goes"). On a GPU the caller's thread
+queues the steps and nothing waits for a lock between them, so steps stay fine there."""
 FIRST_CHUNK_STEP_DIVISOR = 64
 """1 MiB steps of the default 64 MiB chunk in the first chunk: a wait of 0.2 ms at a CPU copy's
 5 GB/s (20 us on a GPU), about what a step costs the host; at most 64 such steps per onload, so
@@ -252,9 +259,13 @@ def onload_plan(
     chunk: int,
     users: tuple[tuple[tuple[int, int, int], ...], ...],
     slab: Optional[tuple[int, ...]] = None,
+    user_step_divisor: int = USER_STEP_DIVISOR,
 ) -> _Plan:
     """The steps of an onload, in the users' order. ``slab``: the offset of each storage in the
-    group's slab, which every regrow puts it in (copies merge across storages)."""
+    group's slab, which every regrow puts it in (copies merge across storages).
+    ``user_step_divisor``: past the first chunk a step ends at a user's end once it holds
+    ``chunk // user_step_divisor`` bytes (:data:`USER_STEP_DIVISOR`, on a CPU device
+    :data:`CPU_USER_STEP_DIVISOR`)."""
     pack = _Packer(chunk)
     grow_at: dict[int, tuple[int, int]] = {}
     pieces: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (start, end, step)
@@ -262,9 +273,9 @@ def onload_plan(
         if new_user:
             # the previous user's bytes end here: so does the step, so that that user waits for
             # its own bytes, not for up to a chunk of the next users' (a step holds at least
-            # chunk // USER_STEP_DIVISOR bytes, in the first chunk chunk // FIRST_CHUNK_STEP_DIVISOR,
+            # chunk // user_step_divisor bytes, in the first chunk chunk // FIRST_CHUNK_STEP_DIVISOR,
             # so that small modules share one)
-            pack.cut(chunk // (FIRST_CHUNK_STEP_DIVISOR if pack.total < chunk else USER_STEP_DIVISOR))
+            pack.cut(chunk // (FIRST_CHUNK_STEP_DIVISOR if pack.total < chunk else user_step_divisor))
         if i not in grow_at:
             grow_at[i] = pack.add((GROW, i))
         if store is None:

@@ -22,7 +22,15 @@ import torch
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
 from chatlearn_mem.device_memory import Block, Slab, own_memory, parks_cpu_memory, storage_id, storage_key
-from chatlearn_mem.group_transfer import GroupTransfer, TransferStats, device_of, offload_plan, onload_plan
+from chatlearn_mem.group_transfer import (
+    CPU_USER_STEP_DIVISOR,
+    USER_STEP_DIVISOR,
+    GroupTransfer,
+    TransferStats,
+    device_of,
+    offload_plan,
+    onload_plan,
+)
 from chatlearn_mem.host_store import HostStore
 
 __all__ = [
@@ -359,7 +367,8 @@ class StorageGroup:
         index = {storage_id(s): i for i, s in enumerate(storages)} if users else {}
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
         slab = self._slab_for_onload(storages)
-        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None)
+        divisor = CPU_USER_STEP_DIVISOR if use and device_of(storages).type == "cpu" else USER_STEP_DIVISOR
+        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None, divisor)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 8:  # sizes or users changed many times: keep the cache small
@@ -370,6 +379,7 @@ class StorageGroup:
                 self._config.copy_chunk_bytes,
                 use,
                 slab[1] if slab is not None else None,
+                divisor,
             )
         t = GroupTransfer(self, "onload", plan, storages, list(sizes), self.keep_contents, token, None, slab)
         self.offloaded = False

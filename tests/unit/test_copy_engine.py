@@ -284,13 +284,14 @@ def test_r4_reversed_buffer_layout_still_arrives_in_forward_order():
 @pytest.mark.parametrize("layout", ["storage per tensor", "one reversed buffer"])
 def test_r4_a_step_ends_where_a_users_bytes_end(layout):
     """An onload in use order ends a step at the end of each user's bytes once the step holds
-    ``copy_chunk_bytes // USER_STEP_DIVISOR``: a module waits for its own weights, not for a
+    ``copy_chunk_bytes // USER_STEP_DIVISOR`` (on this CPU device ``CPU_USER_STEP_DIVISOR``, the
+    divisor in force here): a module waits for its own weights, not for a
     chunk's worth of the next modules' (which made the forward's first module wait for a whole
     first chunk); modules smaller than that share a step. Within the first chunk the step ends
     there once it holds ``copy_chunk_bytes // FIRST_CHUNK_STEP_DIVISOR`` (the forward has done
     next to nothing yet: the position embeddings waited for a step carrying 8 MiB of the first
     layer)."""
-    from chatlearn_mem.group_transfer import FIRST_CHUNK_STEP_DIVISOR, USER_STEP_DIVISOR
+    from chatlearn_mem.group_transfer import CPU_USER_STEP_DIVISOR, FIRST_CHUNK_STEP_DIVISOR
 
     model = make_model(n_layers=24, width=64)  # 16.6 KiB of weights per layer
     if layout == "one reversed buffer":
@@ -314,13 +315,36 @@ def test_r4_a_step_ends_where_a_users_bytes_end(layout):
         mm.close()
         return out
 
-    # a chunk holds 3 layers, a step at least a third of a layer: one step per layer
-    assert fences(3 * layer + 512 * 3) == list(range(24))
-    # a chunk holds 16 layers: one step per layer in it; past it a step must hold 2 layers before
-    # it ends (the 16th layer's step takes the 17th), so that layers share steps in pairs
-    assert fences(2 * layer * USER_STEP_DIVISOR) == list(range(15)) + [15, 15, 16, 16, 17, 17, 18, 18, 19]
+    # a step must hold at least a layer: one step per layer
+    assert fences(CPU_USER_STEP_DIVISOR * layer) == list(range(24))
+    # a chunk holds 2 * CPU_USER_STEP_DIVISOR layers: one step per layer in it; past it a step must
+    # hold 2 layers before it ends (the chunk's last layer's step takes the next), so that layers
+    # share steps in pairs
+    own = 2 * CPU_USER_STEP_DIVISOR - 1  # layers with a step of their own (the chunk's but its last)
+    assert fences(2 * layer * CPU_USER_STEP_DIVISOR) == list(range(own)) + [own + j // 2 for j in range(24 - own)]
     # in the first chunk a step must hold 2 layers too when that is the chunk's 1/64: pairs throughout
     assert fences(2 * layer * FIRST_CHUNK_STEP_DIVISOR) == [k // 2 for k in range(24)]
+
+
+def test_an_onload_in_use_order_takes_coarser_steps_on_a_cpu_than_on_a_gpu():
+    """Past the first chunk a CPU device's steps must hold ``chunk // CPU_USER_STEP_DIVISOR``
+    before they end at a user's end (a CPU lane's thread waits for the GIL after each step), a
+    GPU's ``chunk // USER_STEP_DIVISOR``: the plan's own parameter, so both are checked here."""
+    from chatlearn_mem.group_transfer import CPU_USER_STEP_DIVISOR, USER_STEP_DIVISOR, onload_plan
+
+    assert CPU_USER_STEP_DIVISOR < USER_STEP_DIVISOR
+    chunk, layer, n = 64 * 2**20, 2**20, 192  # 192 users of one 1 MiB storage each (zero-filled: no store)
+    sizes = (layer,) * n
+    users = tuple(((u, 0, layer),) for u in range(n))
+
+    def steps(divisor):
+        plan = onload_plan(sizes, None, chunk, users, None, divisor)
+        return sorted(set(plan.user_steps))
+
+    # the first chunk's 64 users take 1 MiB steps (chunk // 64) either way; the other 128 take
+    # steps of chunk // divisor: 16 of 8 MiB on a GPU, 4 of 32 MiB on a CPU
+    assert len(steps(USER_STEP_DIVISOR)) == 64 + 128 // (64 // USER_STEP_DIVISOR)
+    assert len(steps(CPU_USER_STEP_DIVISOR)) == 64 + 128 // (64 // CPU_USER_STEP_DIVISOR)
 
 
 def test_r5_offload_waits_for_host_store_readers(monkeypatch):
