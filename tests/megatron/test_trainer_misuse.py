@@ -311,7 +311,6 @@ def child(out_path: str, names: list[str], blocking: bool = True) -> None:
             mm.onload(blocking=blocking)
             losses += [trainer.train_step(_batch(s)) for s in range(2, STEPS)]
         result["audit_ok"] = mm.audit().ok
-        result["threads"] = torch.get_num_threads()
         state = snapshot(trainer)
         result["exact"] = losses == base_losses and bit_equal(state, base_state)
         if not result["exact"]:
