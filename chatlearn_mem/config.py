@@ -45,7 +45,9 @@ class MemoryConfig(BaseModel):
     15% slower than 64 MiB ones, measured). Other transitions, which nothing waits on piece by
     piece, copy each storage in one piece per host bucket; all of them end a step (a fence) about
     every this many bytes, between storages, and release a storage as soon as its own copies are
-    done."""
+    done. On a CPU device a part laid out in one slab (``cpu_contiguous``) copies in one piece per
+    step, and its steps hold eight times this (``group_transfer.CPU_SLAB_STEP_MULTIPLIER``) except
+    in a :func:`~chatlearn_mem.swap`, whose incoming regrows follow the outgoing releases."""
 
     empty_cache: bool = True
     """After an offload, give freed memory back: on CUDA the caching allocator's free blocks go to

@@ -115,6 +115,15 @@ a 2-core CPU). The bench's 258 MiB weights onload beside its forward copied in 3
 steps (8 MiB), 33.0-33.2 ms in 11 (32 MiB), against about 31 ms for the same schedule with plain
 copies (docs/transitions.md, "Where the rest of the CPU gap goes"). On a GPU the caller's thread
 queues the steps and nothing waits for a lock between them, so steps stay fine there."""
+CPU_SLAB_STEP_MULTIPLIER = 8
+"""On a CPU device, the steps of a group laid out in a slab (:class:`~chatlearn_mem.device_memory.Slab`)
+hold up to this many times ``copy_chunk_bytes`` when nothing paces them or waits on them piece by
+piece (an offload, an onload without a use order; not a swap, whose regrows follow the releases,
+R8). A slab's copies merge within a step, so its steps are its copy calls, and each costs a
+two-thread copy's fork and join: on a 2-core CPU, the bench's 517 MiB of main weights offloaded in
+47.4-48.6 ms in 512 MiB steps against 61.7-63.4 ms in 64 MiB ones, onloaded in 47.4-47.6 against
+55.3-60.7 ms, the full offload in 183-184 ms against 195-198 ms (medians of 15, two processes each,
+alternating; docs/transitions.md, "Many small storages: one slab")."""
 FIRST_CHUNK_STEP_DIVISOR = 64
 """1 MiB steps of the default 64 MiB chunk in the first chunk: a wait of 0.2 ms at a CPU copy's
 5 GB/s (20 us on a GPU), about what a step costs the host; at most 64 such steps per onload, so

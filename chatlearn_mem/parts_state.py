@@ -223,9 +223,10 @@ class PartsState:
 
     # -- begin an offload or onload --------------------------------------------------------------
     def begin_offload(
-        self, parts: PartsArg, force: bool = False, stacklevel: int = 4
+        self, parts: PartsArg, force: bool = False, stacklevel: int = 4, paced: bool = False
     ) -> list[tuple[Part, GroupTransfer]]:
-        """Check, prepare the host stores and start (not submit) the offload of ``parts``.
+        """Check, prepare the host stores and start (not submit) the offload of ``parts``
+        (``paced``: a swap's, whose steps another manager's regrows follow, R8).
 
         Everything that can refuse or fail before a copy (unconsumed grads, communication in
         flight, memory changed behind the manager's back, host memory) is checked first, and
@@ -251,7 +252,7 @@ class PartsState:
             for p in todo:
                 self.hooks.before_release(p)
                 token = self.hooks.part_token(p) if self.config.skip_unchanged_weights else None
-                started.append((p, self._groups[p].start_offload(storages[p], token, caller)))
+                started.append((p, self._groups[p].start_offload(storages[p], token, caller, paced)))
                 self.hooks.offload_started(p)
         except BaseException:
             for _, gt in reversed(started):
@@ -260,12 +261,13 @@ class PartsState:
         return started
 
     def begin_onload(
-        self, parts: PartsArg, stacklevel: int = 4, use_order: bool = True
+        self, parts: PartsArg, stacklevel: int = 4, use_order: bool = True, paced: bool = False
     ) -> list[tuple[Part, GroupTransfer]]:
         """Start (not submit) the onload of ``parts``; with ``use_order`` weights are queued in the
         order the model reads them, with a fence per module (R4). Without it (a blocking call,
         where no forward overlaps the copy) they come in storage order and every module waits for
-        all of them: no per-tensor work on the host."""
+        all of them: no per-tensor work on the host. ``paced``: a swap's, whose regrows follow another
+        manager's releases (R8)."""
         chosen = self.parse(parts)
         self.settle(chosen)  # R6
         todo = [p for p in self.onload_order if p in chosen and self._groups[p].offloaded]
@@ -279,7 +281,7 @@ class PartsState:
         try:
             for p in todo:
                 users = self.weight_user_ranges() if p is Part.WEIGHTS and use_order else None
-                started.append((p, self._groups[p].start_onload(users, token=self.hooks.part_token(p))))
+                started.append((p, self._groups[p].start_onload(users, token=self.hooks.part_token(p), paced=paced)))
         except BaseException:
             for _, gt in reversed(started):
                 gt.cancel()

@@ -23,6 +23,7 @@ from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
 from chatlearn_mem.device_memory import Block, Slab, own_memory, parks_cpu_memory, storage_id, storage_key
 from chatlearn_mem.group_transfer import (
+    CPU_SLAB_STEP_MULTIPLIER,
     CPU_USER_STEP_DIVISOR,
     USER_STEP_DIVISOR,
     GroupTransfer,
@@ -300,8 +301,21 @@ class StorageGroup:
         return self._slab, offsets
 
     # -- transitions through the copy engine ------------------------------------------------
+    def _step_bytes(self, storages: list[torch.UntypedStorage], slab, paced: bool) -> int:
+        """How many bytes a step of a transition without a use order holds: ``copy_chunk_bytes``,
+        or :data:`~chatlearn_mem.group_transfer.CPU_SLAB_STEP_MULTIPLIER` times it for a slab on a
+        CPU device that nothing paces (``paced``: a swap's side)."""
+        chunk = self._config.copy_chunk_bytes
+        if slab is not None and not paced and device_of(storages).type == "cpu":
+            return chunk * CPU_SLAB_STEP_MULTIPLIER
+        return chunk
+
     def start_offload(
-        self, storages: list[torch.UntypedStorage], token: Optional[Hashable] = None, caller_event=None
+        self,
+        storages: list[torch.UntypedStorage],
+        token: Optional[Hashable] = None,
+        caller_event=None,
+        paced: bool = False,
     ) -> "GroupTransfer":
         """Start the copy (if needed) and release of ``storages``: the group is offloaded from now
         on (its state is the target state). Submit :attr:`GroupTransfer.batch` to the copy engine;
@@ -313,6 +327,8 @@ class StorageGroup:
                 copy the copy is skipped. None always copies.
             caller_event: CUDA: an event on the caller's stream the copies wait for (R1); ignored
                 when the storages are not on a CUDA device (none, or CPU ones).
+            paced: Another group's regrows follow this offload's releases (a swap, R8): its steps
+                stay at ``copy_chunk_bytes`` (see :meth:`_step_bytes`).
 
         Raises:
             Whatever the host allocation raises; then nothing has changed.
@@ -330,13 +346,22 @@ class StorageGroup:
         if device_of(storages).type != "cuda":
             caller_event = None
         slab = self._slab_for_offload(storages)
-        key = ("offload", sizes, copy, id(self.store) if copy else None, caller_event is not None, slab is not None)
+        chunk = self._step_bytes(storages, slab, paced)
+        key = (
+            "offload",
+            sizes,
+            copy,
+            id(self.store) if copy else None,
+            caller_event is not None,
+            slab is not None,
+            chunk,
+        )
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = offload_plan(
                 sizes,
                 self.store if copy else None,
-                self._config.copy_chunk_bytes,
+                chunk,
                 caller_event is not None,
                 slab[1] if slab is not None else None,
             )
@@ -347,7 +372,10 @@ class StorageGroup:
         return t
 
     def start_onload(
-        self, users: Optional[list[list[tuple[int, int, int]]]] = None, token: Optional[Hashable] = None
+        self,
+        users: Optional[list[list[tuple[int, int, int]]]] = None,
+        token: Optional[Hashable] = None,
+        paced: bool = False,
     ) -> "GroupTransfer":
         """Start the regrow and copy back (or zeroing) of the released storages: the group is
         resident from now on (its target state); submit and settle as :meth:`start_offload`.
@@ -359,6 +387,8 @@ class StorageGroup:
                 which user ``u`` may read (R4); bytes no user reads follow.
             token: Describes the contents once restored (the host copy's): recorded when the
                 onload is settled, so that an offload before any write skips the copy.
+            paced: This onload's regrows follow another group's releases (a swap, R8): its steps
+                stay at ``copy_chunk_bytes`` (see :meth:`_step_bytes`).
         """
         assert self.offloaded, f"{self.name} is not offloaded"
         assert self._transfer is None, f"{self.name} has a transition in flight"
@@ -368,7 +398,8 @@ class StorageGroup:
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
         slab = self._slab_for_onload(storages)
         divisor = CPU_USER_STEP_DIVISOR if use and device_of(storages).type == "cpu" else USER_STEP_DIVISOR
-        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None, divisor)
+        chunk = self._config.copy_chunk_bytes if use else self._step_bytes(storages, slab, paced)
+        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None, divisor, chunk)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 8:  # sizes or users changed many times: keep the cache small
@@ -376,7 +407,7 @@ class StorageGroup:
             plan = self._plans[key] = onload_plan(
                 sizes,
                 self.store if self.keep_contents else None,
-                self._config.copy_chunk_bytes,
+                chunk,
                 use,
                 slab[1] if slab is not None else None,
                 divisor,

@@ -234,9 +234,9 @@ def swap(
     with first.state.lock, second.state.lock:
         for m in (out, into):
             m.state.check_open("swap")
-        out_started = out.state.begin_offload(out_parts, force=force)
+        out_started = out.state.begin_offload(out_parts, force=force, paced=True)
         try:
-            into_started = into.state.begin_onload(into_parts)
+            into_started = into.state.begin_onload(into_parts, paced=True)
         except BaseException:
             for _, gt in out_started:
                 gt.cancel()

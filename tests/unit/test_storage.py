@@ -403,7 +403,8 @@ def test_huge_pages_off_by_config_and_for_small_storages(madvise_calls):
 def test_offload_rolled_back_moves_the_kept_memory_back(monkeypatch, madvise_calls, contiguous):
     a, b = torch.arange(MiB, dtype=torch.int32), torch.arange(MiB, dtype=torch.int32) * 3
     expected = bits(a), bits(b)
-    config = MemoryConfig(bucket_size_mb=64, copy_chunk_mb=1)
+    # steps of 1 MiB in a slab too (CPU_SLAB_STEP_MULTIPLIER chunks): a copy follows a release
+    config = MemoryConfig(bucket_size_mb=64, copy_chunk_mb=1 / storage_mod.CPU_SLAB_STEP_MULTIPLIER)
     group = StorageGroup("weights", True, config, contiguous=contiguous)
     group.offload([a.untyped_storage(), b.untyped_storage()])
     group.onload()
@@ -504,6 +505,68 @@ def test_a_contiguous_group_moves_many_storages_in_one_copy_and_one_hand_back(mo
         assert [v.tolist() for v in views] == [(torch.arange(3, 9) + i * MiB // 2).mul(7).tolist() for i in range(12)]
 
 
+def test_a_cpu_slab_takes_coarser_steps_unless_a_swap_paces_it(monkeypatch):
+    """A slab's copies merge within a step, so on a CPU device its steps are its copy calls: an
+    offload or onload nothing paces takes steps of CPU_SLAB_STEP_MULTIPLIER chunks; a swap's side
+    (``paced``) keeps steps of one chunk, which the other side's regrows follow (R8)."""
+    ts = [torch.full((MiB // 4,), i, dtype=torch.int32) for i in range(32)]  # 32 storages of 1 MiB
+    expected = [bits(t) for t in ts]
+    storages = [t.untyped_storage() for t in ts]
+    group = StorageGroup("optimizer_states", True, MemoryConfig(copy_chunk_mb=1), contiguous=True)
+    group.offload(storages)
+    group.onload()  # into the slab
+    steps = {}
+    for paced in (False, True):
+        t = group.start_offload(storages, paced=paced)
+        steps["offload", paced] = len(t.plan.steps)
+        t.run_blocking()
+        t = group.start_onload(paced=paced)
+        steps["onload", paced] = len(t.plan.steps)
+        t.run_blocking()
+        assert all(torch.equal(bits(x), e) for x, e in zip(ts, expected))
+    m = storage_mod.CPU_SLAB_STEP_MULTIPLIER
+    assert steps["offload", True] >= 32 and steps["onload", True] >= 32  # a step per MiB
+    assert steps["offload", False] <= 32 // m + 1 and steps["onload", False] <= 32 // m + 1
+    own = StorageGroup("optimizer_states", True, MemoryConfig(copy_chunk_mb=1), contiguous=False)
+    own.offload(storages)
+    own.onload()
+    assert len(own.start_offload(storages).plan.steps) >= 32  # no slab, no merged copies: unchanged
+    own.transfer.run_blocking()
+    own.onload()
+
+
+def test_a_swap_paces_its_slabs_in_steps_of_one_chunk(monkeypatch):
+    """swap() starts both sides paced, so that a CPU slab keeps steps of ``copy_chunk_mb`` there."""
+    seen = []
+    real_off, real_on = StorageGroup.start_offload, StorageGroup.start_onload
+
+    def start_offload(self, storages, token=None, caller_event=None, paced=False):
+        seen.append(("offload", paced))
+        return real_off(self, storages, token, caller_event, paced)
+
+    def start_onload(self, users=None, token=None, paced=False):
+        seen.append(("onload", paced))
+        return real_on(self, users, token, paced)
+
+    monkeypatch.setattr(StorageGroup, "start_offload", start_offload)
+    monkeypatch.setattr(StorageGroup, "start_onload", start_onload)
+    from chatlearn_mem import InferenceMemoryManager, swap
+
+    a, b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    ma, mb = InferenceMemoryManager(a, MemoryConfig()), InferenceMemoryManager(b, MemoryConfig())
+    mb.offload()
+    seen.clear()
+    swap(out=ma, into=mb)
+    assert seen and all(paced for _, paced in seen), seen
+    seen.clear()
+    ma.onload()
+    mb.offload()
+    assert seen and not any(paced for _, paced in seen), seen
+    mb.onload()
+    ma.close()
+    mb.close()
+
+
 @pytest.mark.parametrize("mib_each", [2, 1.5])
 def test_a_slab_hands_its_pages_back_as_the_offload_progresses(monkeypatch, madvise_calls, mib_each):
     """Each step of a slab's offload ends by handing back the whole huge pages that no storage holds
@@ -521,7 +584,7 @@ def test_a_slab_hands_its_pages_back_as_the_offload_progresses(monkeypatch, madv
     end = offsets[-1] + storages[-1].nbytes()
     actions = _record_actions(monkeypatch)
     madvise_calls.clear()
-    group.offload(storages)
+    group.start_offload(storages, paced=True).run_blocking()  # a swap's side: steps of copy_chunk_mb
     hand_backs = [a for a in actions if a[0] == storage_mod.HAND_BACK]
     assert len(hand_backs) >= 4
     # consecutive ranges from the slab's start to its end, each inner end on a huge page
