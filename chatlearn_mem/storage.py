@@ -301,14 +301,21 @@ class StorageGroup:
         return self._slab, offsets
 
     # -- transitions through the copy engine ------------------------------------------------
-    def _step_bytes(self, storages: list[torch.UntypedStorage], slab, paced: bool) -> int:
-        """How many bytes a step of a transition without a use order holds: ``copy_chunk_bytes``,
-        or :data:`~chatlearn_mem.group_transfer.CPU_SLAB_STEP_MULTIPLIER` times it for a slab on a
-        CPU device that nothing paces (``paced``: a swap's side)."""
+    def _step_sizes(self, storages: list[torch.UntypedStorage], slab, use: bool, paced: bool) -> tuple[int, int]:
+        """``(chunk, user step divisor)`` of a transition's plan: ``copy_chunk_bytes`` and
+        :data:`~chatlearn_mem.group_transfer.USER_STEP_DIVISOR`, except on a CPU device, where an
+        onload in use order (``use``) takes
+        :data:`~chatlearn_mem.group_transfer.CPU_USER_STEP_DIVISOR` and a slab's transition
+        without one that nothing paces (``paced``: a swap's side) takes steps of
+        :data:`~chatlearn_mem.group_transfer.CPU_SLAB_STEP_MULTIPLIER` chunks."""
         chunk = self._config.copy_chunk_bytes
-        if slab is not None and not paced and device_of(storages).type == "cpu":
-            return chunk * CPU_SLAB_STEP_MULTIPLIER
-        return chunk
+        if device_of(storages).type != "cpu":
+            return chunk, USER_STEP_DIVISOR
+        if use:
+            return chunk, CPU_USER_STEP_DIVISOR
+        if slab is not None and not paced:
+            return chunk * CPU_SLAB_STEP_MULTIPLIER, USER_STEP_DIVISOR
+        return chunk, USER_STEP_DIVISOR
 
     def start_offload(
         self,
@@ -328,7 +335,7 @@ class StorageGroup:
             caller_event: CUDA: an event on the caller's stream the copies wait for (R1); ignored
                 when the storages are not on a CUDA device (none, or CPU ones).
             paced: Another group's regrows follow this offload's releases (a swap, R8): its steps
-                stay at ``copy_chunk_bytes`` (see :meth:`_step_bytes`).
+                stay at ``copy_chunk_bytes`` (see :meth:`_step_sizes`).
 
         Raises:
             Whatever the host allocation raises; then nothing has changed.
@@ -346,7 +353,7 @@ class StorageGroup:
         if device_of(storages).type != "cuda":
             caller_event = None
         slab = self._slab_for_offload(storages)
-        chunk = self._step_bytes(storages, slab, paced)
+        chunk, _ = self._step_sizes(storages, slab, False, paced)
         key = (
             "offload",
             sizes,
@@ -388,7 +395,7 @@ class StorageGroup:
             token: Describes the contents once restored (the host copy's): recorded when the
                 onload is settled, so that an offload before any write skips the copy.
             paced: This onload's regrows follow another group's releases (a swap, R8): its steps
-                stay at ``copy_chunk_bytes`` (see :meth:`_step_bytes`).
+                stay at ``copy_chunk_bytes`` (see :meth:`_step_sizes`).
         """
         assert self.offloaded, f"{self.name} is not offloaded"
         assert self._transfer is None, f"{self.name} has a transition in flight"
@@ -397,8 +404,7 @@ class StorageGroup:
         index = {storage_id(s): i for i, s in enumerate(storages)} if users else {}
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
         slab = self._slab_for_onload(storages)
-        divisor = CPU_USER_STEP_DIVISOR if use and device_of(storages).type == "cpu" else USER_STEP_DIVISOR
-        chunk = self._config.copy_chunk_bytes if use else self._step_bytes(storages, slab, paced)
+        chunk, divisor = self._step_sizes(storages, slab, bool(use), paced)
         key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None, divisor, chunk)
         plan = self._plans.get(key)
         if plan is None:

@@ -505,7 +505,7 @@ def test_a_contiguous_group_moves_many_storages_in_one_copy_and_one_hand_back(mo
         assert [v.tolist() for v in views] == [(torch.arange(3, 9) + i * MiB // 2).mul(7).tolist() for i in range(12)]
 
 
-def test_a_cpu_slab_takes_coarser_steps_unless_a_swap_paces_it(monkeypatch):
+def test_a_cpu_slab_takes_coarser_steps_unless_a_swap_paces_it():
     """A slab's copies merge within a step, so on a CPU device its steps are its copy calls: an
     offload or onload nothing paces takes steps of CPU_SLAB_STEP_MULTIPLIER chunks; a swap's side
     (``paced``) keeps steps of one chunk, which the other side's regrows follow (R8)."""
