@@ -82,6 +82,16 @@ class MemoryConfig(BaseModel):
     resizes these storages itself. Megatron's param and grad buffers, which its own offload calls
     resize, are never laid out so. No effect on CUDA."""
 
+    cuda_contiguous: bool = False
+    """On CUDA, lay out the storages of a part made of many of them (as ``cpu_contiguous``) in a few
+    allocations of at least ``copy_chunk_mb`` each, at the offsets of the part's host store
+    (:class:`~chatlearn_mem.device_memory.DeviceSlab`): an onload then allocates once per segment
+    instead of once per storage, and one copy per step moves many storages, so the host's work
+    per call no longer grows with allocations, stream records and copy launches per tensor (one
+    pointer move per storage is left). The same price as ``cpu_contiguous``: while onloaded,
+    ``resize_`` on such a storage raises. Off by default until it has been validated on a GPU
+    (``scripts/gpu_validate.sh`` runs the GPU tests with it on)."""
+
     debug_guard: bool = False
     """Turn any torch operation on a released tensor into an ``OffloadedError`` naming the tensor,
     while anything is offloaded (a ``TorchFunctionMode`` on the thread that offloaded). Costs a

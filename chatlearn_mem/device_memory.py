@@ -42,6 +42,7 @@ Where ``_swap_data_ptr_`` does not exist (torch releases before it), the CPU fal
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import mmap
@@ -51,10 +52,15 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
+from torch.utils.dlpack import to_dlpack
+
+_from_dlpack = torch._C._from_dlpack  # a capsule to a tensor (torch.from_dlpack's own path for one)
 
 __all__ = [
     "Block",
+    "DeviceSlab",
     "Slab",
+    "SlabPlacement",
     "advise_huge_pages",
     "own_memory",
     "parks_cpu_memory",
@@ -163,7 +169,9 @@ def _pages_inside(ptr: int, nbytes: int, unit: int) -> tuple[int, int]:
     return lo, max(0, hi - lo)
 
 
-def release(storage: torch.UntypedStorage, lazy: bool = True, advise: bool = True) -> Optional[Block]:
+def release(
+    storage: torch.UntypedStorage, lazy: bool = True, advise: bool = True, keep: bool = True
+) -> Optional[Block]:
     """Release ``storage``'s memory; every view of it stays valid (and empty).
 
     Args:
@@ -172,12 +180,18 @@ def release(storage: torch.UntypedStorage, lazy: bool = True, advise: bool = Tru
         lazy: CPU only: hand the pages back with ``MADV_FREE`` (True) or ``MADV_DONTNEED``.
         advise: CPU only: hand the pages back now. False for a storage in a :class:`Slab`, whose
             pages :meth:`Slab.hand_back` hands back at once once every storage in it is released.
+        keep: CPU only: keep the memory in a :class:`Block` for :func:`regrow`. False drops it
+            (a piece of a :class:`DeviceSlab`, whose segment goes once no storage holds a piece).
 
     Returns:
-        CPU (with :func:`parks_cpu_memory`): the :class:`Block` now holding the memory; keep it
-        and pass it to :func:`regrow`, or drop it to free the memory. Otherwise None.
+        CPU (with :func:`parks_cpu_memory`, ``keep``): the :class:`Block` now holding the memory;
+        keep it and pass it to :func:`regrow`, or drop it to free the memory. Otherwise None.
     """
     n = storage.nbytes()
+    if n and parks_cpu_memory() and (not keep or not (storage.resizable() or _on_cpu(storage))):
+        # memory it cannot resize (a DeviceSlab's piece), or memory not to keep: out, and dropped
+        storage._swap_data_ptr_(torch.UntypedStorage(0, device=storage.device))
+        return None
     if n == 0 or not _on_cpu(storage) or not parks_cpu_memory():
         storage.resize_(0)
         return None
@@ -198,6 +212,29 @@ def _hand_back(address: int, nbytes: int, lazy: bool) -> bool:
     # (measured on a 135 M-parameter trainer's optimizer states: 4.9 against 8.5 GB/s)
     addr, length = _pages_inside(address, nbytes, HUGE_PAGE if lazy else _PAGE)
     return bool(length) and _libc_madvise(addr, length, _MADV_FREE if lazy else _MADV_DONTNEED) == 0
+
+
+@dataclass(frozen=True)
+class SlabPlacement:
+    """Where each storage of a group lies in its slab, for the plans of its transitions.
+
+    Attributes:
+        offsets: Each storage's start in the layout (the host store's ``flat_offsets``).
+        segments: Each storage's segment: the allocation it lies in (a :class:`Slab` has one).
+        starts: Each segment's start in the layout.
+        unit: A hand-back covers whole units of the layout: a CPU :class:`Slab`'s huge pages, a
+            :class:`DeviceSlab`'s bytes (it frees whole segments).
+    """
+
+    offsets: tuple[int, ...]
+    segments: tuple[int, ...]
+    starts: tuple[int, ...]
+    unit: int
+
+    @staticmethod
+    def one(offsets: tuple[int, ...], unit: int) -> "SlabPlacement":
+        """Every storage in one segment starting at 0."""
+        return SlabPlacement(tuple(offsets), (0,) * len(offsets), (0,), unit)
 
 
 class Slab:
@@ -231,6 +268,18 @@ class Slab:
         if huge_pages and sys.platform.startswith("linux") and self.nbytes >= HUGE_PAGE:
             _libc_madvise(self.address, self.nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
 
+    keeps_released = True
+    """A released storage's piece is kept (parked by its group) and moved back in by the onload."""
+
+    def placement(self, offsets: tuple[int, ...]) -> SlabPlacement:
+        """The storages at ``offsets``, all in the one mapping; hand-backs in whole huge pages."""
+        return SlabPlacement.one(offsets, HUGE_PAGE)
+
+    def segment(self, k: int) -> torch.Tensor:
+        """The bytes of segment ``k`` (the whole mapping: a slab has one)."""
+        assert k == 0, k
+        return self.tensor
+
     def block(self, offset: int, nbytes: int) -> Block:
         """The memory ``[offset, offset + nbytes)`` of the slab, as a :class:`Block` to regrow a storage into."""
         assert 0 <= offset and offset + nbytes <= self.nbytes, (offset, nbytes, self.nbytes)
@@ -255,13 +304,129 @@ class Slab:
         return end > start and _hand_back(self.address + start, end - start, lazy)
 
 
+class DeviceSlab:
+    """A part's storages laid out in a few large allocations ("segments") of torch's allocator on
+    their device, at the offsets of the part's host store.
+
+    What a :class:`Slab` does for a CPU device, for any device (CUDA above all): consecutive
+    storages are consecutive in memory, so one copy per step moves many of them, and one
+    allocation per segment replaces one per storage. A segment holds at least ``segment_bytes``
+    of consecutive storages (a larger storage gets one of its own) and starts at a storage.
+
+    Lifetime. Each storage in a segment holds a piece of it, a storage of exactly its bytes that
+    keeps the whole segment alive (through DLPack: the piece's deleter holds the segment), so no
+    storage can ever point into freed memory. The slab holds each segment from its allocation
+    (the onload's first regrow into it) until :meth:`hand_back` drops it (the offload, once every
+    storage in it is released); the memory then goes back to the allocator with the last piece.
+    A released storage's piece is dropped at once (:attr:`keeps_released` False): the onload
+    allocates the segments anew.
+
+    Streams (CUDA). A segment is allocated on the calling thread's current stream (the caller's,
+    R3) and recorded on ``streams`` (the copy lanes'), so that the allocator reuses its memory only
+    once the copies queued on them before the free are done (R2).
+
+    Args:
+        offsets: Each storage's start in the layout (``HostStore.flat_offsets``).
+        sizes: Each storage's bytes.
+        nbytes: Bytes of the layout.
+        segment_bytes: Least bytes of a segment (the last one may hold less).
+        device: Where to allocate.
+        streams: CUDA streams that read or write the segments.
+    """
+
+    keeps_released = False
+
+    def __init__(
+        self,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        nbytes: int,
+        segment_bytes: int,
+        device: torch.device,
+        streams: tuple = (),
+    ):
+        self.nbytes, self.device, self._streams = int(nbytes), device, tuple(streams)
+        starts: list[int] = []
+        for off, n in sorted(zip(offsets, sizes)):
+            if n and (not starts or off - starts[-1] >= segment_bytes):
+                starts.append(off)
+        starts = starts or [0]
+        starts[0] = 0
+        self.starts = tuple(starts)
+        segments = tuple(max(0, bisect.bisect_right(starts, off) - 1) for off in offsets)
+        self._placement = SlabPlacement(tuple(offsets), segments, self.starts, 1)
+        self._segments: list[Optional[torch.Tensor]] = [None] * len(starts)
+
+    def placement(self, offsets: tuple[int, ...]) -> SlabPlacement:
+        """Where each storage lies (``offsets``: the ones the slab was laid out for)."""
+        assert tuple(offsets) == self._placement.offsets, "the layout changed: lay out a new DeviceSlab"
+        return self._placement
+
+    def _end(self, k: int) -> int:
+        return self.starts[k + 1] if k + 1 < len(self.starts) else self.nbytes
+
+    def segment(self, k: int) -> torch.Tensor:
+        """The bytes of segment ``k`` (allocated)."""
+        seg = self._segments[k]
+        assert seg is not None, f"segment {k} of the slab is not allocated"
+        return seg
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of the segments allocated now."""
+        return sum(self._end(k) - self.starts[k] for k, seg in enumerate(self._segments) if seg is not None)
+
+    def block(self, offset: int, nbytes: int) -> Block:
+        """A piece ``[offset, offset + nbytes)`` of the layout, as a :class:`Block` to regrow a
+        storage into; allocates its segment first when it has none (on the current stream)."""
+        k = bisect.bisect_right(self.starts, offset) - 1
+        rel = offset - self.starts[k]
+        seg = self._segments[k]
+        if seg is None:
+            seg = torch.empty(self._end(k) - self.starts[k], dtype=torch.uint8, device=self.device)
+            for stream in self._streams:
+                seg.record_stream(stream)
+            self._segments[k] = seg
+        # internal plumbing on plain tensors: past any torch function mode (a CPU backend's costs
+        # about 3 us a call, three times the calls themselves)
+        with torch._C.DisableTorchFunction():  # one per call: it keeps the state it restores
+            view = seg[rel : rel + nbytes]
+            assert view.numel() == nbytes, (offset, nbytes)  # inside its segment
+            piece = _from_dlpack(to_dlpack(view)).untyped_storage()  # holds the segment (its deleter)
+            return Block(piece, nbytes, seg.data_ptr() + rel)
+
+    def holds_all(self, storages: Iterable[torch.UntypedStorage], offsets: Iterable[int]) -> bool:
+        """Whether each non-empty storage's memory is its piece of an allocated segment."""
+        place, segs = self._placement, self._segments
+        for s, off, k in zip(storages, offsets, place.segments):
+            n = s.nbytes()
+            if n:
+                seg = segs[k]
+                if seg is None or s.data_ptr() != seg.data_ptr() + off - place.starts[k]:
+                    return False
+        return True
+
+    def hand_back(self, lazy: bool = True, start: int = 0, end: Optional[int] = None) -> bool:
+        """Drop the segments inside bytes ``[start, end)`` of the layout (default: all): call it
+        once every storage there is released (``lazy`` is the CPU slab's and unused). Returns
+        whether one was dropped."""
+        end = self.nbytes if end is None else end
+        dropped = False
+        for k, seg in enumerate(self._segments):
+            if seg is not None and start <= self.starts[k] and self._end(k) <= end:
+                self._segments[k] = None
+                dropped = True
+        return dropped
+
+
 def own_memory(storage: torch.UntypedStorage) -> bool:
-    """Give a CPU storage that holds memory it cannot resize (a piece of a :class:`Slab`) memory of
-    its own from torch's allocator, with the same bytes: every view stays valid and ``resize_``
-    works again. Returns whether it moved (a resizable or empty storage is left alone)."""
-    if not _on_cpu(storage) or storage.resizable() or not storage.nbytes() or not parks_cpu_memory():
+    """Give a storage that holds memory it cannot resize (a piece of a :class:`Slab` or a
+    :class:`DeviceSlab`) memory of its own from torch's allocator, with the same bytes: every view
+    stays valid and ``resize_`` works again. Returns whether it moved (a resizable or empty
+    storage is left alone). On CUDA the copy is queued on the current stream."""
+    if storage.resizable() or not storage.nbytes() or not parks_cpu_memory():
         return False
-    own = torch.UntypedStorage(storage.nbytes())
+    own = torch.UntypedStorage(storage.nbytes(), device=storage.device)
     own.copy_(storage)
     storage._swap_data_ptr_(own)  # storage: its own memory; own: the slab's piece, dropped here
     return True
@@ -284,13 +449,18 @@ def regrow(storage: torch.UntypedStorage, nbytes: int, block: Optional[Block] = 
         storage: The storage :func:`release` emptied (any memory it holds now is dropped).
         nbytes: Its size.
         block: CPU: the block :func:`release` returned for it; its memory moves back in (None or a
-            block of another size: fresh memory from torch's allocator).
+            block of another size: fresh memory from torch's allocator). Any device: a piece of
+            a :class:`DeviceSlab` (:meth:`DeviceSlab.block`).
         huge_pages: CPU: advise transparent huge pages over fresh memory of 4 MiB or more.
 
     Raises:
         Whatever the allocation raises (``MemoryError``, a device OOM); the storage is unchanged.
     """
     if not _on_cpu(storage) or not parks_cpu_memory():
+        if block is not None and nbytes and block.nbytes == nbytes and parks_cpu_memory():
+            holder, block.holder = block.holder, torch.UntypedStorage(0, device=storage.device)
+            storage._swap_data_ptr_(holder)  # a DeviceSlab's piece, no allocation
+            return
         storage.resize_(nbytes)
         if huge_pages:
             advise_huge_pages(storage)

@@ -19,7 +19,7 @@ import torch
 
 from chatlearn_mem import device_memory
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
-from chatlearn_mem.device_memory import HUGE_PAGE, Block, Slab, storage_id
+from chatlearn_mem.device_memory import Block, DeviceSlab, Slab, SlabPlacement, storage_id
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import ALIGN, HostStore
 
@@ -90,10 +90,12 @@ WAIT, COPY_OUT, RELEASE, GROW, COPY_IN, ZERO, HAND_BACK = range(7)
 #   (GROW, i)                                regrow storage i (on the caller's stream on CUDA, R3)
 #   (COPY_IN, i, bucket, bucket offset, storage offset, bytes)     host store -> device
 #   (ZERO, i)                                zero storage i (grads)
-#   (HAND_BACK, lo, hi)                      the whole pages of bytes [lo, hi) of a slab to the kernel
-#                                            (after the releases of every storage there)
-# A group laid out in a device_memory.Slab copies through the slab: i is SLAB and the storage
-# offset is the slab's, so that the copies of consecutive storages merge into one.
+#   (HAND_BACK, lo, hi)                      bytes [lo, hi) of a slab's layout back: a CPU Slab's whole
+#                                            pages to the kernel, a DeviceSlab's whole segments to the
+#                                            allocator (after the releases of every storage there)
+# A group laid out in a slab (device_memory.Slab, DeviceSlab) copies through it: i is SLAB - k for
+# segment k and the storage offset is the segment's, so that the copies of consecutive storages
+# merge into one (within a segment).
 SLAB = -1
 _WHOLE = 1 << 62
 """The copy size of a transition no one waits on piece by piece (an offload, an onload without a
@@ -184,7 +186,7 @@ def _coalesce(step: list) -> list:
         if (
             last is not None
             and last[:3] == a[:3]
-            and (gap == 0 or (a[1] == SLAB and 0 < gap < ALIGN))
+            and (gap == 0 or (a[1] <= SLAB and 0 < gap < ALIGN))
             and last[3] - last[4] == a[3] - a[4]
         ):
             merged[-1] = (*last[:5], a[4] + a[5] - last[4])
@@ -210,12 +212,13 @@ def _spans(store: HostStore, i: int, start: int, end: int, chunk: int) -> list[t
     return out
 
 
-def _copy(op: int, i: int, b: int, bo: int, so: int, size: int, slab: Optional[tuple[int, ...]]) -> tuple:
-    """A copy action of bytes ``[so, so + size)`` of storage ``i``; through the slab when the group
-    is laid out in one (``slab``: each storage's offset there)."""
+def _copy(op: int, i: int, b: int, bo: int, so: int, size: int, slab: Optional[SlabPlacement]) -> tuple:
+    """A copy action of bytes ``[so, so + size)`` of storage ``i``; through its slab segment when
+    the group is laid out in a slab (``slab``: where each storage lies there)."""
     if slab is None:
         return (op, i, b, bo, so, size)
-    return (op, SLAB, b, bo, slab[i] + so, size)
+    k = slab.segments[i]
+    return (op, SLAB - k, b, bo, slab.offsets[i] - slab.starts[k] + so, size)
 
 
 def offload_plan(
@@ -223,10 +226,10 @@ def offload_plan(
     store: Optional[HostStore],
     chunk: int,
     wait: bool,
-    slab: Optional[tuple[int, ...]] = None,
+    slab: Optional[SlabPlacement] = None,
 ) -> _Plan:
-    """The steps of an offload. ``slab``: the offset of each storage in the group's slab, when every
-    storage lives there (copies merge across storages, one hand-back at the end)."""
+    """The steps of an offload. ``slab``: where each storage lies in the group's slab, when every
+    storage lives there (copies merge across storages, hand-backs as the releases progress)."""
     pack = _Packer(chunk)
     if wait:
         pack.add((WAIT,))
@@ -241,22 +244,23 @@ def offload_plan(
     return _Plan(pack.finish(), release, {}, ())
 
 
-def _hand_back_per_step(steps: list, sizes: tuple[int, ...], slab: tuple[int, ...]) -> None:
+def _hand_back_per_step(steps: list, sizes: tuple[int, ...], slab: SlabPlacement) -> None:
     """End each step of a slab's offload with a ``(HAND_BACK, lo, hi)`` of the slab's bytes that
     no storage still holds once the step's releases ran: from the previous hand-back's end to the
-    lowest offset a storage not yet released starts at, rounded down to a huge page (the last one:
-    to the end of the layout). So the memory goes back as the copies progress, not only at the end,
-    and a swap that paces its regrows on the releases (R8) never holds a released storage's pages
-    beyond the next huge page boundary."""
-    order = sorted(range(len(sizes)), key=lambda i: slab[i])  # storages by offset in the slab
-    end = max((slab[i] + sizes[i] for i in order), default=0)
+    lowest offset a storage not yet released starts at, rounded down to the slab's unit (a CPU
+    slab's huge page; the last one: to the end of the layout). So the memory goes back as the
+    copies progress, not only at the end, and a swap that paces its regrows on the releases (R8)
+    never holds a released storage's memory beyond the next unit (a DeviceSlab: segment)."""
+    offsets, unit = slab.offsets, slab.unit
+    order = sorted(range(len(sizes)), key=lambda i: offsets[i])  # storages by offset in the slab
+    end = max((offsets[i] + sizes[i] for i in order), default=0)
     released: set[int] = set()
     k, lo = 0, 0
     for step in steps:
         released.update(a[1] for a in step if a[0] == RELEASE)
         while k < len(order) and order[k] in released:
             k += 1
-        hi = end if k == len(order) else slab[order[k]] // HUGE_PAGE * HUGE_PAGE
+        hi = end if k == len(order) else offsets[order[k]] // unit * unit
         if hi > lo:
             step.append((HAND_BACK, lo, hi))
             lo = hi
@@ -267,10 +271,10 @@ def onload_plan(
     store: Optional[HostStore],
     chunk: int,
     users: tuple[tuple[tuple[int, int, int], ...], ...],
-    slab: Optional[tuple[int, ...]] = None,
+    slab: Optional[SlabPlacement] = None,
     user_step_divisor: int = USER_STEP_DIVISOR,
 ) -> _Plan:
-    """The steps of an onload, in the users' order. ``slab``: the offset of each storage in the
+    """The steps of an onload, in the users' order. ``slab``: where each storage lies in the
     group's slab, which every regrow puts it in (copies merge across storages).
     ``user_step_divisor``: past the first chunk a step ends at a user's end once it holds
     ``chunk // user_step_divisor`` bytes (:data:`USER_STEP_DIVISOR`, on a CPU device
@@ -407,7 +411,7 @@ class GroupTransfer:
         copy: bool,
         token: Optional[Hashable],
         caller_event,
-        slab: Optional[tuple[Slab, tuple[int, ...]]] = None,
+        slab: Optional[tuple[Slab | DeviceSlab, SlabPlacement]] = None,
     ):
         self.group, self.direction, self.plan = group, direction, plan
         self.storages, self.sizes = storages, sizes
@@ -420,8 +424,10 @@ class GroupTransfer:
         self._store = group.store
         self._huge_pages = group.config.cpu_huge_pages
         self._lazy = group.config.cpu_release == "lazy"
-        # the group's slab and each storage's offset in it, when the plan copies through it
-        self._slab, self._slab_offsets = slab if slab is not None else (None, ())
+        # the group's slab and where each storage lies in it, when the plan copies through it
+        self._slab, self._placement = slab if slab is not None else (None, None)
+        # a slab's storages need no stream record of their own: its segments have one (DeviceSlab)
+        self._record = self._cuda and self._slab is None
         self.batch = Batch(
             "d2h" if direction == "offload" else "h2d", f"{direction} {group.name}", steps=plan.steps, runner=self
         )
@@ -443,7 +449,7 @@ class GroupTransfer:
             self._device_bytes(i)[so : so + n].copy_(self._store.buckets[b][bo : bo + n], non_blocking=self._cuda)
         elif op == RELEASE:
             s = self.storages[a[1]]
-            if self._cuda and s.nbytes():
+            if self._record and s.nbytes():
                 _byte_view(s).record_stream(self._d2h_stream)  # R2: the allocator waits for the d2h copies
             self._release(a[1])
             self.released.append(a[1])
@@ -451,7 +457,7 @@ class GroupTransfer:
             i = a[1]
             self._grow(i)
             self.grown.append(i)
-            if self._cuda and self.sizes[i]:
+            if self._record and self.sizes[i]:
                 # the block lives in the caller's pool (R3) and the h2d stream writes it: were the
                 # storage freed before the copy ran, the allocator must wait for that stream too
                 _byte_view(self.storages[i]).record_stream(self._h2d_stream)
@@ -466,13 +472,14 @@ class GroupTransfer:
 
     def _device_bytes(self, i: int) -> torch.Tensor:
         """The bytes a copy action reads or writes on the device: storage ``i``'s, or the slab's."""
-        return self._slab.tensor if i == SLAB else _byte_view(self.storages[i])
+        return self._slab.segment(SLAB - i) if i <= SLAB else _byte_view(self.storages[i])
 
     def _release(self, i: int) -> None:
         """Release storage ``i``; on a CPU device its memory is kept by the group (device_memory).
         In a slab its pages are handed back once, by the plan's last action."""
         s = self.storages[i]
-        block = device_memory.release(s, lazy=self._lazy, advise=self._slab is None)
+        keep = self._slab is None or self._slab.keeps_released
+        block = device_memory.release(s, lazy=self._lazy, advise=self._slab is None, keep=keep)
         if block is not None:
             self.group.park(storage_id(s), block)
 
@@ -483,9 +490,11 @@ class GroupTransfer:
         key = storage_id(s)
         if self._slab is None:
             block = self.group.parked(key, self._huge_pages)
+        elif not self._slab.keeps_released:  # a DeviceSlab: a piece of a segment, every time
+            block = self._slab.block(self._placement.offsets[i], self.sizes[i]) if self.sizes[i] else None
         else:
             block = self.group.parked(key, False)
-            offset = self._slab_offsets[i]
+            offset = self._placement.offsets[i]
             if self.sizes[i] and (block is None or block.address != self._slab.address + offset):
                 block = self._slab.block(offset, self.sizes[i])
         _grow_storage(s, self.sizes[i], block, self._huge_pages)
@@ -493,9 +502,11 @@ class GroupTransfer:
 
     def describe(self, a: tuple) -> str:
         op, name = a[0], self.group.name
-        if op in (COPY_OUT, COPY_IN) and a[1] == SLAB:
-            lo, hi = a[4], a[4] + a[5]
-            covered = [i for i, off in enumerate(self._slab_offsets) if off < hi and lo < off + self.sizes[i]]
+        if op in (COPY_OUT, COPY_IN) and a[1] <= SLAB:
+            place = self._placement
+            lo = place.starts[SLAB - a[1]] + a[4]
+            hi = lo + a[5]
+            covered = [i for i, off in enumerate(place.offsets) if off < hi and lo < off + self.sizes[i]]
             which = f"{covered[0]}" if len(covered) == 1 else f"{covered[0]}..{covered[-1]}" if covered else ""
             return f"copy {name}[{which}] slab {lo}:{hi}"
         if op in (COPY_OUT, COPY_IN):
@@ -598,6 +609,8 @@ class GroupTransfer:
         if self.direction == "onload":
             for i in self.grown:
                 self._release(i)
+            if self._slab is not None and not self._slab.keeps_released:
+                self._slab.hand_back(self._lazy)  # a DeviceSlab's segments: nothing holds a piece now
             group.onload_rolled_back()
             return (
                 f"chatlearn-mem: the onload of {group.name} was rolled back: every storage it regrew "

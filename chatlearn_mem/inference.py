@@ -40,7 +40,7 @@ class InferenceMemoryManager(MemoryManagerBase):
         ValueError: ``module`` has no parameters or buffers.
     """
 
-    _CONTIGUOUS_ON_CPU = frozenset({Part.WEIGHTS})  # a model's parameters: nothing else resizes them
+    _CONTIGUOUS = frozenset({Part.WEIGHTS})  # a model's parameters: nothing else resizes them
 
     def __init__(self, module: torch.nn.Module, config: Optional[MemoryConfig] = None):
         if not isinstance(module, torch.nn.Module):

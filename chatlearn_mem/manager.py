@@ -65,15 +65,16 @@ class MemoryManagerBase(ModelGuards):
             self._OFFLOAD_ORDER,
             self._ONLOAD_ORDER,
             owners.caller_site(),
-            self._CONTIGUOUS_ON_CPU,
+            self._CONTIGUOUS,
         )
         self._debug_guard = ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard() else None
 
     _OFFLOAD_ORDER: tuple[Part, ...] = (Part.WEIGHTS,)
     _ONLOAD_ORDER: tuple[Part, ...] = (Part.WEIGHTS,)
-    # parts whose storages a CPU device lays out in one slab (storage.StorageGroup's ``contiguous``):
-    # those nothing but the manager resizes
-    _CONTIGUOUS_ON_CPU: frozenset = frozenset()
+    # parts whose storages are laid out in a slab (storage.StorageGroup's ``contiguous``; on a CPU
+    # device with MemoryConfig.cpu_contiguous, on CUDA with cuda_contiguous): those nothing but
+    # the manager resizes
+    _CONTIGUOUS: frozenset = frozenset()
 
     # -- to be provided by subclasses -------------------------------------------------------
     def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
@@ -219,8 +220,8 @@ class MemoryManagerBase(ModelGuards):
         """Detach the manager from its model and free its host store.
 
         Removes every hook and method guard it installed, frees the host buffers and lets another
-        manager take the model. On a CPU device the storages it laid out in one slab
-        (``MemoryConfig.cpu_contiguous``) get memory of their own again (one copy of their bytes),
+        manager take the model. The storages it laid out in a slab (``MemoryConfig.cpu_contiguous``,
+        ``cuda_contiguous``) get memory of their own again (one copy of their bytes),
         so that other code may resize them. The manager must not be used afterwards (its calls raise). Calling
         it again is a no-op.
 

@@ -509,7 +509,7 @@ class PartsState:
     # -- close ---------------------------------------------------------------------------------------
     def close(self, detach: Callable[[], None]) -> bool:
         """Settle, refuse when a part is offloaded, ``detach()`` the manager, give storages in a
-        CPU slab memory of their own, free the host stores.
+        slab memory of their own, free the host stores.
 
         Returns:
             False when already closed (nothing done).
@@ -529,7 +529,7 @@ class PartsState:
             )
         detach()
         for part, g in self._groups.items():
-            # a CPU slab's storages get memory of their own back: resizable by others again
+            # a slab's storages get memory of their own back: resizable by others again
             g.leave_slab(self.storages(part))
             g.drop_host_store()
         self.closed = True

@@ -21,7 +21,16 @@ import torch
 
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import CopyEngine
-from chatlearn_mem.device_memory import Block, Slab, own_memory, parks_cpu_memory, storage_id, storage_key
+from chatlearn_mem.device_memory import (
+    Block,
+    DeviceSlab,
+    Slab,
+    SlabPlacement,
+    own_memory,
+    parks_cpu_memory,
+    storage_id,
+    storage_key,
+)
 from chatlearn_mem.group_transfer import (
     CPU_SLAB_STEP_MULTIPLIER,
     CPU_USER_STEP_DIVISOR,
@@ -75,11 +84,13 @@ class StorageGroup:
         keep_contents: Copy the bytes to the host before releasing and back after restoring.
             When False the storages are dropped and restored zeroed (gradients).
         config: Bucket size and pinning of the host store.
-        contiguous: On a CPU device, lay several storages out in one :class:`~chatlearn_mem.device_memory.Slab`
-            at the offsets of their host store (at their first onload), so that one copy and one
-            release move many of them. Only for storages nothing else resizes: in a slab
-            ``resize_`` raises (a trainer's main weights and optimizer states, an inference model's
-            weights; not megatron's param and grad buffers, which its own offload calls resize).
+        contiguous: Lay several storages out at the offsets of their host store (at their first
+            onload), so that one copy and one release move many of them: on a CPU device in one
+            :class:`~chatlearn_mem.device_memory.Slab` (``MemoryConfig.cpu_contiguous``), on CUDA
+            in a :class:`~chatlearn_mem.device_memory.DeviceSlab` (``MemoryConfig.cuda_contiguous``).
+            Only for storages nothing else resizes: in a slab ``resize_`` raises (a trainer's main
+            weights and optimizer states, an inference model's weights; not megatron's param and
+            grad buffers, which its own offload calls resize).
     """
 
     def __init__(self, name: str, keep_contents: bool, config: MemoryConfig, contiguous: bool = False):
@@ -87,9 +98,9 @@ class StorageGroup:
         self.keep_contents = keep_contents
         self.contiguous = contiguous
         self._config = config
-        # CPU, contiguous: the slab the storages live in, laid out as the host store (forgotten
+        # contiguous: the slab the storages live in, laid out as the host store (forgotten
         # whenever the store changes)
-        self._slab: Optional[Slab] = None
+        self._slab: Optional[Slab | DeviceSlab] = None
         self.store: Optional[HostStore] = None
         self._released: list[tuple[torch.UntypedStorage, int]] = []
         # CPU: the memory of each released storage (by storage key) while the group is offloaded
@@ -252,53 +263,87 @@ class StorageGroup:
         self._forget_slab()  # its layout was the old store's
         self.store = HostStore(sizes, self._config.bucket_size_bytes, pin)
 
-    # -- a CPU slab (see device_memory.Slab) ------------------------------------------------
+    # -- a slab (see device_memory.Slab, DeviceSlab) ------------------------------------------
     @property
-    def slab(self) -> Optional[Slab]:
-        """The slab the group's storages are laid out in (CPU, ``contiguous``), or None."""
+    def slab(self) -> Optional[Slab | DeviceSlab]:
+        """The slab the group's storages are laid out in (``contiguous``), or None."""
         return self._slab
 
     def leave_slab(self, storages: list[torch.UntypedStorage]) -> int:
         """Give each of ``storages`` that lives in a slab memory of its own, with its bytes (one copy
         each; :func:`~chatlearn_mem.device_memory.own_memory`), so that others may resize it; the
         group lays them out again at its next onload. Returns how many moved."""
-        return sum(own_memory(s) for s in storages) if self._slab is not None else 0
+        if self._slab is None:
+            return 0
+        moved = sum(own_memory(s) for s in storages)
+        if not self._slab.keeps_released:
+            self._forget_slab()  # a DeviceSlab's segments go with the pieces the storages held
+        return moved
 
     def _forget_slab(self) -> None:
         """The slab's layout is no longer the store's: the next onload lays the storages out anew
         (storages and kept blocks still in the old slab keep it alive until they leave it)."""
+        if self._slab is not None and not self._slab.keeps_released:
+            self._slab.hand_back()  # its segments stay alive only through the pieces still in use
         self._slab = None
 
-    def _slab_layout(self, storages: list[torch.UntypedStorage]) -> bool:
-        """Whether these storages are laid out (or are to be) in a slab of the store's layout."""
-        return (
+    def _slab_kind(self, storages: list[torch.UntypedStorage]) -> Optional[type]:
+        """The kind of slab these storages are laid out in (or are to be) at the store's layout:
+        :class:`Slab` on a CPU device (``cpu_contiguous``), :class:`DeviceSlab` on CUDA
+        (``cuda_contiguous``), None when not laid out in one."""
+        if not (
             self.contiguous
-            and self._config.cpu_contiguous
             and self.keep_contents
             and self.store is not None
             and len(storages) > 1
-            and device_of(storages).type == "cpu"
             and parks_cpu_memory()
-        )
-
-    def _slab_for_onload(self, storages: list[torch.UntypedStorage]) -> Optional[tuple[Slab, tuple[int, ...]]]:
-        """The slab the onload regrows ``storages`` into, allocated for the store's layout if there is
-        none yet (only address space: pages come with the copies); None when not laid out in one."""
-        if not self._slab_layout(storages):
+        ):
             return None
-        if self._slab is None:
-            self._slab = Slab(self.store.nbytes, self._config.cpu_huge_pages)
-        return self._slab, self.store.flat_offsets
+        kind = device_of(storages).type
+        if kind == "cpu" and self._config.cpu_contiguous:
+            return Slab
+        if kind == "cuda" and self._config.cuda_contiguous:
+            return DeviceSlab
+        return None
 
-    def _slab_for_offload(self, storages: list[torch.UntypedStorage]) -> Optional[tuple[Slab, tuple[int, ...]]]:
+    def _slab_for_onload(
+        self, storages: list[torch.UntypedStorage]
+    ) -> Optional[tuple[Slab | DeviceSlab, SlabPlacement]]:
+        """The slab the onload regrows ``storages`` into, laid out for the store if there is none
+        yet (a CPU slab: only address space, the pages come with the copies; a DeviceSlab: its
+        segments come with the regrows); None when not laid out in one."""
+        kind = self._slab_kind(storages)
+        if kind is None:
+            return None
+        offsets = self.store.flat_offsets
+        if not isinstance(self._slab, kind):
+            self._forget_slab()
+            if kind is Slab:
+                self._slab = Slab(self.store.nbytes, self._config.cpu_huge_pages)
+            else:
+                device = device_of(storages)
+                engine = CopyEngine.for_device(device)
+                streams = tuple(lane.stream for lane in engine.lanes.values()) if engine.is_cuda else ()
+                self._slab = DeviceSlab(
+                    offsets, self.store.sizes, self.store.nbytes, self._config.copy_chunk_bytes, device, streams
+                )
+        return self._slab, self._slab.placement(offsets)
+
+    def _slab_for_offload(
+        self, storages: list[torch.UntypedStorage]
+    ) -> Optional[tuple[Slab | DeviceSlab, SlabPlacement]]:
         """The slab, when every storage lives in it at its offset (else None: a storage changed
-        memory since its onload, or the storages were never onloaded by this group)."""
-        if not self._slab_layout(storages) or self._slab is None:
+        memory since its onload, or the storages were never onloaded by this group; a DeviceSlab is
+        then forgotten, so that its segments go with the releases)."""
+        kind = self._slab_kind(storages)
+        if kind is None or not isinstance(self._slab, kind):
             return None
         offsets = self.store.flat_offsets
         if not self._slab.holds_all(storages, offsets):
+            if not self._slab.keeps_released:
+                self._forget_slab()
             return None
-        return self._slab, offsets
+        return self._slab, self._slab.placement(offsets)
 
     # -- transitions through the copy engine ------------------------------------------------
     def _step_sizes(self, storages: list[torch.UntypedStorage], slab, use: bool, paced: bool) -> tuple[int, int]:
@@ -360,7 +405,7 @@ class StorageGroup:
             copy,
             id(self.store) if copy else None,
             caller_event is not None,
-            slab is not None,
+            type(slab[0]) if slab is not None else None,
             chunk,
         )
         plan = self._plans.get(key)
@@ -405,7 +450,8 @@ class StorageGroup:
         use = tuple(tuple((index[k], a, b) for k, a, b in ranges if k in index) for ranges in users or ())
         slab = self._slab_for_onload(storages)
         chunk, divisor = self._step_sizes(storages, slab, bool(use), paced)
-        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, slab is not None, divisor, chunk)
+        kind = type(slab[0]) if slab is not None else None
+        key = ("onload", sizes, id(self.store) if self.keep_contents else None, use, kind, divisor, chunk)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 8:  # sizes or users changed many times: keep the cache small

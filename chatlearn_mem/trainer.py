@@ -62,7 +62,7 @@ class TrainerMemoryManager(MemoryManagerBase):
     _OFFLOAD_ORDER = (Part.GRADS, Part.OPTIMIZER_STATES, Part.MAIN_WEIGHTS, Part.WEIGHTS)
     _ONLOAD_ORDER = (Part.GRADS, Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
     # not the weights: megatron-core's own offload calls resize its param buffers' storages
-    _CONTIGUOUS_ON_CPU = frozenset({Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES})
+    _CONTIGUOUS = frozenset({Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES})
 
     def __init__(self, model: Any, optimizer: Any, config: Optional[MemoryConfig] = None):
         layout.check_supported_version()

@@ -25,6 +25,11 @@ most time of their own: per call, how often each ran and its microseconds (``pro
 the full transitions' leaders printed). On a GPU it says which torch calls the per-storage work is
 made of (an allocation, a stream record, a copy launch) and how much is Python.
 
+``--device-slab on`` lays the main weights and optimizer states out in a
+:class:`~chatlearn_mem.device_memory.DeviceSlab` (on a GPU ``MemoryConfig.cuda_contiguous``; on a
+CPU device in place of its mmap slab, so that the same code is timed); ``both`` measures each
+model without and then with it, in the same process, and prints a table for each.
+
 Results of a run are in ``docs/transitions.md`` (host work per call and per step).
 """
 
@@ -67,9 +72,31 @@ def _leaders(profile: cProfile.Profile, calls: int, top: int = PROFILE_TOP) -> l
     return rows[:top]
 
 
-def measure(layers: int, repeats: int, profile: bool = False) -> dict:
+@contextlib.contextmanager
+def _device_slab(on: bool):
+    """``cuda_contiguous`` for the manager's config; on a CPU device also a DeviceSlab in place of
+    the mmap Slab (what ``cuda_contiguous`` lays out on CUDA), for the duration."""
+    from chatlearn_mem.device_memory import DeviceSlab, Slab
+    from chatlearn_mem.storage import StorageGroup
+
+    real = StorageGroup._slab_kind
+    if on:
+        StorageGroup._slab_kind = lambda g, s: DeviceSlab if real(g, s) is Slab else real(g, s)
+    try:
+        yield {"cuda_contiguous": on}
+    finally:
+        StorageGroup._slab_kind = real
+
+
+def measure(layers: int, repeats: int, profile: bool = False, device_slab: bool = False) -> dict:
     """One model of ``layers`` layers: per kind of call, the median wall time and the lanes' counts;
-    with ``profile``, each kind's leading functions under cProfile (:func:`_leaders`)."""
+    with ``profile``, each kind's leading functions under cProfile (:func:`_leaders`);
+    ``device_slab``: see :func:`_device_slab`."""
+    with _device_slab(device_slab) as extra:
+        return _measure(layers, repeats, profile, extra)
+
+
+def _measure(layers: int, repeats: int, profile: bool, extra: dict) -> dict:
     import torch
 
     from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
@@ -80,7 +107,7 @@ def measure(layers: int, repeats: int, profile: bool = False) -> dict:
     )
     trainer = gpt.build_gpt_trainer(cfg)
     trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=2))  # the optimizer states exist
-    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
+    mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False, **extra))
     device = mm.state.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):
@@ -88,6 +115,7 @@ def measure(layers: int, repeats: int, profile: bool = False) -> dict:
         mm.onload()
     row: dict = {
         "layers": layers,
+        "device_slab": extra["cuda_contiguous"],
         "parameters": sum(1 for _ in trainer.model.parameters()),
         "storages": {p.value: len(mm.state.storages(p)) for p in mm.parts},
     }
@@ -171,6 +199,29 @@ def _print_leaders(row: dict, call: str, top: int = 10) -> None:
         )
 
 
+def _print_table(rows: list[dict], title: str) -> dict:
+    """The calls of ``rows`` (one model each, in order of size) as a markdown table; returns the
+    microseconds per extra parameter of each kind of call."""
+    if title:
+        print(f"\n{title}:")
+    print("| call | " + " | ".join(f"{r['parameters']} params" for r in rows) + " | us per extra param |")
+    print("|---|" + "---:|" * (len(rows) + 1))
+    first, last = rows[0], rows[-1]
+    slopes = {}
+    for call in CALLS:
+        cells = []
+        for r in rows:
+            c = r["calls"][call]
+            extra = f", returns {c['returns_ms']:.2f}" if "returns_ms" in c else ""
+            cells.append(
+                f"{c['wall_ms']:.2f} ms{extra} ({c['steps']} steps, {c['actions']} actions, lanes {c['lane_host_ms']:.2f} ms)"
+            )
+        dp = last["parameters"] - first["parameters"]
+        slopes[call] = (last["calls"][call]["wall_ms"] - first["calls"][call]["wall_ms"]) * 1e3 / dp
+        print(f"| {call} | " + " | ".join(cells) + f" | {slopes[call]:.1f} |")
+    return slopes
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", default="4,16,64", help="comma-separated layer counts, one model each")
@@ -181,7 +232,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="also profile each kind of call on the largest model (cProfile, apart from the timed calls)",
     )
+    p.add_argument(
+        "--device-slab",
+        choices=("off", "on", "both"),
+        default="off",
+        help="main weights and optimizer states in a DeviceSlab (cuda_contiguous); both: each model without, then with",
+    )
     args = p.parse_args(argv)
+    settings = {"off": [False], "on": [True], "both": [False, True]}[args.device_slab]
     try:
         layers = [int(x) for x in args.layers.split(",")]
     except ValueError:
@@ -203,24 +261,14 @@ def main(argv=None) -> int:
         )
         rows = []
         for n in layers:
-            print(f"[host-overhead] {n} layers ...", file=sys.stderr, flush=True)
-            rows.append(measure(n, args.repeats, profile=args.profile and n == max(layers)))
+            for on in settings:
+                print(f"[host-overhead] {n} layers{', device slab' if on else ''} ...", file=sys.stderr, flush=True)
+                rows.append(measure(n, args.repeats, profile=args.profile and n == max(layers), device_slab=on))
     print(f"device: {device}; medians of {args.repeats} calls; hidden 64 (the copies take next to nothing)")
-    print("| call | " + " | ".join(f"{r['parameters']} params" for r in rows) + " | us per extra param |")
-    print("|---|" + "---:|" * (len(rows) + 1))
-    first, last = rows[0], rows[-1]
     slopes = {}
-    for call in CALLS:
-        cells = []
-        for r in rows:
-            c = r["calls"][call]
-            extra = f", returns {c['returns_ms']:.2f}" if "returns_ms" in c else ""
-            cells.append(
-                f"{c['wall_ms']:.2f} ms{extra} ({c['steps']} steps, {c['actions']} actions, lanes {c['lane_host_ms']:.2f} ms)"
-            )
-        dp = last["parameters"] - first["parameters"]
-        slopes[call] = (last["calls"][call]["wall_ms"] - first["calls"][call]["wall_ms"]) * 1e3 / dp
-        print(f"| {call} | " + " | ".join(cells) + f" | {slopes[call]:.1f} |")
+    for on in settings:
+        table = [r for r in rows if r["device_slab"] == on]
+        slopes[on] = _print_table(table, "main weights and optimizer states in a DeviceSlab" if on else "")
     for r in rows:
         for call in ("full offload", "full onload") if "profile" in r else ():
             _print_leaders(r, call)
@@ -232,7 +280,8 @@ def main(argv=None) -> int:
                     "torch": torch.__version__,
                     "repeats": args.repeats,
                     "rows": rows,
-                    "us_per_param": slopes,
+                    "us_per_param": slopes[settings[0]],
+                    **({"us_per_param_device_slab": slopes[True]} if True in slopes else {}),
                 },
                 indent=1,
             )

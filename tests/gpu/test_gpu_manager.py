@@ -255,3 +255,61 @@ def test_megatron_optimizer_offload_then_restore_is_refused_and_a_new_manager_ta
         trainer.train_step(_batch(CFG, 1))
     finally:
         mm.close()
+
+
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
+def test_a_device_slab_is_exact_gives_its_memory_back_and_merges_the_copies(dist1, transitions):
+    """``cuda_contiguous``: main weights and optimizer states in a DeviceSlab's segments. Bit-exact
+    under cycles, the memory goes back to the allocator with the offload, and the copies of a
+    step merge (a release per storage is left, not a copy per storage)."""
+    from chatlearn_mem.device_memory import DeviceSlab
+
+    between, config = TRANSITIONS[transitions]
+    config = (NON_BLOCKING_GPU if config is NON_BLOCKING else MemoryConfig()).model_copy(
+        update={"cuda_contiguous": True}
+    )
+    _, _, mm, trainer = assert_exact(CFG, STEPS, between, config=config)
+    groups = {part: mm.state.group(part) for part in (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)}
+    assert all(isinstance(g.slab, DeviceSlab) and g.slab.allocated for g in groups.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    stats = {s.group: s for s in mm.offload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])}
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    released = sum(s.nbytes for s in stats.values())
+    assert freed >= released, (freed, released)
+    for part, g in groups.items():
+        n = len(g.released)
+        s = stats[part.value]
+        print(f"{part}: {n} storages, {s.steps} steps, {s.actions} actions, host {s.host_seconds * 1e3:.2f} ms")
+        assert g.slab.allocated == 0 and s.actions < 1.5 * n, (s.actions, n)
+    mm.onload([Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES])
+    assert mm.audit().ok
+    storages = [s for part in groups for s in mm.state.storages(part) if s.nbytes()]
+    assert not any(s.resizable() for s in storages)  # pieces of the segments
+    state = snapshot(trainer)
+    mm.close()  # the storages leave the slab: resizable again, the same bytes
+    assert all(s.resizable() for s in storages), "a storage still in a segment after close()"
+    assert bit_equal(snapshot(trainer), state)
+
+
+def test_swap_through_device_slabs_stays_exact(dist1):
+    config = MemoryConfig(cuda_contiguous=True)
+    a = gpt.build_gpt_trainer(CFG)
+    b = gpt.build_gpt_trainer(CFG.model_copy(update={"seed": 99}))
+    ma, mb = TrainerMemoryManager(a.model, a.optimizer, config), TrainerMemoryManager(b.model, b.optimizer, config)
+    for _ in range(2):  # the first cycle lays the storages out in their slabs
+        ma.offload()
+        ma.onload()
+    a.train_step(_batch(CFG, 0))
+    mb.offload()
+    mb.onload()
+    mb.offload()
+    sa = snapshot(a)
+    swap(out=ma, into=mb)
+    assert ma.residency().device_bytes == 0
+    b.train_step(_batch(CFG, 0))
+    swap(out=mb, into=ma)
+    assert bit_equal(snapshot(a), sa)
+    a.train_step(_batch(CFG, 1))
+    assert ma.audit().ok and mb.audit().ok

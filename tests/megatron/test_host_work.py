@@ -128,3 +128,13 @@ def test_measure_host_overhead_profiles_each_kind_of_call(dist1):
     assert len(regrow) == 1 and regrow[0]["ncalls"] == sum(row["storages"].values())
     unprofiled = mod.measure(2, 2)
     assert "profile" not in unprofiled and sorted(unprofiled["calls"]) == sorted(mod.CALLS)
+    # --device-slab: the same calls with the main weights and optimizer states in a DeviceSlab
+    # (on a CPU device in place of the mmap Slab), which is put back afterwards
+    from chatlearn_mem.storage import StorageGroup
+
+    kind = StorageGroup._slab_kind
+    slabbed = mod.measure(2, 2, device_slab=True)
+    assert slabbed["device_slab"] and not unprofiled["device_slab"]
+    assert StorageGroup._slab_kind is kind
+    for call in ("full offload", "full onload"):  # the copies merge in either slab: as many actions
+        assert slabbed["calls"][call]["actions"] == unprofiled["calls"][call]["actions"]

@@ -121,3 +121,22 @@ def test_forward_only_phase_skips_copy_of_unchanged_weights(dist1):
     assert third["main_weights"].copied_bytes > 0 and third["optimizer_states"].copied_bytes > 0
     mm.onload()
     assert mm.audit().ok
+
+
+@pytest.mark.parametrize("transitions", list(TRANSITIONS))
+def test_full_cycles_through_a_device_slab_are_bit_exact(dist1, monkeypatch, transitions):
+    """The main weights and optimizer states laid out in a DeviceSlab (what ``cuda_contiguous`` lays
+    them out in on CUDA), here on the CPU backend: the same segments, pieces and merged copies."""
+    from chatlearn_mem.device_memory import DeviceSlab, Slab
+    from chatlearn_mem.storage import StorageGroup
+
+    cfg = gpt.GPTTrainerConfig(**LAYOUTS["bf16-distopt"])
+    base_losses, base_state, _, _ = train(cfg)
+    real = StorageGroup._slab_kind
+    monkeypatch.setattr(StorageGroup, "_slab_kind", lambda g, s: DeviceSlab if real(g, s) is Slab else real(g, s))
+    between, config = TRANSITIONS[transitions]
+    losses, state, mm, _ = train(cfg, between=between, config=config)
+    assert losses == base_losses
+    assert bit_equal(state, base_state)
+    slabs = {part: mm.state.group(part).slab for part in (Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)}
+    assert all(isinstance(s, DeviceSlab) and s.allocated for s in slabs.values()), slabs

@@ -1,0 +1,207 @@
+"""A DeviceSlab (``MemoryConfig.cuda_contiguous``) exercised on the CPU.
+
+The slab CUDA uses is made of torch tensors (segments) and pieces of them handed out through DLPack,
+so the same code runs on a CPU device: these tests lay a CPU group out in one instead of the CPU's
+mmap :class:`~chatlearn_mem.device_memory.Slab`. What only a GPU shows (the segments' stream
+records, the allocator's reuse) is in tests/gpu.
+"""
+
+import pytest
+import torch
+
+import chatlearn_mem.group_transfer as gt
+from chatlearn_mem import MemoryConfig
+from chatlearn_mem.device_memory import DeviceSlab, Slab, own_memory
+from chatlearn_mem.storage import StorageGroup
+
+MiB = 2**20
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32).clone()
+
+
+@pytest.fixture
+def device_slab(monkeypatch):
+    """Groups lay their storages out in a DeviceSlab where they would take a CPU Slab."""
+    real = StorageGroup._slab_kind
+
+    def kind(self, storages):
+        k = real(self, storages)
+        return DeviceSlab if k is Slab else k
+
+    monkeypatch.setattr(StorageGroup, "_slab_kind", kind)
+
+
+def _record(monkeypatch) -> list:
+    actions = []
+    real = gt.GroupTransfer.run
+
+    def run(self, action):
+        actions.append(action)
+        real(self, action)
+
+    monkeypatch.setattr(gt.GroupTransfer, "run", run)
+    return actions
+
+
+def _uses(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (the slab's, and each piece's through DLPack), less the one of
+    the storage object made here to ask."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+def _group(chunk_mib: float = 8, **kw) -> StorageGroup:
+    return StorageGroup("optimizer_states", True, MemoryConfig(bucket_size_mb=64, copy_chunk_mb=chunk_mib, **kw), True)
+
+
+def _tensors(n: int = 12, mib: float = 2) -> list[torch.Tensor]:
+    k = int(mib * MiB) // 4
+    return [torch.arange(i * k, (i + 1) * k, dtype=torch.int32) * 7 for i in range(n)]
+
+
+def _laid_out(n: int = 12, chunk_mib: float = 8):
+    """``n`` storages of 2 MiB in a group, offloaded and onloaded once: laid out in its slab.
+    Returns ``(tensors, their bits, storages, group)``."""
+    ts = _tensors(n)
+    storages = [t.untyped_storage() for t in ts]
+    group = _group(chunk_mib)
+    group.offload(storages)
+    group.onload()
+    return ts, [bits(t) for t in ts], storages, group
+
+
+def test_segments_hold_consecutive_storages_at_the_stores_offsets(device_slab):
+    ts, expected, storages, group = _laid_out()  # 12 x 2 MiB; segments of 8 MiB: four storages each
+    views = [t[3:9] for t in ts]
+    slab = group.slab
+    assert isinstance(slab, DeviceSlab) and slab.starts == (0, 8 * MiB, 16 * MiB)
+    offsets = group.store.flat_offsets
+    for i, s in enumerate(storages):
+        k = i // 4
+        assert s.data_ptr() == slab.segment(k).data_ptr() + offsets[i] - slab.starts[k]
+        assert not s.resizable()  # the documented price, as a CPU slab's
+    assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+    assert [v.tolist() for v in views] == [t[3:9].tolist() for t in ts]
+
+
+def test_a_cycle_copies_once_per_segment_and_frees_every_segment(device_slab, monkeypatch):
+    ts, expected, storages, group = _laid_out()
+    actions = _record(monkeypatch)
+    for _ in range(3):
+        slab = group.slab
+        segments = [slab.segment(k) for k in range(3)]
+        assert [_uses(seg) for seg in segments] == [1 + 4] * 3  # the slab's and four pieces each
+        actions.clear()
+        group.offload(storages)
+        copies = [a for a in actions if a[0] == gt.COPY_OUT]
+        assert sorted(a[1] for a in copies) == [gt.SLAB - 2, gt.SLAB - 1, gt.SLAB]  # 12 storages, 3 copies
+        assert all(a[5] == 8 * MiB for a in copies)
+        assert all(s.nbytes() == 0 for s in storages) and slab.allocated == 0
+        assert [_uses(seg) for seg in segments] == [1] * 3  # only this test holds them: freed with it
+        del segments
+        actions.clear()
+        group.onload()
+        assert len([a for a in actions if a[0] == gt.COPY_IN]) == 3
+        assert [a[0] for a in actions].count(gt.GROW) == 12
+        assert group.slab.allocated == 24 * MiB
+        assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+
+
+def test_an_offload_frees_each_segment_once_its_storages_are_released(device_slab, monkeypatch):
+    """A swap's side takes steps of ``copy_chunk_mb`` and regrows the other side as this one releases
+    (R8): each segment goes back as soon as no storage holds a piece of it, not at the end."""
+    ts, _, storages, group = _laid_out(chunk_mib=4)  # steps of 4 MiB, segments of 4 MiB: two storages each
+    slab = group.slab
+    assert len(slab.starts) == 6
+    allocated = []
+    real = gt.GroupTransfer.run
+
+    def run(self, action):
+        real(self, action)
+        if action[0] == gt.HAND_BACK:
+            released = set(self.released)
+            held = {k for k in range(6) if slab._segments[k] is not None}
+            # every storage of a dropped segment is released; none of a held one's was dropped early
+            assert all({2 * k, 2 * k + 1} <= released for k in set(range(6)) - held)
+            allocated.append(slab.allocated)
+
+    monkeypatch.setattr(gt.GroupTransfer, "run", run)
+    group.start_offload(storages, paced=True).run_blocking()
+    assert len(allocated) == 6 and allocated == sorted(allocated, reverse=True) and allocated[-1] == 0
+    group.onload()
+    assert all(torch.equal(t, _tensors()[i]) for i, t in enumerate(ts))
+
+
+def test_a_failed_onload_drops_the_segments_and_the_next_one_is_exact(device_slab, monkeypatch):
+    ts, expected, storages, group = _laid_out()
+    group.offload(storages)
+    real = gt._grow_storage
+    calls = []
+
+    def failing(storage, nbytes, *args):
+        calls.append(nbytes)
+        if len(calls) == 6:
+            raise RuntimeError("simulated device OOM")
+        real(storage, nbytes, *args)
+
+    monkeypatch.setattr(gt, "_grow_storage", failing)
+    with pytest.raises(RuntimeError, match="simulated device OOM"):
+        group.onload()
+    assert group.offloaded and all(s.nbytes() == 0 for s in storages)
+    assert group.slab.allocated == 0  # the segments it allocated went with the rollback
+    monkeypatch.setattr(gt, "_grow_storage", real)
+    group.onload()
+    assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+
+
+def test_a_failed_offload_puts_every_storage_back(device_slab, monkeypatch):
+    # steps of 2 MiB, a segment per storage
+    ts, expected, storages, group = _laid_out(chunk_mib=2 / gt.CPU_SLAB_STEP_MULTIPLIER)
+    real = gt.GroupTransfer.run
+
+    def fail_after_some_releases(self, action):
+        if action[0] == gt.COPY_OUT and len(self.released) >= 5:
+            raise RuntimeError("simulated copy failure")
+        real(self, action)
+
+    monkeypatch.setattr(gt.GroupTransfer, "run", fail_after_some_releases)
+    with pytest.raises(RuntimeError, match="simulated copy failure"):
+        group.offload(storages)
+    assert not group.offloaded
+    assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+    monkeypatch.setattr(gt.GroupTransfer, "run", real)
+    for _ in range(2):
+        group.offload(storages)
+        group.onload()
+        assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+
+
+def test_a_storage_that_left_the_slab_is_released_on_its_own_and_the_slab_is_laid_out_anew(device_slab, monkeypatch):
+    ts, _, storages, group = _laid_out(4)
+    old = group.slab
+    seg = old.segment(0)
+    assert own_memory(storages[1])  # someone gave it memory of its own (same bytes)
+    ts[1].add_(5)
+    actions = _record(monkeypatch)
+    group.offload(storages)
+    assert sorted(a[1] for a in actions if a[0] == gt.COPY_OUT) == [0, 1, 2, 3]  # one copy per storage
+    assert group.slab is None  # forgotten: its segments go with the pieces
+    group.onload()
+    assert group.slab is not old and all(not s.resizable() for s in storages)
+    # (on CUDA each piece goes with its release; on a CPU device a released storage's memory is
+    # kept for its regrow, so the old pieces went when the onload took new ones)
+    assert _uses(seg) == 1
+    assert [int(t[0]) for t in ts] == [int(e[0]) + 5 * (i == 1) for i, e in enumerate(_tensors(4))]
+
+
+def test_leaving_the_slab_gives_each_storage_memory_of_its_own(device_slab):
+    ts, expected, storages, group = _laid_out(6)
+    views = [t[5:7] for t in ts]
+    seg = group.slab.segment(0)
+    assert group.leave_slab(storages) == 6
+    assert group.slab is None and _uses(seg) == 1  # nothing points into the segment any more
+    assert all(s.resizable() for s in storages)
+    assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
+    assert [v.tolist() for v in views] == [e[5:7].tolist() for e in expected]
+    storages[0].resize_(0)  # other code may resize them again
