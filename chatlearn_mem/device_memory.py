@@ -407,13 +407,15 @@ class DeviceSlab:
         return True
 
     def hand_back(self, lazy: bool = True, start: int = 0, end: Optional[int] = None) -> bool:
-        """Drop the segments inside bytes ``[start, end)`` of the layout (default: all): call it
-        once every storage there is released (``lazy`` is the CPU slab's and unused). Returns
-        whether one was dropped."""
+        """Drop the segments that end in bytes ``(start, end]`` of the layout (default: all): call
+        it once every storage below ``end`` is released, as an offload's hand-backs do (their
+        ranges follow one another from 0, so a segment that starts in an earlier range goes with
+        the range it ends in; ``lazy`` is the CPU slab's and unused). Returns whether one was
+        dropped."""
         end = self.nbytes if end is None else end
         dropped = False
         for k, seg in enumerate(self._segments):
-            if seg is not None and start <= self.starts[k] and self._end(k) <= end:
+            if seg is not None and start < self._end(k) <= end:
                 self._segments[k] = None
                 dropped = True
         return dropped

@@ -277,6 +277,9 @@ class StorageGroup:
             return 0
         moved = sum(own_memory(s) for s in storages)
         if not self._slab.keeps_released:
+            device = device_of(storages)
+            if device.type == "cuda":  # the copies out of the segments are done before they go
+                torch.cuda.current_stream(device).synchronize()
             self._forget_slab()  # a DeviceSlab's segments go with the pieces the storages held
         return moved
 
