@@ -328,7 +328,6 @@ class DeviceSlab:
     Args:
         offsets: Each storage's start in the layout (``HostStore.flat_offsets``).
         sizes: Each storage's bytes.
-        nbytes: Bytes of the layout.
         segment_bytes: Least bytes of a segment (the last one may hold less).
         device: Where to allocate.
         streams: CUDA streams that read or write the segments.
@@ -340,12 +339,13 @@ class DeviceSlab:
         self,
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
-        nbytes: int,
         segment_bytes: int,
         device: torch.device,
         streams: tuple = (),
     ):
-        self.nbytes, self.device, self._streams = int(nbytes), device, tuple(streams)
+        # the layout ends where its last storage does (where an offload's last hand-back ends)
+        self.nbytes = max((off + n for off, n in zip(offsets, sizes)), default=0)
+        self.device, self._streams = device, tuple(streams)
         starts: list[int] = []
         for off, n in sorted(zip(offsets, sizes)):
             if n and (not starts or off - starts[-1] >= segment_bytes):
@@ -365,6 +365,14 @@ class DeviceSlab:
     def _end(self, k: int) -> int:
         return self.starts[k + 1] if k + 1 < len(self.starts) else self.nbytes
 
+    def segment_nbytes(self, k: int) -> int:
+        """Bytes of segment ``k``."""
+        return self._end(k) - self.starts[k]
+
+    def nbytes_ending_in(self, start: int, end: int) -> int:
+        """Bytes of the segments :meth:`hand_back` drops for ``(start, end]``."""
+        return sum(self.segment_nbytes(k) for k in range(len(self.starts)) if start < self._end(k) <= end)
+
     def segment(self, k: int) -> torch.Tensor:
         """The bytes of segment ``k`` (allocated)."""
         seg = self._segments[k]
@@ -374,7 +382,7 @@ class DeviceSlab:
     @property
     def allocated(self) -> int:
         """Bytes of the segments allocated now."""
-        return sum(self._end(k) - self.starts[k] for k, seg in enumerate(self._segments) if seg is not None)
+        return sum(self.segment_nbytes(k) for k, seg in enumerate(self._segments) if seg is not None)
 
     def block(self, offset: int, nbytes: int) -> Block:
         """A piece ``[offset, offset + nbytes)`` of the layout, as a :class:`Block` to regrow a
@@ -383,7 +391,7 @@ class DeviceSlab:
         rel = offset - self.starts[k]
         seg = self._segments[k]
         if seg is None:
-            seg = torch.empty(self._end(k) - self.starts[k], dtype=torch.uint8, device=self.device)
+            seg = torch.empty(self.segment_nbytes(k), dtype=torch.uint8, device=self.device)
             for stream in self._streams:
                 seg.record_stream(stream)
             self._segments[k] = seg

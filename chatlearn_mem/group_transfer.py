@@ -522,13 +522,37 @@ class GroupTransfer:
         return a[0] == GROW
 
     # -- for the managers ------------------------------------------------------------------------
-    def release_steps(self) -> list[tuple[int, int]]:
-        """``(storage index, step index)`` of each release, in order (offload)."""
-        return sorted(self.plan.release_step.items(), key=lambda x: x[1])
+    def _segments(self) -> bool:
+        """Whether the device memory comes and goes by segments (a DeviceSlab), not by storages."""
+        return self._slab is not None and not self._slab.keeps_released
 
-    def grow_actions(self) -> list[tuple[int, tuple[int, int]]]:
-        """``(storage index, (step, action))`` of each regrow, in order (onload)."""
-        return sorted(self.plan.grow_at.items(), key=lambda x: x[1])
+    def release_steps(self) -> list[tuple[int, int]]:
+        """``(step index, device bytes freed by it)`` in order (offload): each storage's release, or
+        with a DeviceSlab each hand-back of the segments whose storages are all released."""
+        if not self._segments():
+            return sorted(((step, self.sizes[i]) for i, step in self.plan.release_step.items()), key=lambda x: x[0])
+        slab = self._slab
+        return [
+            (k, slab.nbytes_ending_in(a[1], a[2]))
+            for k, step in enumerate(self.plan.steps)
+            for a in step
+            if a[0] == HAND_BACK
+        ]
+
+    def grow_actions(self) -> list[tuple[tuple[int, int], int]]:
+        """``((step, action), device bytes it allocates)`` of each regrow that allocates, in order
+        (onload): each storage's, or with a DeviceSlab the first regrow into each segment."""
+        order = sorted(self.plan.grow_at.items(), key=lambda x: x[1])
+        if not self._segments():
+            return [(where, self.sizes[i]) for i, where in order]
+        seen: set[int] = set()
+        out = []
+        for i, where in order:
+            k = self._placement.segments[i]
+            if self.sizes[i] and k not in seen:
+                seen.add(k)
+                out.append((where, self._slab.segment_nbytes(k)))
+        return out
 
     def user_fence(self, user: int) -> Optional[Fence]:
         """The fence after which user ``user`` of :meth:`StorageGroup.start_onload` may read."""

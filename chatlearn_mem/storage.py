@@ -327,9 +327,7 @@ class StorageGroup:
                 device = device_of(storages)
                 engine = CopyEngine.for_device(device)
                 streams = tuple(lane.stream for lane in engine.lanes.values()) if engine.is_cuda else ()
-                self._slab = DeviceSlab(
-                    offsets, self.store.sizes, self.store.nbytes, self._config.copy_chunk_bytes, device, streams
-                )
+                self._slab = DeviceSlab(offsets, self.store.sizes, self._config.copy_chunk_bytes, device, streams)
         return self._slab, self._slab.placement(offsets)
 
     def _slab_for_offload(

@@ -256,15 +256,14 @@ def _pace(
     """Make each regrow of the incoming storages wait for enough outgoing releases (R8)."""
     releases = []  # (fence, cumulative bytes released)
     total = 0
-    for _, gt in out_started:
-        for i, step in gt.release_steps():
-            total += gt.sizes[i]
-            releases.append((gt.batch.fence(step), total))
-    grows = [(gt, where, gt.sizes[i]) for _, gt in into_started for i, where in gt.grow_actions()]
-    if headroom_bytes is None:
-        headroom_bytes = max(
-            [n for _, gt in out_started for n in gt.sizes] + [n for _, gt in into_started for n in gt.sizes] + [0]
-        )
+    freed = [(gt, step, n) for _, gt in out_started for step, n in gt.release_steps()]
+    for gt, step, n in freed:
+        total += n
+        releases.append((gt.batch.fence(step), total))
+    # the memory comes by storages, or by segments where a part is in a DeviceSlab (cuda_contiguous)
+    grows = [(gt, where, n) for _, gt in into_started for where, n in gt.grow_actions()]
+    if headroom_bytes is None:  # the largest unit that comes or goes at once
+        headroom_bytes = max([n for _, _, n in freed] + [n for _, _, n in grows] + [0])
     grown = 0
     k = 0
     for gt, where, n in grows:

@@ -210,3 +210,60 @@ def test_leaving_the_slab_gives_each_storage_memory_of_its_own(device_slab):
     assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
     assert [v.tolist() for v in views] == [e[5:7].tolist() for e in expected]
     storages[0].resize_(0)  # other code may resize them again
+
+
+def test_a_swap_between_device_slabs_never_holds_both_models(device_slab, monkeypatch):
+    """R8 with segments: an incoming segment is allocated whole at the first regrow into it, and an
+    outgoing one goes only with its hand-back, so the swap paces on segments: with no headroom the
+    two slabs together never hold more than the larger model (paced on storages, they did)."""
+    import threading
+    import time
+
+    from chatlearn_mem import InferenceMemoryManager, swap
+
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(16)])  # 32 storages, 1 MiB
+    b = torch.nn.Sequential(*[torch.nn.Linear(128, 96) for _ in range(16)])
+    expected = [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+    # segments and steps of 128 KiB; the weights copied out every time (as after a train step)
+    config = MemoryConfig(copy_chunk_mb=0.125, check_host_memory=False, skip_unchanged_weights=False)
+    ma, mb = InferenceMemoryManager(a, config), InferenceMemoryManager(b, config)
+    for m in (ma, mb):  # laid out in their slabs
+        m.offload()
+        m.onload()
+    mb.offload()
+    slabs = [m.state.group("weights").slab for m in (ma, mb)]
+    assert all(isinstance(s, DeviceSlab) for s in slabs)
+    sizes = [s.nbytes for s in slabs]
+    lock, held = threading.Lock(), []
+    real_block, real_hand_back = DeviceSlab.block, DeviceSlab.hand_back
+
+    def block(self, *args):
+        with lock:
+            out = real_block(self, *args)
+            held.append(sum(s.allocated for s in slabs))
+            return out
+
+    def hand_back(self, *args):
+        with lock:
+            return real_hand_back(self, *args)
+
+    real_run = gt.GroupTransfer.run
+
+    def run(self, action):  # slow copies out: the regrows in come as soon as the pacing lets them
+        if action[0] == gt.COPY_OUT:
+            time.sleep(0.002)
+        real_run(self, action)
+
+    monkeypatch.setattr(DeviceSlab, "block", block)
+    monkeypatch.setattr(DeviceSlab, "hand_back", hand_back)
+    monkeypatch.setattr(gt.GroupTransfer, "run", run)
+    swap(out=ma, into=mb, headroom_bytes=0)
+    assert held and max(held) <= max(sizes), (max(held), sizes)
+    assert held[0] > sizes[1] // 2, held  # the first regrows in came while most of the model out was held
+    assert slabs[0].allocated == 0 and slabs[1].allocated == sizes[1]
+    swap(out=mb, into=ma)
+    mb.onload()
+    assert all(torch.equal(p, e) for p, e in zip((*a.parameters(), *b.parameters()), expected))
+    ma.close()
+    mb.close()
