@@ -210,7 +210,9 @@ def swap(
         into_parts: Parts of ``into`` to onload (None: all).
         headroom_bytes: Device bytes the swap may hold beyond the larger model, so that incoming
             copies start before the whole of a large outgoing storage is out. Default: the
-            largest single storage of the two (the pipelining unit: a storage is released whole).
+            largest single storage of the two (the pipelining unit: a storage is released whole),
+            or segment where a part is in a DeviceSlab (``MemoryConfig.cuda_contiguous``: memory
+            comes and goes a segment at a time).
         force: Passed to ``out.offload`` (drop unconsumed gradients).
         blocking: Wait and return the stats (default), or return the :class:`Transfer` at once.
 
