@@ -50,6 +50,9 @@ class BenchConfig(BaseModel):
     """``MemoryConfig.bucket_size_mb`` of the manager."""
     cpu_huge_pages: bool = True
     """``MemoryConfig.cpu_huge_pages`` of the manager (CPU only; false reproduces the 4 KiB-page onloads)."""
+    cuda_contiguous: bool = False
+    """``MemoryConfig.cuda_contiguous`` of the manager (CUDA only: main weights and optimizer states
+    in a DeviceSlab); a run with it and one without, on the same GPU, are its A/B."""
     pin_memory: Optional[bool] = None
     """Pin host buffers (manager store, ceiling, fresh-allocation alternative); None: when CUDA is available."""
     repeats: int = Field(9, ge=3)

@@ -160,6 +160,7 @@ def run_benchmark(
             bucket_size_mb=cfg.bucket_size_mb,
             pin_memory=pin if cuda else None,
             cpu_huge_pages=cfg.cpu_huge_pages,
+            cuda_contiguous=cfg.cuda_contiguous,
             skip_unchanged_weights=False,
         ),
     )  # always copy: the benchmark times copies

@@ -32,6 +32,7 @@ def test_presets_load_and_overrides_apply():
     assert cfg.trainer.num_layers == 3 and cfg.repeats == 5 and cfg.methods == ["fresh_host_alloc"]
     gpu = load_config("gpu")  # a real model for one GPU, sized for its validation step (see test_gpu_validate)
     assert estimate_part_bytes(gpu.trainer)["weights"] / 2 > 0.5e9 and gpu.pin_memory  # bf16: 2 bytes each
+    assert not gpu.cuda_contiguous and load_config("gpu", overrides=["cuda_contiguous=true"]).cuda_contiguous
     with pytest.raises(ConfigError, match="presets: cpu, gpu, tiny"):
         load_config("nope")
     with pytest.raises(ConfigError, match="repeatz: unknown key"):
