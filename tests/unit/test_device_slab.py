@@ -267,3 +267,19 @@ def test_a_swap_between_device_slabs_never_holds_both_models(device_slab, monkey
     assert all(torch.equal(p, e) for p, e in zip((*a.parameters(), *b.parameters()), expected))
     ma.close()
     mb.close()
+
+
+def test_each_segment_is_recorded_on_the_lanes_streams_once(monkeypatch):
+    """R2/R3 with segments: a segment is allocated on the current stream and recorded once on each
+    given stream (the copy lanes'), so that the allocator reuses it only after their copies; its
+    pieces need no record of their own."""
+    records = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: records.append((t.data_ptr(), s)))
+    offsets, sizes = (0, 1024, 2048, 3072), (1000, 1000, 1000, 1000)
+    slab = DeviceSlab(offsets, sizes, 2048, torch.device("cpu"), streams=("d2h", "h2d"))
+    assert slab.starts == (0, 2048) and slab.nbytes == 4072
+    pieces = [slab.block(off, n) for off, n in zip(offsets, sizes)]
+    bases = [slab.segment(k).data_ptr() for k in range(2)]
+    assert records == [(bases[0], "d2h"), (bases[0], "h2d"), (bases[1], "d2h"), (bases[1], "h2d")]
+    assert [p.address for p in pieces] == [bases[0], bases[0] + 1024, bases[1], bases[1] + 1024]
+    assert slab.nbytes_ending_in(0, 2048) == 2048 and slab.nbytes_ending_in(2048, 4072) == 2024
