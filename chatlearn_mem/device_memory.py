@@ -3,7 +3,10 @@
 Every view of a storage survives both: the storage object stays, only its memory changes.
 
 * **CUDA.** ``resize_(0)`` gives the block back to torch's caching allocator (the manager then
-  returns it to the driver, ``MemoryConfig.empty_cache``) and ``resize_(n)`` takes one again.
+  returns it to the driver, ``MemoryConfig.empty_cache``) and ``resize_(n)`` takes one again. A
+  part made of many storages can instead live in a :class:`DeviceSlab`
+  (``MemoryConfig.cuda_contiguous``): a few large allocations, one per segment of consecutive
+  storages, given back as the offload releases the last storage of each.
 * **CPU** (megatron-core on :mod:`chatlearn_mem.cpu_backend`, or an inference model on the CPU).
   The storage's memory is moved out whole into a :class:`Block` (``UntypedStorage._swap_data_ptr_``:
   no allocation, no copy), which the storage's group keeps while the part is offloaded and moves
