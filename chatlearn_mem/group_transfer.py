@@ -426,6 +426,9 @@ class GroupTransfer:
         self._lazy = group.config.cpu_release == "lazy"
         # the group's slab and where each storage lies in it, when the plan copies through it
         self._slab, self._placement = slab if slab is not None else (None, None)
+        # a DeviceSlab: device memory comes and goes by segments (the first regrow into one, the
+        # hand-back after its last release), not by storages; a released storage's piece is dropped
+        self._by_segments = self._slab is not None and not self._slab.keeps_released
         # a slab's storages need no stream record of their own: its segments have one (DeviceSlab)
         self._record = self._cuda and self._slab is None
         self.batch = Batch(
@@ -478,8 +481,7 @@ class GroupTransfer:
         """Release storage ``i``; on a CPU device its memory is kept by the group (device_memory).
         In a slab its pages are handed back once, by the plan's last action."""
         s = self.storages[i]
-        keep = self._slab is None or self._slab.keeps_released
-        block = device_memory.release(s, lazy=self._lazy, advise=self._slab is None, keep=keep)
+        block = device_memory.release(s, lazy=self._lazy, advise=self._slab is None, keep=not self._by_segments)
         if block is not None:
             self.group.park(storage_id(s), block)
 
@@ -490,7 +492,7 @@ class GroupTransfer:
         key = storage_id(s)
         if self._slab is None:
             block = self.group.parked(key, self._huge_pages)
-        elif not self._slab.keeps_released:  # a DeviceSlab: a piece of a segment, every time
+        elif self._by_segments:  # a DeviceSlab: a piece of a segment, every time
             block = self._slab.block(self._placement.offsets[i], self.sizes[i]) if self.sizes[i] else None
         else:
             block = self.group.parked(key, False)
@@ -522,14 +524,10 @@ class GroupTransfer:
         return a[0] == GROW
 
     # -- for the managers ------------------------------------------------------------------------
-    def _segments(self) -> bool:
-        """Whether the device memory comes and goes by segments (a DeviceSlab), not by storages."""
-        return self._slab is not None and not self._slab.keeps_released
-
     def release_steps(self) -> list[tuple[int, int]]:
         """``(step index, device bytes freed by it)`` in order (offload): each storage's release, or
         with a DeviceSlab each hand-back of the segments whose storages are all released."""
-        if not self._segments():
+        if not self._by_segments:
             return sorted(((step, self.sizes[i]) for i, step in self.plan.release_step.items()), key=lambda x: x[0])
         slab = self._slab
         return [
@@ -543,7 +541,7 @@ class GroupTransfer:
         """``((step, action), device bytes it allocates)`` of each regrow that allocates, in order
         (onload): each storage's, or with a DeviceSlab the first regrow into each segment."""
         order = sorted(self.plan.grow_at.items(), key=lambda x: x[1])
-        if not self._segments():
+        if not self._by_segments:
             return [(where, self.sizes[i]) for i, where in order]
         seen: set[int] = set()
         out = []
@@ -633,7 +631,7 @@ class GroupTransfer:
         if self.direction == "onload":
             for i in self.grown:
                 self._release(i)
-            if self._slab is not None and not self._slab.keeps_released:
+            if self._by_segments:
                 self._slab.hand_back(self._lazy)  # a DeviceSlab's segments: nothing holds a piece now
             group.onload_rolled_back()
             return (

@@ -138,24 +138,15 @@ def test_an_offload_frees_each_segment_once_its_storages_are_released(device_sla
     assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
 
 
-def test_a_failed_onload_drops_the_segments_and_the_next_one_is_exact(device_slab, monkeypatch):
+def test_a_failed_onload_drops_the_segments_and_the_next_one_is_exact(device_slab, failing_regrow):
     ts, expected, storages, group = _laid_out()
     group.offload(storages)
-    real = gt._grow_storage
-    calls = []
-
-    def failing(storage, nbytes, *args):
-        calls.append(nbytes)
-        if len(calls) == 6:
-            raise RuntimeError("simulated device OOM")
-        real(storage, nbytes, *args)
-
-    monkeypatch.setattr(gt, "_grow_storage", failing)
+    failing_regrow(6)  # two segments allocated by then
     with pytest.raises(RuntimeError, match="simulated device OOM"):
         group.onload()
     assert group.offloaded and all(s.nbytes() == 0 for s in storages)
     assert group.slab.allocated == 0  # the segments it allocated went with the rollback
-    monkeypatch.setattr(gt, "_grow_storage", real)
+    failing_regrow.disarm()
     group.onload()
     assert all(torch.equal(bits(t), e) for t, e in zip(ts, expected))
 

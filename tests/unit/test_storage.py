@@ -199,7 +199,7 @@ def test_size_change_replans_store(tensors, storages):
 
 
 @pytest.mark.parametrize("contiguous", [False, True], ids=["own_memory", "slab"])
-def test_onload_failure_rolls_back(monkeypatch, tensors, storages, contiguous):
+def test_onload_failure_rolls_back(failing_regrow, tensors, storages, contiguous):
     snap = snapshot(tensors)
     group = StorageGroup("weights", True, SMALL, contiguous=contiguous)
     if contiguous:  # the storages in the slab first
@@ -207,16 +207,7 @@ def test_onload_failure_rolls_back(monkeypatch, tensors, storages, contiguous):
         group.onload()
     group.offload(storages)
     released = group.released
-    real = storage_mod._grow_storage
-    calls = []
-
-    def failing(storage, nbytes, *args):
-        calls.append(nbytes)
-        if len(calls) == 3:
-            raise RuntimeError("simulated device OOM")
-        real(storage, nbytes, *args)
-
-    monkeypatch.setattr(storage_mod, "_grow_storage", failing)
+    calls = failing_regrow(3)
     with pytest.raises(RuntimeError, match="simulated device OOM"):
         group.onload()
     assert len(calls) == 3
@@ -224,7 +215,7 @@ def test_onload_failure_rolls_back(monkeypatch, tensors, storages, contiguous):
     assert group.offloaded
     assert [(storage_key(s), n) for s, n in group.released] == [(storage_key(s), n) for s, n in released]
 
-    monkeypatch.setattr(storage_mod, "_grow_storage", real)
+    failing_regrow.disarm()
     group.onload()
     assert not group.offloaded
     assert_restored(tensors, snap)
