@@ -30,6 +30,17 @@ def _counted(monkeypatch, call):
     return stats, ran, wall
 
 
+def _script(name: str):
+    """``scripts/<name>.py`` of this checkout, imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_stats_count_the_steps_actions_and_host_time_of_each_call(dist1, monkeypatch):
     trainer, mm = _manager(2)
     try:
@@ -83,17 +94,12 @@ def test_profile_onload_script_measures_and_profiles_both_cache_settings(dist1, 
     """scripts/profile_onload.py (run on the GPU machines) on the bench's tiny trainer: every
     figure is there, each non-blocking onload returned before it was done, and the profile is of
     the onload call."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     import pytest
 
     pytest.importorskip("psutil")  # the bench's extra (installed with [test])
-    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_onload.py"
-    spec = importlib.util.spec_from_file_location("profile_onload", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("profile_onload")
     out = tmp_path / "profile.json"
     assert mod.main(["--preset", "tiny", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
@@ -110,13 +116,8 @@ def test_measure_host_overhead_profiles_each_kind_of_call(dist1):
     """scripts/measure_host_overhead.py --profile: every kind of call has its leading functions,
     per call, and a full onload's regrows are counted once per storage (on a CPU device they run
     on the calling thread, which cProfile follows)."""
-    import importlib.util
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "measure_host_overhead.py"
-    spec = importlib.util.spec_from_file_location("measure_host_overhead", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("measure_host_overhead")
     row = mod.measure(2, 2, profile=True)
     assert sorted(row["profile"]) == sorted(mod.CALLS) == sorted(row["calls"])
     for prof in row["profile"].values():
@@ -138,3 +139,27 @@ def test_measure_host_overhead_profiles_each_kind_of_call(dist1):
     assert StorageGroup._slab_kind is kind
     for call in ("full offload", "full onload"):  # the copies merge in either slab: as many actions
         assert slabbed["calls"][call]["actions"] == unprofiled["calls"][call]["actions"]
+
+
+def test_measure_overlap_sync_times_each_kind_against_the_plain_schedule(dist1, tmp_path):
+    """scripts/measure_overlap_sync.py on the bench's tiny trainer: every kind has one sample per
+    round, the plain schedule is its own reference, the fenced lane copies in the manager's own
+    steps, and the manager's onloads leave it exact (the script audits it)."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("psutil")  # the bench's extra (installed with [test])
+    mod = _script("measure_overlap_sync")
+    out = tmp_path / "sync.json"
+    assert mod.main(["--preset", "tiny", "--rounds", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert sorted(r["samples"]) == sorted(mod.KINDS) == sorted(r["summary"])
+    assert all(len(rows) == 2 for rows in r["samples"].values())
+    assert r["summary"]["plain"]["ratio_to_plain"] == 1.0
+    assert r["steps"] == len(r["step_mib"]) >= 1
+    assert sum(r["step_bytes"]) == r["weights_bytes"] > 0  # the steps copy every byte of the weights
+    for name in ("plain", "fenced", "manager"):  # a copy finished within each of those rounds
+        assert all(0 < row["copy_end_ms"] <= row["wall_ms"] for row in r["samples"][name])
+    with pytest.raises(SystemExit):
+        mod.main(["--preset", "tiny", "--rounds", "0"])
