@@ -67,6 +67,20 @@ def _checksum(mm, trainer, parts=COPY_PARTS) -> list[int]:
     return out
 
 
+def build_trainer(cfg):
+    """The benchmark's trainer for ``cfg`` (a :class:`~chatlearn_mem_bench.config.BenchConfig`),
+    after one training step, so that its optimizer states exist; the process group is initialised
+    first when there is none."""
+    from chatlearn_mem.models import gpt
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
+        _init_distributed(tmp)
+        trainer = gpt.build_gpt_trainer(cfg.trainer)
+        trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
+    return trainer
+
+
 def _init_distributed(tmp: str) -> None:
     from chatlearn_mem.models import gpt
 
@@ -146,11 +160,7 @@ def run_benchmark(
         torch.set_num_threads(cfg.threads)
     started = _dt.datetime.now(_dt.timezone.utc)
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
-        _init_distributed(tmp)
-        trainer = gpt.build_gpt_trainer(cfg.trainer)
-        trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
+    trainer = build_trainer(cfg)
     cuda = torch.cuda.is_available()
     pin = bool(cuda and (cfg.pin_memory is None or cfg.pin_memory))
     mm = TrainerMemoryManager(

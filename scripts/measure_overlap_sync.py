@@ -32,10 +32,8 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import threading
 import time
-import warnings
 from typing import Callable, Optional
 
 KINDS = ("alone", "plain", "fenced", "manager")
@@ -93,7 +91,12 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
 
     from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
     from chatlearn_mem.group_transfer import COPY_IN
-    from chatlearn_mem_bench.overlap import first_module_bytes, forward_batch
+    from chatlearn_mem_bench.overlap import (
+        _copy_with_threads,
+        _plain_onload_beside_forward,
+        first_module_bytes,
+        forward_batch,
+    )
 
     mm = TrainerMemoryManager(
         trainer.model,
@@ -108,7 +111,7 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
         for _ in range(2):
             mm.offload()
             mm.onload()
-        torch.set_num_threads(cfg.overlap_threads or 1)
+        torch.set_num_threads(cfg.overlap_threads or 1)  # as the bench's overlap rows
         batch = forward_batch(cfg, trainer, mm, mm.device)
 
         def forward():
@@ -124,8 +127,7 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
         handle.wait()
         weights_bytes = sum(s.nbytes() for s in mm.state.storages(Part.WEIGHTS))
         first = first_module_bytes(mm)
-        src = torch.ones(weights_bytes, dtype=torch.uint8)
-        dst = torch.zeros(weights_bytes, dtype=torch.uint8)
+        threads = cfg.overlap_threads or 1
         copier = _Thread()
         fence = {"on": False, "done": -1, "end": None}
         cv = threading.Condition()
@@ -144,15 +146,17 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
             m.register_forward_pre_hook(waits_for(u), prepend=True) for u, m in enumerate(mm.state.weight_users)
         )
 
-        def copy_rest():
-            torch.set_num_threads(cfg.overlap_threads or 1)
+        def timed_copy(threads: int, dst, src):  # the bench's copy thread, its end and schedstat taken
             copier.start()
-            dst[first:].copy_(src[first:])
+            _copy_with_threads(threads, dst, src)
             fence["end"] = time.perf_counter()
             copier.stop()
 
+        src = torch.ones(weights_bytes, dtype=torch.uint8)
+        dst = torch.zeros(weights_bytes, dtype=torch.uint8)
+
         def copy_in_steps():
-            torch.set_num_threads(cfg.overlap_threads or 1)
+            torch.set_num_threads(threads)
             copier.start()
             offset = 0
             for k, n in enumerate(step_bytes):
@@ -164,20 +168,15 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
             fence["end"] = time.perf_counter()
             copier.stop()
 
-        def beside(copy: Callable[[], None], fenced: bool) -> Callable[[], None]:
-            def run():
-                if not fenced:
-                    dst[:first].copy_(src[:first])
-                fence["on"], fence["done"] = fenced, -1
-                other = threading.Thread(target=copy)
-                other.start()
-                try:
-                    forward()
-                finally:
-                    other.join()
-                    fence["on"] = False
-
-            return run
+        def fenced():
+            fence["on"], fence["done"] = True, -1
+            other = threading.Thread(target=copy_in_steps)
+            other.start()
+            try:
+                forward()
+            finally:
+                other.join()
+                fence["on"] = False
 
         lane_ids: list[int] = []
 
@@ -190,10 +189,11 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
 
         kinds: dict[str, Callable[[], None]] = {
             "alone": forward,
-            "plain": beside(copy_rest, fenced=False),
-            "fenced": beside(copy_in_steps, fenced=True),
+            "plain": _plain_onload_beside_forward(weights_bytes, first, threads, forward, copy=timed_copy),
+            "fenced": fenced,
             "manager": manager,
         }
+        tick = 1e3 / os.sysconf("SC_CLK_TCK")  # ms per jiffy of /proc/stat
         forward()  # warm
         samples: dict[str, list[dict]] = {k: [] for k in KINDS}
         for r in range(warmup + rounds):
@@ -222,7 +222,6 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
                     copier.figures = max(busy, key=lambda f: f["cpu_ms"]) if busy else None
                 if r < warmup:
                     continue
-                tick = 1e3 / os.sysconf("SC_CLK_TCK")
                 samples[name].append(
                     {
                         "wall_ms": (t1 - t0) * 1e3,
@@ -292,7 +291,7 @@ def main(argv=None) -> int:
     from chatlearn_mem.errors import ConfigError
     from chatlearn_mem.models import gpt
     from chatlearn_mem_bench.config import load_config
-    from chatlearn_mem_bench.run import _init_distributed
+    from chatlearn_mem_bench.run import build_trainer
 
     try:
         cfg = load_config(args.preset, args.overrides)
@@ -301,11 +300,7 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     with gpt.owned_process_group():
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # megatron-core's notices about apex / TE / deprecations
-            _init_distributed(tmp)
-            trainer = gpt.build_gpt_trainer(cfg.trainer)
-            trainer.train_step(gpt.synthetic_batch(cfg.trainer, 0, batch_size=cfg.batch_size))
+        trainer = build_trainer(cfg)
         print(f"{args.rounds} rounds of {', '.join(KINDS)} on the {args.preset} preset's trainer ...", flush=True)
         result = measure(trainer, cfg, args.rounds)
     print(
