@@ -89,8 +89,10 @@ class MemoryConfig(BaseModel):
     instead of once per storage, and one copy per step moves many storages, so the host's work
     per call no longer grows with allocations, stream records and copy launches per tensor (one
     pointer move per storage is left). The same price as ``cpu_contiguous``: while onloaded,
-    ``resize_`` on such a storage raises. Off by default until it has been validated on a GPU
-    (``scripts/gpu_validate.sh`` runs the GPU tests with it on)."""
+    ``resize_`` on such a storage raises. Needs ``torch.UntypedStorage._swap_data_ptr_`` (torch
+    2.13 has it, 2.11 does not): a manager on CUDA refuses it (``ConfigError``) where it is
+    missing. Off by default until it has been validated on a GPU (``scripts/gpu_validate.sh`` runs
+    the GPU tests with it on; they skip on a torch without it)."""
 
     debug_guard: bool = False
     """Turn any torch operation on a released tensor into an ``OffloadedError`` naming the tensor,

@@ -57,6 +57,8 @@ from typing import Iterable, Optional
 import torch
 from torch.utils.dlpack import to_dlpack
 
+from chatlearn_mem.errors import ConfigError
+
 _from_dlpack = torch._C._from_dlpack  # a capsule to a tensor (torch.from_dlpack's own path for one)
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "Slab",
     "SlabPlacement",
     "advise_huge_pages",
+    "check_device_slab",
     "own_memory",
     "parks_cpu_memory",
     "regrow",
@@ -144,8 +147,25 @@ def advise_huge_pages(storage: torch.UntypedStorage) -> bool:
 
 
 def parks_cpu_memory() -> bool:
-    """Whether this torch can move a CPU storage's memory out and back (else ``resize_`` is used)."""
+    """Whether this torch can move a storage's memory out and back (``UntypedStorage._swap_data_ptr_``;
+    else a CPU storage is released by ``resize_``, and no :class:`DeviceSlab` can be laid out)."""
     return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def check_device_slab(cuda_contiguous: bool, device: torch.device) -> None:
+    """Refuse ``MemoryConfig.cuda_contiguous`` for a manager on a CUDA ``device`` when this torch
+    cannot put a storage in a :class:`DeviceSlab`'s piece (:func:`parks_cpu_memory`): without the
+    refusal the option would do nothing, silently.
+
+    Raises:
+        ConfigError: saying which torch lacks what, and the two ways out.
+    """
+    if cuda_contiguous and torch.device(device).type == "cuda" and not parks_cpu_memory():
+        raise ConfigError(
+            f"cuda_contiguous=True needs torch.UntypedStorage._swap_data_ptr_, which this torch "
+            f"({torch.__version__}) lacks: install a torch that has it (2.13 does; 2.11 does not) or "
+            "set MemoryConfig(cuda_contiguous=False)"
+        )
 
 
 @dataclass

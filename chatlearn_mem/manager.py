@@ -19,7 +19,7 @@ import torch
 from chatlearn_mem import owners, transitions
 from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.debug_guard import ReleasedTensorGuard
-from chatlearn_mem.device_memory import storage_key
+from chatlearn_mem.device_memory import check_device_slab, storage_key
 from chatlearn_mem.group_transfer import GroupTransfer
 from chatlearn_mem.guards import ModelGuards, serialized
 from chatlearn_mem.parts import Part
@@ -41,6 +41,7 @@ class MemoryManagerBase(ModelGuards):
         if config is not None and not isinstance(config, MemoryConfig):
             raise TypeError(f"config must be a chatlearn_mem.MemoryConfig, got {type(config).__name__}")
         self.config = config or MemoryConfig()
+        check_device_slab(self.config.cuda_contiguous, device)
         self.device = device
         self._active_call: Optional[tuple[str, int]] = None  # (method, thread id) of the call in progress
         self._hook_handles: list = []  # anything with .remove(): torch hook handles, method guards

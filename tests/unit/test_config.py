@@ -67,3 +67,20 @@ def test_frozen():
         cfg.skip_unchanged_weights = False
     assert cfg.bucket_size_mb == 4
     assert cfg.skip_unchanged_weights is True
+
+
+def test_cuda_contiguous_on_a_torch_that_cannot_lay_out_a_device_slab_is_refused(monkeypatch):
+    # torch 2.11 (a GPU machine's) has no UntypedStorage._swap_data_ptr_: without the refusal the
+    # option silently did nothing there (every storage kept its own allocation and copy)
+    import chatlearn_mem.device_memory as dm
+    from chatlearn_mem import ConfigError, Part
+    from chatlearn_mem.manager import MemoryManagerBase
+
+    monkeypatch.setattr(dm, "parks_cpu_memory", lambda: False)
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"cuda_contiguous=True needs torch.UntypedStorage._swap_data_ptr_.*"):
+        MemoryManagerBase({Part.WEIGHTS: True}, cuda, MemoryConfig(cuda_contiguous=True))  # before any CUDA call
+    dm.check_device_slab(False, cuda)  # not asked for
+    dm.check_device_slab(True, torch.device("cpu"))  # no effect on a CPU device: nothing to refuse
+    monkeypatch.setattr(dm, "parks_cpu_memory", lambda: True)
+    dm.check_device_slab(True, cuda)
