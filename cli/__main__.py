@@ -23,7 +23,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "'chatlearn-mem[bench]' (the benchmark)\n"
         )
         raise SystemExit(1) from None
-    app(args=None if argv is None else list(argv), prog_name="chatlearn-mem")
+    try:
+        app(args=None if argv is None else list(argv), prog_name="chatlearn-mem")
+    except SystemExit as e:
+        gpt = sys.modules.get("chatlearn_mem.models.gpt")  # loaded by the commands that use megatron
+        if gpt is None:
+            raise
+        gpt.exit_process(e.code)  # at once, when the process group's teardown hung (else sys.exit)
 
 
 if __name__ == "__main__":

@@ -291,4 +291,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from chatlearn_mem.models import gpt
+
+    getattr(gpt, "exit_process", sys.exit)(code)  # at once when the process group's teardown hung

@@ -324,4 +324,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    from chatlearn_mem.models import gpt
+
+    gpt.exit_process(code)  # at once when the process group's teardown hung

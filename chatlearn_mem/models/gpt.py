@@ -30,6 +30,7 @@ __all__ = [
     "build_gpt_model",
     "build_gpt_trainer",
     "build_gpt_pipeline_trainer",
+    "exit_process",
     "init_distributed",
     "owned_process_group",
     "shutdown_distributed",
@@ -269,32 +270,107 @@ def init_distributed(
     model_parallel_cuda_manual_seed(seed)
 
 
-def shutdown_distributed() -> None:
+DESTROY_TIMEOUT_S = 30.0
+"""How long :func:`shutdown_distributed` waits for ``destroy_process_group()`` by default. A healthy
+teardown takes well under a second; on a one-GPU H100 machine (torch 2.11, megatron-core 0.19.2)
+the NCCL teardown after a bench run did not return in 70 s."""
+
+_teardown_hung = False  # a shutdown_distributed() in this process gave up waiting (exit_process)
+
+
+def shutdown_distributed(timeout_s: Optional[float] = DESTROY_TIMEOUT_S) -> bool:
     """Destroy megatron's model-parallel groups and the default process group (what
     :func:`init_distributed` set up); nothing when none is initialised.
 
     Call it when the process is done with collectives, before it exits: torch asks for it, and a
     NCCL process group left to the interpreter's exit is torn down by destructors, which can hold
     the exit up long after the work is done. Every rank of the group calls it.
+
+    The destroy runs on a helper thread, and this call waits ``timeout_s`` for it (None: without a
+    limit): a NCCL teardown can hang (seen on a one-GPU H100 machine after a bench run). When it
+    does not return in time, this warns and returns False, and the process's own exit would hang
+    in the same teardown: end the process with :func:`exit_process`, which then skips it.
+
+    Returns:
+        True when nothing was left to destroy or the destroy returned; False when it is still
+        running after ``timeout_s``.
+
+    Raises:
+        Whatever ``destroy_process_group()`` raised, when it raised in time.
     """
+    global _teardown_hung
+    import threading
+
     import torch.distributed as dist
 
-    if "megatron.core" in sys.modules:  # nothing to leave when megatron was never imported
-        from megatron.core import parallel_state
+    def teardown() -> None:
+        if "megatron.core" in sys.modules:  # nothing to leave when megatron was never imported
+            from megatron.core import parallel_state
 
-        # unconditionally: it resets every group global, also those of an initialisation that
-        # failed half way (which model_parallel_is_initialized() does not see), and does nothing twice
-        parallel_state.destroy_model_parallel()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+            # unconditionally: it resets every group global, also those of an initialisation that
+            # failed half way (which model_parallel_is_initialized() does not see), and does
+            # nothing twice; it destroys megatron's own process groups (each a NCCL teardown)
+            parallel_state.destroy_model_parallel()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    if timeout_s is None:
+        teardown()
+        return True
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "model-parallel"
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            teardown()
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            failed.append(e)
+
+    helper = threading.Thread(target=run, name="chatlearn-mem-destroy-process-group", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        _teardown_hung = True
+        warnings.warn(
+            f"destroying the {backend} process group did not return within {timeout_s:g} s; the "
+            "process's own exit would hang in the same teardown: end it with "
+            "chatlearn_mem.models.gpt.exit_process(code), which skips it (the chatlearn-mem "
+            "commands do)",
+            stacklevel=2,
+        )
+        return False
+    if failed:
+        raise failed[0]
+    return True
+
+
+def exit_process(code: Any = 0) -> None:
+    """End the process with ``code`` (as ``sys.exit``). When a :func:`shutdown_distributed` of this
+    process gave up waiting for the process group's teardown, the interpreter's own exit would
+    hang in that teardown: then stdout and stderr are flushed and the process ends at once
+    (``os._exit``), without atexit handlers. Call it last, once every result is written."""
+    if not _teardown_hung:
+        sys.exit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit's convention: anything else is printed, and the status is 1
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 @contextlib.contextmanager
-def owned_process_group() -> Iterator[None]:
+def owned_process_group(timeout_s: Optional[float] = DESTROY_TIMEOUT_S) -> Iterator[None]:
     """A block that may create the process group (:func:`init_distributed`) and then owns it:
-    leaving the block, however it ends, calls :func:`shutdown_distributed` when the group was
-    created inside it. A group that existed before the block (a test session's, a caller's) is
-    left as it is. For the main function of a script or command::
+    leaving the block, however it ends, calls :func:`shutdown_distributed` (with ``timeout_s``)
+    when the group was created inside it. A group that existed before the block (a test
+    session's, a caller's) is left as it is. For the main function of a script or command, which
+    ends the process with :func:`exit_process`::
 
         with gpt.owned_process_group():
             gpt.init_distributed(...)
@@ -308,12 +384,12 @@ def owned_process_group() -> Iterator[None]:
     except BaseException:
         if not before and dist.is_available() and dist.is_initialized():
             try:
-                shutdown_distributed()
+                shutdown_distributed(timeout_s)
             except Exception as e:  # noqa: BLE001 - the block's own error is the one to see
                 warnings.warn(f"shutting the process group down after an error failed too: {e!r}", stacklevel=2)
         raise
     if not before and dist.is_available() and dist.is_initialized():
-        shutdown_distributed()
+        shutdown_distributed(timeout_s)
 
 
 def _megatron_module():
