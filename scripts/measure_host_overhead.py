@@ -201,7 +201,7 @@ def _print_leaders(row: dict, call: str, top: int = 10) -> None:
 
 def _print_table(rows: list[dict], title: str) -> dict:
     """The calls of ``rows`` (one model each, in order of size) as a markdown table; returns the
-    microseconds per extra parameter of each kind of call."""
+    microseconds per extra parameter of each kind of call (None each with one model alone)."""
     if title:
         print(f"\n{title}:")
     print("| call | " + " | ".join(f"{r['parameters']} params" for r in rows) + " | us per extra param |")
@@ -217,14 +217,18 @@ def _print_table(rows: list[dict], title: str) -> dict:
                 f"{c['wall_ms']:.2f} ms{extra} ({c['steps']} steps, {c['actions']} actions, lanes {c['lane_host_ms']:.2f} ms)"
             )
         dp = last["parameters"] - first["parameters"]
-        slopes[call] = (last["calls"][call]["wall_ms"] - first["calls"][call]["wall_ms"]) * 1e3 / dp
-        print(f"| {call} | " + " | ".join(cells) + f" | {slopes[call]:.1f} |")
+        slopes[call] = (last["calls"][call]["wall_ms"] - first["calls"][call]["wall_ms"]) * 1e3 / dp if dp else None
+        print(f"| {call} | " + " | ".join(cells) + f" | {'-' if slopes[call] is None else f'{slopes[call]:.1f}'} |")
     return slopes
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", default="4,16,64", help="comma-separated layer counts, one model each")
+    p.add_argument(
+        "--layers",
+        default="4,16,64",
+        help="comma-separated layer counts, one model each (two at least for the cost per extra parameter)",
+    )
     p.add_argument("--repeats", type=int, default=15, help="timed calls of each kind per model")
     p.add_argument("--out", help="write every figure here as JSON")
     p.add_argument(
@@ -244,10 +248,15 @@ def main(argv=None) -> int:
         layers = [int(x) for x in args.layers.split(",")]
     except ValueError:
         p.error(f"--layers takes comma-separated layer counts such as 4,16,64, got {args.layers!r}")
-    if len(layers) < 2:
-        p.error("--layers needs two layer counts at least (the cost per parameter is a difference)")
-
     import torch
+
+    if args.device_slab != "off" and torch.cuda.is_available():
+        from chatlearn_mem import device_memory
+
+        try:  # before any model is measured (a build before the check has none: it fails later)
+            getattr(device_memory, "check_device_slab", lambda *a: None)(True, torch.device("cuda"))
+        except ValueError as e:
+            p.error(f"--device-slab {args.device_slab}: {e}")
 
     from chatlearn_mem.models import gpt
 

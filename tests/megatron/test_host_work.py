@@ -6,6 +6,8 @@ by at most two actions per storage."""
 
 import time
 
+import pytest
+import torch
 from trainer_runs import BATCH
 
 from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager, copy_engine
@@ -139,6 +141,20 @@ def test_measure_host_overhead_profiles_each_kind_of_call(dist1):
     assert StorageGroup._slab_kind is kind
     for call in ("full offload", "full onload"):  # the copies merge in either slab: as many actions
         assert slabbed["calls"][call]["actions"] == unprofiled["calls"][call]["actions"]
+    # one model alone: its table, with no cost per extra parameter (a difference needs two)
+    assert set(mod._print_table([unprofiled], "").values()) == {None}
+
+
+def test_measure_host_overhead_refuses_a_device_slab_this_torch_cannot_lay_out(monkeypatch, capsys):
+    # on a GPU machine with torch 2.11, --device-slab both measured the same code twice
+    import chatlearn_mem.device_memory as dm
+
+    mod = _script("measure_host_overhead")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dm, "parks_cpu_memory", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        mod.main(["--layers", "2", "--device-slab", "both"])
+    assert info.value.code == 2 and "--device-slab both: cuda_contiguous=True needs" in capsys.readouterr().err
 
 
 def test_measure_overlap_sync_times_each_kind_against_the_plain_schedule(dist1, tmp_path):
