@@ -31,6 +31,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -185,4 +186,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    from chatlearn_mem.models import gpt
+
+    getattr(gpt, "exit_process", sys.exit)(code)  # at once when the process group's teardown hung
