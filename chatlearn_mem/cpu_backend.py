@@ -23,7 +23,14 @@ events, pins memory and seeds the CUDA generator. On a machine without a GPU non
   MoE router uses ``torch.mm``.
 
 gloo (torch >= 2.6) has every collective the distributed optimizer uses (all-reduce,
-reduce-scatter, all-gather into a tensor, bf16 included), so nothing is patched there.
+reduce-scatter, all-gather into a tensor, bf16 included), so no collective is patched. One thing
+is: torch gives every gloo process group a transport device of its own, and each device a thread
+that wakes every 10 ms whether or not anything is sent. megatron-core makes about twenty groups
+(one rank or many), so a CPU process had twenty-one such threads waking 2000 times a second and
+taking 5% of a core while idle; on a machine of few cores every wakeup preempts the compute or a
+copy lane. After :func:`install`, the gloo groups created in the process share one device, as
+torch's own options allow (:func:`_share_one_gloo_device`; ``CHATLEARN_MEM_GLOO_SHARED_DEVICE=0``,
+or ``install(share_gloo_device=False)``, keeps torch's default).
 
 The mode is active on the thread that called :func:`install` and on every thread started after
 it; threads already running at that moment do not see it.
@@ -41,9 +48,11 @@ keep it silent), and :func:`chatlearn_mem.models.gpt.init_distributed` installs 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -54,6 +63,7 @@ __all__ = ["install", "is_installed"]
 
 _lock = threading.Lock()
 _installed = False
+SHARED_GLOO_DEVICE_ENV = "CHATLEARN_MEM_GLOO_SHARED_DEVICE"
 _mode: "_CudaToCpuMode | None" = None
 
 _CUDA_TYPE_NAMES = {
@@ -250,13 +260,79 @@ def _enter_mode_in_new_threads() -> None:
     threading.Thread.run = run
 
 
-def install(quiet: bool = False) -> bool:
+def _share_one_gloo_device() -> bool:
+    """Make the gloo process groups created from now on in this process share one transport device
+    (torch's ``ProcessGroupGloo`` options take the devices a group uses; by default every group
+    creates its own, with a thread polling every 10 ms). The devices are made as torch makes them:
+    one per interface in ``GLOO_SOCKET_IFNAME``, else the default one; a group made with explicit
+    options keeps them. Returns whether the groups share a device from now on.
+
+    Nothing changes when a process group already exists: torch's ``ProcessGroupGloo`` is replaced by
+    a subclass, and a group made before would fail torch's ``isinstance`` checks against it."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:
+        return False
+    if not dist.is_available() or not dist.is_gloo_available():
+        return False
+    base = getattr(c10d, "ProcessGroupGloo", None)
+    if base is None:
+        return False
+    if getattr(base, "_chatlearn_shared_device", False):
+        return True
+    if dist.is_initialized() or not all(
+        hasattr(base, n) for n in ("_Options", "create_default_device", "create_device")
+    ):
+        return False
+    devices: list = []
+    made = threading.Lock()
+
+    def shared_devices() -> list:
+        with made:
+            if not devices:
+                ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+                if len(ifname) > 1:  # as torch reads it
+                    devices.extend(base.create_device(interface=i) for i in ifname.split(","))
+                else:
+                    devices.append(base.create_default_device())
+            return list(devices)
+
+    class SharedDeviceGloo(base):
+        """torch's gloo process group on this process's one (set of) transport device(s)."""
+
+        _chatlearn_shared_device = True
+
+        def __init__(self, store, rank, size, options=None, timeout=None):
+            if isinstance(options, base._Options):
+                super().__init__(store, rank, size, options)
+                return
+            if isinstance(options, datetime.timedelta) and timeout is None:
+                timeout = options  # passed by position, as torch's own overload takes it
+            opts = base._Options()
+            opts._devices = shared_devices()
+            opts._threads = 2 * len(opts._devices)  # torch's default for its own devices
+            if timeout is not None:
+                opts._timeout = timeout
+            super().__init__(store, rank, size, opts)
+
+    SharedDeviceGloo.__name__ = SharedDeviceGloo.__qualname__ = base.__name__
+    SharedDeviceGloo.__module__ = base.__module__
+    c10d.ProcessGroupGloo = SharedDeviceGloo
+    return True
+
+
+def install(quiet: bool = False, share_gloo_device: Optional[bool] = None) -> bool:
     """Make megatron-core's CUDA code paths run on CPU in this process.
 
     Idempotent and thread-safe. Does nothing when CUDA is available.
 
     Args:
         quiet: Do not print the one line (on standard error) that says the backend is now on.
+        share_gloo_device: The gloo process groups created after this call share one transport
+            device (one polling thread for all of them, instead of one per group). None: yes,
+            unless the environment sets ``CHATLEARN_MEM_GLOO_SHARED_DEVICE=0``. Nothing changes
+            for groups that exist already, nor when a default process group exists.
 
     Returns:
         ``True`` when the CPU backend is active after the call, ``False`` when CUDA is available
@@ -274,6 +350,10 @@ def install(quiet: bool = False) -> bool:
         _mode.__enter__()  # stays pushed for the life of the process, on this thread
         _enter_mode_in_new_threads()
         _run_backward_under_the_mode()
+        if share_gloo_device is None:
+            share_gloo_device = os.environ.get(SHARED_GLOO_DEVICE_ENV, "1").strip() not in ("0", "false", "no")
+        if share_gloo_device:
+            _share_one_gloo_device()
         _installed = True
     if not quiet:
         sys.stderr.write(

@@ -59,6 +59,48 @@ def _machine() -> Optional[list[int]]:
         return None
 
 
+def _all_threads() -> dict[tuple[int, int], tuple[int, str]]:
+    """Every thread on the machine (kernel threads too): ``(pid, tid) -> (ns on a CPU so far, name)``;
+    empty where ``/proc`` has no schedstat."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run = int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            out[(int(pid), int(tid))] = (run, name)
+    return out
+
+
+def _others(before: dict, after: dict, mine: set[int], top: int = 4) -> dict:
+    """CPU ms that threads other than ``mine`` (tids) ran between two :func:`_all_threads`: their
+    total, this process's other threads' share, and the ``top`` largest as ``[name, ms]``."""
+    me = os.getpid()
+    ran = []
+    for key, (run, name) in after.items():
+        if key[1] in mine:
+            continue
+        ms = (run - before.get(key, (0, name))[0]) / 1e6
+        if ms > 0:
+            ran.append((ms, key[0] == me, f"{name}" + ("" if key[0] != me else " (this process)")))
+    ran.sort(reverse=True)
+    return {
+        "cpu_ms": sum(r[0] for r in ran),
+        "this_process_ms": sum(r[0] for r in ran if r[1]),
+        "top": [[n, round(ms, 2)] for ms, _, n in ran[:top]],
+    }
+
+
 class _Thread:
     """Scheduler figures of one thread between :meth:`start` and :meth:`stop` (CPU ms, run-queue
     ms, slices), read from its own schedstat."""
@@ -208,6 +250,7 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
                 time.sleep(0.01)
                 fence["end"], copier.figures = None, None
                 me = _Thread()
+                everyone0 = _all_threads()
                 machine0 = _machine()
                 me.start()
                 t0 = time.perf_counter()
@@ -215,6 +258,12 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
                 t1 = time.perf_counter()
                 me.stop()
                 machine1 = _machine()
+                everyone1 = _all_threads()
+                mine = {me.tid}
+                if copier.tid is not None and name in ("plain", "fenced"):
+                    mine.add(copier.tid)
+                if name == "manager":
+                    mine.update(lane_ids)
                 if name == "manager":
                     for lt in lanes:
                         lt.stop()
@@ -230,10 +279,13 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
                         "copy_thread": copier.figures if name != "alone" else None,
                         "machine_idle_ms": None if machine0 is None else (machine1[0] - machine0[0]) * tick,
                         "machine_steal_ms": None if machine0 is None else (machine1[1] - machine0[1]) * tick,
+                        "others": _others(everyone0, everyone1, mine) if everyone0 else None,
                     }
                 )
         assert mm.audit().ok
+        names = [n for (pid, _), (_, n) in _all_threads().items() if pid == os.getpid()]
         return {
+            "threads": {n: names.count(n) for n in sorted(set(names))},
             "steps": len(step_bytes),
             "step_bytes": step_bytes,
             "weights_bytes": weights_bytes,
@@ -272,6 +324,8 @@ def summarize(samples: dict[str, list[dict]]) -> dict[str, dict]:
             "copy_cpu_ms": of(rows, "copy_thread", "cpu_ms"),
             "copy_runq_ms": of(rows, "copy_thread", "runq_ms"),
             "copy_slices": of(rows, "copy_thread", "slices"),
+            "others_cpu_ms": of(rows, "others", "cpu_ms"),
+            "others_this_process_ms": of(rows, "others", "this_process_ms"),
         }
     return out
 
@@ -303,6 +357,7 @@ def main(argv=None) -> int:
         trainer = build_trainer(cfg)
         print(f"{args.rounds} rounds of {', '.join(KINDS)} on the {args.preset} preset's trainer ...", flush=True)
         result = measure(trainer, cfg, args.rounds)
+    print(f"this process's threads: {result['threads']}")
     print(
         f"weights {result['weights_mib']:.0f} MiB in {result['steps']} steps (first module "
         f"{result['first_module_mib']:.0f} MiB), forward of {result['forward_shape']} tokens; medians:"

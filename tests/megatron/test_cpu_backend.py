@@ -223,3 +223,77 @@ def test_backward_passes_run_under_the_mode(run):
     x = torch.ones(3, requires_grad=True)
     run(_AllocatesInBackward.apply(x), x)
     assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+GLOO_CHILD = """
+import datetime, os, sys, tempfile, warnings
+import torch, torch.distributed as dist
+warnings.simplefilter("ignore")
+from chatlearn_mem import cpu_backend
+from chatlearn_mem.models import gpt
+
+if sys.argv[1] == "group-first":  # a default group before the backend: torch's class is left alone
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1)
+cpu_backend.install(quiet=True)
+gpt.init_distributed(init_method=f"file://{tempfile.mkdtemp()}/init", cpu_backend=True)
+if sys.argv[1] == "timeout":
+    dist.new_group([0], timeout=datetime.timedelta(seconds=7))
+from megatron.core import parallel_state as ps
+
+t = torch.ones(4)
+dist.all_reduce(t, group=ps.get_data_parallel_group())
+dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
+dist.all_reduce(t, group=ps.get_data_parallel_group_gloo())
+loops = sum(
+    open(f"/proc/self/task/{tid}/comm").read().strip() == "gloo_tcp_loop" for tid in os.listdir("/proc/self/task")
+)
+backends = [pg._get_backend(torch.device("cpu")) for pg in dist.distributed_c10d._world.pg_map]
+timeouts = sorted({b.options._timeout.total_seconds() for b in backends})
+print(loops, len(backends), float(t.sum()), ",".join(str(int(s)) for s in timeouts))
+gpt.shutdown_distributed()
+"""
+
+
+def _gloo_child(how: str, env: dict) -> tuple[int, int, float, str]:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", GLOO_CHILD, how],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **env},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    loops, groups, total, timeouts = out.stdout.split()[-4:]
+    return int(loops), int(groups), float(total), timeouts
+
+
+needs_proc = pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+
+
+@needs_proc
+def test_megatrons_gloo_groups_share_one_polling_thread():
+    # torch gives each gloo group a transport device whose thread wakes every 10 ms; megatron makes
+    # about twenty groups: one thread for all of them once the backend is installed
+    loops, groups, total, timeouts = _gloo_child("default", {})
+    assert groups >= 10 and loops == 1
+    assert total == 4.0  # the collectives on three of the groups ran (one rank: the sum is unchanged)
+    assert timeouts == "1800"  # torch's default timeout, as without the shared device
+
+
+@needs_proc
+def test_the_shared_gloo_device_can_be_turned_off_and_keeps_each_groups_timeout():
+    loops, groups, _, _ = _gloo_child("default", {cpu_backend.SHARED_GLOO_DEVICE_ENV: "0"})
+    assert loops == groups  # torch's default: a device (and its thread) per group
+    loops, _, _, timeouts = _gloo_child("timeout", {})
+    assert loops == 1 and timeouts == "7,1800"
+
+
+@needs_proc
+def test_a_default_group_made_before_the_backend_keeps_torchs_gloo_class():
+    # a subclass swapped in afterwards would fail torch's isinstance checks for the groups made before
+    loops, groups, total, _ = _gloo_child("group-first", {})
+    assert loops == groups and total == 4.0
