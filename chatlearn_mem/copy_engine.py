@@ -83,6 +83,8 @@ __all__ = ["Action", "ActionRunner", "Batch", "CopyEngine", "Fence", "Job"]
 
 LANES = ("d2h", "h2d")
 _POLL_S = 0.1  # a host wait wakes this often to let Python handle signals (Ctrl-C)
+HANDOFF_S = 0.005
+"""CPU lanes: how long a submitter waits for an idle worker to take the first step it queued."""
 
 
 def _before_step(lane: str, label: str) -> None:
@@ -430,6 +432,8 @@ class _CpuLane:
         self._queue: collections.deque = collections.deque()  # (batch, step index)
         self._submitted = 0  # sequence number of the last step queued
         self._finished = 0  # sequence number of the last step run, failed or skipped
+        self._taken = 0  # sequence number of the last step the worker took from the queue
+        self._handing_off = False  # a submitter waits for the worker to take its step
         self._thread: Optional[threading.Thread] = None
 
     def begin(self, batch: Batch) -> None:
@@ -456,13 +460,26 @@ class _CpuLane:
 
     def _enqueue(self, batch: Batch, index: int, run: bool) -> None:
         with self._cv:
+            idle = self._finished == self._submitted  # the worker waits for work
             self._submitted += 1
-            batch._seq.append(self._submitted)
+            seq = self._submitted
+            batch._seq.append(seq)
             self._queue.append((batch, index, run))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=f"chatlearn-mem-{self.name}", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
+            if idle and run:
+                # Hand the step over before going on. The worker needs the interpreter lock to
+                # take it, and this thread would hold it through the rest of the submission (the
+                # regrows do not release it): the worker's copy would start only when the
+                # submission ends. Waiting here releases the lock; the worker keeps it from taking
+                # the step until its copy starts, which releases it again.
+                self._handing_off = True
+                try:
+                    self._cv.wait_for(lambda: self._taken >= seq, timeout=HANDOFF_S)
+                finally:
+                    self._handing_off = False
 
     def skip_rest(self, batch: Batch) -> None:
         while len(batch._seq) < len(batch.steps):
@@ -487,6 +504,9 @@ class _CpuLane:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._queue))
                 batch, index, run = self._queue.popleft()
+                self._taken += 1
+                if self._handing_off:
+                    self._cv.notify_all()
             try:
                 if run and not batch._skip():
                     if batch._threads and torch.get_num_threads() != batch._threads:

@@ -714,3 +714,25 @@ def test_a_cpu_lane_copies_with_the_intra_op_threads_of_the_thread_that_submitte
         submit_from_a_thread_with(n)
     assert seen == [1, ("caller", 1), 3, ("caller", 3), 1, ("caller", 1)]
     assert torch.get_num_threads() == main
+
+
+def test_an_idle_cpu_lane_starts_the_first_step_before_the_rest_is_submitted(monkeypatch):
+    """The submitting thread holds the interpreter lock through its regrows (torch's storage calls
+    do not release it), so a worker woken for the first step used to start only once the whole
+    submission had run: on the bench's trainer 1.4 ms before the first byte moved. The submitter
+    now waits for an idle worker to take its first step; later steps go on without waiting.
+    Without the hand-off (``HANDOFF_S = 0``) the first step has not started when the second is
+    submitted (the worker waits for the lock), unless the interpreter's switch interval passes."""
+    monkeypatch.setattr(engine_mod, "HANDOFF_S", 30.0)  # however loaded the machine
+    engine = CopyEngine(CPU)  # lanes of its own, idle
+    started = threading.Event()
+    seen = []
+    batch = Batch("h2d", "probe")
+    batch.add(started.set, "copy first")
+    batch.add(lambda: seen.append(started.is_set()), "regrow second", on_caller_stream=True, new_step=True)
+    batch.add(lambda: seen.append(started.is_set()), "regrow third", on_caller_stream=True, new_step=True)
+    job = Job()
+    engine.submit(job, [batch])
+    assert job.wait(30) and job.error is None
+    assert started.is_set()
+    assert seen == [True, True]
