@@ -322,6 +322,12 @@ def _share_one_gloo_device() -> bool:
     return True
 
 
+def _sharing_gloo_device_by_env() -> bool:
+    """Whether ``CHATLEARN_MEM_GLOO_SHARED_DEVICE`` leaves the shared gloo device on: unless it is
+    0/false/no/off (any case), as the project's other switches read."""
+    return os.environ.get(SHARED_GLOO_DEVICE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def install(quiet: bool = False, share_gloo_device: Optional[bool] = None) -> bool:
     """Make megatron-core's CUDA code paths run on CPU in this process.
 
@@ -350,9 +356,7 @@ def install(quiet: bool = False, share_gloo_device: Optional[bool] = None) -> bo
         _mode.__enter__()  # stays pushed for the life of the process, on this thread
         _enter_mode_in_new_threads()
         _run_backward_under_the_mode()
-        if share_gloo_device is None:
-            share_gloo_device = os.environ.get(SHARED_GLOO_DEVICE_ENV, "1").strip() not in ("0", "false", "no")
-        if share_gloo_device:
+        if share_gloo_device if share_gloo_device is not None else _sharing_gloo_device_by_env():
             _share_one_gloo_device()
         _installed = True
     if not quiet:

@@ -39,10 +39,11 @@ from typing import Callable, Optional
 KINDS = ("alone", "plain", "fenced", "manager")
 
 
-def _schedstat(tid: int) -> Optional[tuple[int, int, int]]:
-    """``(ns on a CPU, ns runnable in a run queue, time slices)`` of thread ``tid``, or None."""
+def _schedstat(tid: int, pid: str = "self") -> Optional[tuple[int, int, int]]:
+    """``(ns on a CPU, ns runnable in a run queue, time slices)`` of thread ``tid`` (of process
+    ``pid``), or None."""
     try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
             run, wait, slices = f.read().split()
         return int(run), int(wait), int(slices)
     except (OSError, ValueError):
@@ -59,26 +60,27 @@ def _machine() -> Optional[list[int]]:
         return None
 
 
+def _thread_name(tid: int, pid: str = "self") -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _all_threads() -> dict[tuple[int, int], tuple[int, str]]:
     """Every thread on the machine (kernel threads too): ``(pid, tid) -> (ns on a CPU so far, name)``;
     empty where ``/proc`` has no schedstat."""
     out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    run = int(f.read().split()[0])
-                with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                    name = f.read().strip()
-            except (OSError, ValueError, IndexError):
-                continue
-            out[(int(pid), int(tid))] = (run, name)
+            stat, name = _schedstat(tid, pid), _thread_name(tid, pid)
+            if stat is not None and name is not None:
+                out[(int(pid), int(tid))] = (stat[0], name)
     return out
 
 
@@ -92,7 +94,7 @@ def _others(before: dict, after: dict, mine: set[int], top: int = 4) -> dict:
             continue
         ms = (run - before.get(key, (0, name))[0]) / 1e6
         if ms > 0:
-            ran.append((ms, key[0] == me, f"{name}" + ("" if key[0] != me else " (this process)")))
+            ran.append((ms, key[0] == me, name + (" (this process)" if key[0] == me else "")))
     ran.sort(reverse=True)
     return {
         "cpu_ms": sum(r[0] for r in ran),
@@ -264,7 +266,6 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
                     mine.add(copier.tid)
                 if name == "manager":
                     mine.update(lane_ids)
-                if name == "manager":
                     for lt in lanes:
                         lt.stop()
                     busy = [lt.figures for lt in lanes if lt.figures is not None]
@@ -283,7 +284,8 @@ def measure(trainer, cfg, rounds: int, warmup: int = 2) -> dict:
                     }
                 )
         assert mm.audit().ok
-        names = [n for (pid, _), (_, n) in _all_threads().items() if pid == os.getpid()]
+        tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
+        names = [n for n in map(_thread_name, tids) if n is not None]
         return {
             "threads": {n: names.count(n) for n in sorted(set(names))},
             "steps": len(step_bytes),

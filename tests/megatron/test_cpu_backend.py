@@ -297,3 +297,14 @@ def test_a_default_group_made_before_the_backend_keeps_torchs_gloo_class():
     # a subclass swapped in afterwards would fail torch's isinstance checks for the groups made before
     loops, groups, total, _ = _gloo_child("group-first", {})
     assert loops == groups and total == 4.0
+
+
+@pytest.mark.parametrize(
+    "value, on", [(None, True), ("1", True), ("0", False), ("False", False), (" off ", False), ("no", False)]
+)
+def test_the_shared_gloo_device_switch_reads_the_environment_as_the_other_switches_do(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(cpu_backend.SHARED_GLOO_DEVICE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_backend.SHARED_GLOO_DEVICE_ENV, value)
+    assert cpu_backend._sharing_gloo_device_by_env() is on
