@@ -1,0 +1,24 @@
+"""What a run's ``log.json`` holds that must not depend on timing: the outcome two runs of the same
+training share bit for bit (PPO's golden record, restarts, resumes)."""
+
+TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes")
+"""Measured, not computed: they differ between two runs of the same training."""
+
+
+def outcome(log: dict) -> dict:
+    """Every iteration's metrics (timings left out), the weight syncs' digests, every phase's
+    device bytes, the colocation figures and the final weights of every trainer rank."""
+    return {
+        "iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
+        "syncs": [(c["iteration"], c.get("policy"), c.get("rollout")) for c in log["sync_checks"]],
+        "phase_bytes": [
+            (p["iteration"], p["manager_on"], p["phase"], p["device_bytes"], p["need_bytes"])
+            for p in log["memory_timeline"]
+        ],
+        "colocation": {
+            k: {f: s[f] for f in ("peak_colocated_bytes", "largest_phase_bytes", "ratio", "peak_phase", "largest_phase")}
+            for k, s in log["summary"].items()
+            if isinstance(s, dict) and "ratio" in s
+        },
+        "final_weights": log["final_weights"],
+    }
