@@ -1,7 +1,8 @@
-"""The ``chatlearn-mem`` command: ``ppo`` runs a colocated PPO job, ``bench`` the memory benchmark,
-``bench-report`` redraws a benchmark's markdown and plot from its JSON.
+"""The ``chatlearn-mem`` command: ``ppo`` and ``grpo`` run a colocated PPO or GRPO job on the
+colocation service, ``bench`` the memory benchmark, ``bench-report`` redraws a benchmark's markdown
+and plot from its JSON.
 
-Both subcommands read their config the same way, through the project's one loader
+Every subcommand reads its config the same way, through the project's one loader
 (:func:`chatlearn_mem_cli.config_files.load_config`): ``--config`` takes a preset name or the path
 of a YAML file, and every other argument is a dotted ``key=value`` override. ``presets`` lists the
 shipped presets with their one-line summaries. A bad config prints ``error: ...`` (every problem,
@@ -21,6 +22,7 @@ from typing import Callable, List, Optional, TypeVar
 import typer
 
 from chatlearn_mem.errors import ChatlearnMemError, ConfigError
+from chatlearn_mem_ray.config import DEFAULT_GRPO_PRESET as GRPO_DEFAULT
 from chatlearn_mem_ray.config import DEFAULT_PRESET as PPO_DEFAULT
 
 try:  # shown by `bench --help`; without the benchmark's extras, `bench` says what to install when run
@@ -88,6 +90,28 @@ def _guarded(work: Callable[[], T]) -> T:
         raise typer.Exit(143 if isinstance(e, RunTerminated) else 130) from None
 
 
+_RESUME_HELP = "continue from the newest complete checkpoint in checkpoint.directory (same as checkpoint.resume=true)"
+
+
+def _run_loop(kind: str, config: str, overrides: Optional[List[str]], print_config: bool, resume: bool) -> None:
+    """Load ``kind``'s config (``ppo`` or ``grpo``), print it or run the loop, as the commands say."""
+    from chatlearn_mem_ray.config import GRPORunConfig, RunConfig, load_config
+
+    schema = {"ppo": RunConfig, "grpo": GRPORunConfig}[kind]
+    extra = ["checkpoint.resume=true"] if resume else []
+    cfg = _guarded(lambda: load_config(config, [*(overrides or []), *extra], schema))
+    if print_config:
+        typer.echo(cfg.model_dump_json(indent=2))
+        return
+
+    def run() -> None:
+        from chatlearn_mem_ray import supervisor
+
+        (supervisor.run_ppo if kind == "ppo" else supervisor.run_grpo)(cfg, progress=typer.echo)
+
+    _guarded(run)
+
+
 @_command()
 def ppo(
     overrides: Optional[List[str]] = typer.Argument(
@@ -95,11 +119,7 @@ def ppo(
     ),
     config: str = typer.Option(PPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
-    resume: bool = typer.Option(
-        False,
-        "--resume",
-        help="continue from the newest complete checkpoint in checkpoint.directory (same as checkpoint.resume=true)",
-    ),
+    resume: bool = typer.Option(False, "--resume", help=_RESUME_HELP),
 ) -> None:
     """Run PPO with the policy, critic, rollout and reference models colocated through Ray.
 
@@ -107,19 +127,25 @@ def ppo(
     With checkpoint.every=N it saves a checkpoint every N iterations; --resume continues from the
     newest one; checkpoint.max_restarts=K restarts the actors (up to K times) when one dies.
     """
-    from chatlearn_mem_ray.config import load_config
+    _run_loop("ppo", config, overrides, print_config, resume)
 
-    cfg = _guarded(lambda: load_config(config, [*(overrides or []), *(["checkpoint.resume=true"] if resume else [])]))
-    if print_config:
-        typer.echo(cfg.model_dump_json(indent=2))
-        return
 
-    def run() -> None:
-        from chatlearn_mem_ray.supervisor import run_ppo
+@_command()
+def grpo(
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help=_OVERRIDES_HELP.format("grpo.group_size=8 grpo.kl_coef=0"), show_default=False
+    ),
+    config: str = typer.Option(GRPO_DEFAULT, "--config", "-c", help=_CONFIG_HELP),
+    print_config: bool = typer.Option(False, "--print-config", help="print the resolved config and exit"),
+    resume: bool = typer.Option(False, "--resume", help=_RESUME_HELP),
+) -> None:
+    """Run GRPO with the policy, its rollout and (with a KL term) a reference colocated through Ray.
 
-        run_ppo(cfg, progress=typer.echo)
-
-    _guarded(run)
+    group_size responses per prompt, advantages normalised within each group (grpo.variant=dr_grpo:
+    Dr. GRPO), no critic; with grpo.kl_coef=0 no reference model is launched. Output, checkpoints,
+    --resume and restarts as for ppo.
+    """
+    _run_loop("grpo", config, overrides, print_config, resume)
 
 
 @_command()
@@ -191,7 +217,7 @@ def bench_report(
 
 @_command()
 def presets() -> None:
-    """List the presets of `ppo` and `bench`, one line on each (use them with --config NAME)."""
+    """List the presets of `ppo`, `grpo` and `bench`, one line on each (use them with --config NAME)."""
     from importlib import resources
 
     from chatlearn_mem_config_files import preset_description, preset_names
@@ -208,4 +234,5 @@ def presets() -> None:
             typer.echo(f"  {name:<{width}}  {preset_description(where, name)}".rstrip())
 
     show("ppo", "chatlearn_mem_ray.presets", PPO_DEFAULT)
+    show("grpo", "chatlearn_mem_ray.grpo_presets", GRPO_DEFAULT)
     show("bench", "chatlearn_mem_bench.presets", BENCH_DEFAULT)

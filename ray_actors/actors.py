@@ -1,10 +1,11 @@
-"""The two kinds of actor of a colocated PPO run. Plain classes: ``chatlearn_mem_ray.colocation`` turns them
+"""The actors that hold a loop's models. Plain classes: ``chatlearn_mem_ray.colocation`` turns them
 into Ray actors; tests may also use them in-process.
 
-- :class:`TrainerActor`: one rank of a megatron-core trainer (policy or critic) under a
-  :class:`chatlearn_mem.TrainerMemoryManager`.
-- :class:`InferenceActor`: a GPT with no optimizer (rollout or reference) under an
+- :class:`TrainerActor`: one rank of a megatron-core trainer (a policy with an LM head, or a critic
+  with a value head) under a :class:`chatlearn_mem.TrainerMemoryManager`.
+- :class:`InferenceActor`: a GPT with no optimizer (the megatron rollout, or a reference) under an
   :class:`chatlearn_mem.InferenceMemoryManager`.
+- The vLLM engine's actor is :class:`chatlearn_mem_ray.vllm_actor.VLLMRolloutActor`.
 
 Every method returns plain Python or CPU tensors, so results cross process boundaries cheaply.
 """
@@ -199,23 +200,21 @@ class ManagedActor:
 
 
 class TrainerActor(ManagedActor):
-    """One rank of a policy or critic trainer.
+    """One rank of a trainer.
 
     Args:
         name: For messages and logs ("policy_0").
-        role: ``policy`` (a language model; outputs are next-token log-probs) or ``critic`` (a
-            value head; outputs are values).
+        head: ``lm`` (a language model, a policy: outputs are next-token log-probs) or ``value``
+            (a critic's scalar head: outputs are values).
         model: A :class:`chatlearn_mem_ray.config.TrainerModelConfig` as a dict.
         memory: A :class:`chatlearn_mem.MemoryConfig` as a dict.
     """
 
-    def __init__(
-        self, name: str, role: Literal["policy", "critic"], model: Mapping[str, Any], memory: Mapping[str, Any]
-    ):
+    def __init__(self, name: str, head: Literal["lm", "value"], model: Mapping[str, Any], memory: Mapping[str, Any]):
         super().__init__(name, memory)
-        if role not in ("policy", "critic"):
-            raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
-        self.role = role
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        self.head = head
         self.config = TrainerModelConfig(**model)
         self.trainer = None
         self._save = None  # the checkpoint save in progress (chatlearn_mem.checkpoint.SaveHandle)
@@ -231,7 +230,7 @@ class TrainerActor(ManagedActor):
         from chatlearn_mem.models import gpt
 
         self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
-        self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.role == "critic")
+        self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.head == "value")
         if self.config.from_hf is not None:  # before the manager: the optimizer restarts from these weights
             from chatlearn_mem.models import hf
 
@@ -264,15 +263,17 @@ class TrainerActor(ManagedActor):
             )
         return sizes
 
-    def _outputs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def _outputs(self, tokens: torch.Tensor, temperature: float = 1.0, entropy: bool = False):
         model = self.trainer.model
-        if self.role == "policy":
-            return modeling.sequence_logprobs(model, tokens, temperature)  # (B, T-1)
-        return modeling.sequence_values(model, tokens)  # (B, T)
+        if self.head == "value":
+            return modeling.sequence_values(model, tokens)  # (B, T)
+        if entropy:
+            return modeling.sequence_logprobs_entropy(model, tokens, temperature)  # (B, T-1) twice
+        return modeling.sequence_logprobs(model, tokens, temperature)  # (B, T-1)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Forward only: log-probs at ``temperature`` (policy, (B, T-1)) or values (critic, (B, T))."""
+        """Forward only: log-probs at ``temperature`` (lm head, (B, T-1)) or values (value head, (B, T))."""
         return self._outputs(_to_device(tokens), temperature).cpu()
 
     def train(
@@ -283,6 +284,7 @@ class TrainerActor(ManagedActor):
         minibatch_size: int,
         seed: int,
         temperature: float = 1.0,
+        entropy: bool = False,
     ) -> dict[str, float]:
         """Optimizer steps on this rank's share of a batch.
 
@@ -294,6 +296,8 @@ class TrainerActor(ManagedActor):
             minibatch_size: Rows per optimizer step.
             seed: Shuffles the rows, identically on every rank.
             temperature: Of the policy's log-probs (the rollout's sampling temperature).
+            entropy: An lm head's outputs are ``(logprobs, entropy)``: the entropy (B, T-1) of each
+                next-token distribution at ``temperature``, without gradients (for the log).
 
         Returns:
             Mean of each metric over the steps, plus ``grad_norm`` and ``skipped_steps``.
@@ -311,7 +315,7 @@ class TrainerActor(ManagedActor):
                 mb = {k: v[idx] for k, v in batch.items()}
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
-                loss, metrics = loss_fn(self._outputs(mb["tokens"], temperature), mb)
+                loss, metrics = loss_fn(self._outputs(mb["tokens"], temperature, entropy), mb)
                 loss.backward()
                 model.finish_grad_sync()
                 ok, grad_norm, _ = optimizer.step()
@@ -471,6 +475,29 @@ class InferenceActor(ManagedActor):
         g = torch.Generator().manual_seed(seed)
         tokens = modeling.generate(self.model, _to_device(prompts), response_length, temperature, g)
         return tokens.cpu(), self.logprobs(tokens, temperature)
+
+    def generate_rows(
+        self,
+        rows: list[list[int]],
+        response_length: int,
+        temperature: float,
+        seed: int,
+        eos_ids: tuple[int, ...] = (),
+        pad_id: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample a response after each prompt of ``rows`` (token ids, any lengths), stopping at a
+        token of ``eos_ids`` (see :func:`chatlearn_mem_ray.modeling.generate_rows`).
+
+        Returns:
+            ``(tokens (B, L), logprobs (B, L-1), response_lengths (B,))``: right-padded sequences,
+            the log-probability of each next token at ``temperature`` (meaningful on the response
+            positions), and each response's length (its EOS included).
+        """
+        device = torch.device("cuda") if torch.cuda.is_available() else None
+        tokens, lengths = modeling.generate_rows(
+            self.model, rows, response_length, temperature, seed, eos_ids, pad_id, device
+        )
+        return tokens, self.logprobs(tokens, temperature), lengths
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

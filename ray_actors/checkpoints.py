@@ -1,16 +1,16 @@
-"""Checkpoints of a whole colocated PPO run: every trainer's state plus the run's own, complete or ignored.
+"""Checkpoints of a whole run of a loop: every saved model's state plus the run's own, complete or ignored.
 
-Layout under ``checkpoint.directory`` (default ``<output_dir>/checkpoints``)::
+Layout under ``checkpoint.directory`` (default ``<output_dir>/checkpoints``), for PPO::
 
     iter_00000004/                 # complete: 4 iterations done
         policy/step_00000004/      # chatlearn_mem.checkpoint of every policy rank (dist_checkpointing)
         critic/step_00000004/      # the same for the critic
-        run.json                   # the run's state, written last
+        run.json                   # the run's state (with the loop's own and the saved models' names), written last
     .tmp.iter_00000006/            # a save in progress (or killed): ignored, removed by the next save
 
-The rollout and reference models are not saved: the rollout's weights are replaced by the
-policy's at the start of every iteration, and the reference is the policy's initial model,
-which its seed rebuilds bit for bit.
+Only the trainers are saved (a loop's models with ``saved``): an engine's weights are replaced by
+its trainer's at its first generate after a restore, and a reference is rebuilt from its config
+(the policy's initial model, which its seed or checkpoint rebuilds bit for bit).
 
 A run checkpoint becomes complete in one step: once every trainer committed its own directory,
 the driver writes ``run.json`` (fsynced) into the temporary directory and renames it to
@@ -30,11 +30,11 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from chatlearn_mem.atomic_files import commit_directory, write_json_atomic
 from chatlearn_mem.checkpoint_format import CheckpointDamagedError, CheckpointError, verify_checkpoint
-from chatlearn_mem_ray.config import RunConfig
+from chatlearn_mem_ray.config import LoopConfig
 from chatlearn_mem_ray.errors import ActorFailedError, CheckpointDirError, CheckpointSaveError, ResumeError
 
 __all__ = [
@@ -58,6 +58,7 @@ _FORMAT = "chatlearn-mem run checkpoint 1"
 _NAME = re.compile(r"^iter_(\d+)$")
 _TMP_PREFIX = ".tmp.iter_"
 TRAINERS = ("policy", "critic")
+"""The saved models of a checkpoint whose ``run.json`` does not list them (written before it did)."""
 
 # Settings of a trainer that the checkpoint's tensors depend on: a difference cannot be resumed.
 SHAPE_FIELDS = (
@@ -74,7 +75,7 @@ SHAPE_FIELDS = (
     "fp32_accumulation_params",
 )
 # Settings expected to change between a run and its resumption; not reported.
-_FREE = ("ppo.iterations", "checkpoint.", "ray.", "output_dir", "output_dir_exists", "memory.compare_iterations")
+_FREE = ("checkpoint.", "ray.", "output_dir", "output_dir_exists", "memory.compare_iterations")
 
 
 def _name(iterations: int) -> str:
@@ -128,8 +129,8 @@ def verify_run_checkpoint(path: os.PathLike) -> dict:
     path = Path(path)
     state = read_run_state(path)
     step = f"step_{int(state['iterations_done']):08d}"
-    for role in TRAINERS:
-        verify_checkpoint(str(path / role / step))
+    for model in state.get("models", TRAINERS):
+        verify_checkpoint(str(path / model / step))
     return state
 
 
@@ -172,24 +173,28 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
+def config_differences(saved: dict, cfg: LoopConfig, models: Sequence[str] = TRAINERS) -> tuple[list[str], list[str]]:
     """Compare the config a checkpoint was saved with to ``cfg``.
 
+    Args:
+        models: The saved models (their config sections hold :data:`SHAPE_FIELDS`).
+
     Returns:
-        ``(blocking, changed)``: differences in what the trainers' tensors depend on (model shape,
-        precision, optimizer layout: :data:`SHAPE_FIELDS` of ``policy`` and ``critic``), each
-        ``"policy.hidden_size: checkpoint 64, config 128"``; and the other differences, except
+        ``(blocking, changed)``: differences in what the saved models' tensors depend on (model
+        shape, precision, optimizer layout: :data:`SHAPE_FIELDS` of each saved model's section),
+        each ``"policy.hidden_size: checkpoint 64, config 128"``; and the other differences, except
         those a resumed run is expected to change (iterations, checkpoint, Ray and output settings).
     """
     old, new = _flatten(saved), _flatten(json.loads(cfg.model_dump_json()))
+    free = (*_FREE, f"{cfg.loop_section}.iterations")
     blocking, changed = [], []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key), new.get(key)
-        if a == b or key.startswith(_FREE):
+        if a == b or key.startswith(free):
             continue
         line = f"{key}: checkpoint {a!r}, config {b!r}"
         role, _, field = key.partition(".")
-        (blocking if role in TRAINERS and field in SHAPE_FIELDS else changed).append(line)
+        (blocking if role in models and field in SHAPE_FIELDS else changed).append(line)
     return blocking, changed
 
 
@@ -255,20 +260,29 @@ def remove_temporaries(root: os.PathLike) -> list[str]:
 class RunCheckpointer:
     """Saves run checkpoints through the trainer actors of a :class:`~chatlearn_mem_ray.colocation.Colocation`.
 
-    :meth:`save` starts a save (every trainer rank writes its own state from its host store; the
-    driver keeps the run's state); with ``checkpoint.async_save`` it returns once the ranks have
-    planned the write, and :meth:`complete` (called before the critic trains again, and at the end)
-    waits for the writes and commits the directory. Without it :meth:`save` completes at once.
+    :meth:`save` starts a save (every rank of every saved model writes its own state from its host
+    store; the driver keeps the run's state); with ``checkpoint.async_save`` it returns once the
+    ranks have planned the write, and :meth:`complete` (called before a phase changes a saved
+    model, and at the end) waits for the writes and commits the directory. Without it :meth:`save`
+    completes at once.
 
     Args:
         cfg: The run config (``checkpoint`` section).
         colo: The actors.
+        models: The saved models' names (their actors are ``colo.actors_of[name]``).
         progress: Receives a line per committed checkpoint.
         saved: The list :attr:`saved` appends to (default: a new one).
     """
 
-    def __init__(self, cfg: RunConfig, colo: Any, progress: Callable[[str], None], saved: Optional[list] = None):
-        self.cfg, self.colo, self.progress = cfg, colo, progress
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        colo: Any,
+        models: Sequence[str],
+        progress: Callable[[str], None],
+        saved: Optional[list] = None,
+    ):
+        self.cfg, self.colo, self.models, self.progress = cfg, colo, list(models), progress
         self.root = Path(cfg.checkpoint_dir).absolute()
         self._pending: Optional[tuple[int, Path, dict, float, int]] = None
         self.saved: list[dict] = [] if saved is None else saved  # per committed checkpoint: iterations, s, bytes
@@ -302,8 +316,8 @@ class RunCheckpointer:
                     a: a.save_checkpoint.remote(
                         str(tmp / role), iterations, async_, meta, self.cfg.checkpoint.resharding
                     )
-                    for role in TRAINERS
-                    for a in getattr(c, role)
+                    for role in self.models
+                    for a in c.actors_of[role]
                 },
             )
         nbytes = sum(r["nbytes"] for r in results.values())
@@ -326,7 +340,7 @@ class RunCheckpointer:
         c = self.colo
         self._pending = None
         with self._failing(iterations):
-            c.call("checkpoint", {a: a.finish_checkpoint.remote() for role in TRAINERS for a in getattr(c, role)})
+            c.call("checkpoint", {a: a.finish_checkpoint.remote() for m in self.models for a in c.actors_of[m]})
             entry = {"iterations_done": iterations, "bytes": nbytes, "seconds": time.perf_counter() - started}
             state = dict(run_state, checkpoints=[*run_state.get("checkpoints", []), entry])  # itself included
             final = self.root / _name(iterations)  # replaced when a redone iteration is saved again

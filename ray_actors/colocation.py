@@ -1,17 +1,19 @@
 """Every actor of a colocated run on the same resources, and phase-aware waits for their calls.
 
 :class:`Colocation` connects the driver to Ray (:func:`chatlearn_mem_ray.connect.start_or_join`),
-waits for the cluster to have room, places the actors, sets them up, and waits for their calls
-phase by phase with errors that name the actor and the phase.
+waits for the cluster to have room, places the actors of the models a loop declared
+(:class:`~chatlearn_mem_ray.declare.Model`), sets them up, and waits for their calls phase by
+phase with errors that name the actor and the phase.
 
 Placement: one placement-group bundle per trainer rank (``ray.cpus_per_rank`` CPUs, plus one GPU
 when GPUs are used), one placement group per tensor-parallel group on one node, the groups packed
 or spread over the nodes (``ray.placement``; see :mod:`chatlearn_mem_ray.nodes`). Bundle ``i``
-holds rank ``i`` of the policy and of the critic; bundle 0 also holds the rollout and the
-reference model. Each actor asks for a quarter of its bundle, so the four models of bundle 0 share
-one GPU (or its CPUs) and only the memory manager keeps them from needing four times the memory.
-Every actor reports its node and the versions it runs; a version that differs from the driver's
-stops the run before any work.
+holds rank ``i`` of every trainer; a one-actor model (an inference model, an engine) sits on its
+``bundle`` (0 by default). Each actor asks for an equal share of its bundle (a quarter when four
+models share bundle 0, as in PPO), so the models of a bundle share one GPU (or its CPUs) and only
+the memory manager keeps them from needing that many times the memory. Every actor reports its
+node and the versions it runs; a version that differs from the driver's stops the run before any
+work.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from chatlearn_mem_ray import connect
-from chatlearn_mem_ray.config import RunConfig
+from chatlearn_mem_ray.config import LoopConfig
+from chatlearn_mem_ray.declare import Model
 from chatlearn_mem_ray.errors import (
     ActorFailedError,
     CheckpointDirError,
@@ -44,18 +47,16 @@ __all__ = ["Colocation", "actor_roster"]
 
 logger = logging.getLogger("chatlearn_mem_ray")
 
-ACTOR_SHARE = 0.25  # of a bundle: up to four colocated models per bundle
 
-
-def actor_roster(cfg: RunConfig) -> str:
+def actor_roster(models: Sequence[Model], world_size: int) -> str:
     """The actors a run starts, in words: ``"6 actors (policy x2, critic x2, rollout, reference)"``."""
-    ranks = cfg.parallel.world_size
-    roles = [f"{role} x{ranks}" if ranks > 1 else role for role in ("policy", "critic")] + ["rollout", "reference"]
-    return f"{2 * ranks + 2} actors ({', '.join(roles)})"
+    counts = [(m.name, len(m.actor_names(world_size))) for m in models]
+    roles = [f"{name} x{n}" if n > 1 else name for name, n in counts]
+    return f"{sum(n for _, n in counts)} actors ({', '.join(roles)})"
 
 
 class Colocation:
-    """Every actor of a PPO run on one set of placement-group bundles.
+    """Every actor of a loop's models on one set of placement-group bundles.
 
     Use as a context manager: entering starts (or joins, see
     :func:`~chatlearn_mem_ray.connect.start_or_join`) Ray, checks resources, creates the placement
@@ -64,21 +65,29 @@ class Colocation:
 
     Args:
         cfg: The run config.
+        models: The loop's models, in the order their actors start.
         progress: Receives a line before each step of the start and the line saying which cluster
             was joined (default: the logger).
         wait_s: Wait up to this long for the cluster to have room for every rank (a restart after a
             lost node: a replacement may be joining) before :class:`ResourceError`.
 
     Attributes:
-        policy, critic: The trainer actors, one per rank.
-        rollout, reference: The inference actors.
+        actors_of: Model name -> its actors (a trainer's in rank order).
+        bundle_of: Actor name -> the bundle (device) it lives on.
         names: Actor handle -> name (for error messages).
         ranks: Per trainer actor name, its ``setup()`` result (dp_rank, tp_rank, ...).
         nodes: Per actor name, its node's label (``ip/node-id prefix``).
     """
 
-    def __init__(self, cfg: RunConfig, progress: Optional[Callable[[str], None]] = None, wait_s: float = 0.0):
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        models: Sequence[Model],
+        progress: Optional[Callable[[str], None]] = None,
+        wait_s: float = 0.0,
+    ):
         self.cfg = cfg
+        self.models = list(models)
         self.wait_s = wait_s  # how long to wait for the cluster to have room (after a lost node)
         self._deadline = 0.0
         self.progress = progress or logger.info
@@ -88,9 +97,9 @@ class Colocation:
         self.ranks: dict[str, dict] = {}
         self.nodes: dict[str, str] = {}
         self._node_ids: dict[str, str] = {}  # actor name -> Ray node id
-        self.policy: list = []
-        self.critic: list = []
-        self.rollout = self.reference = None
+        self.actors_of: dict[str, list] = {m.name: [] for m in self.models}
+        ws = cfg.parallel.world_size
+        self.bundle_of: dict[str, int] = {a: b for m in self.models for a, b in zip(m.actor_names(ws), m.bundles(ws))}
         self.use_gpu = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -135,7 +144,7 @@ class Colocation:
     def _place(self) -> None:
         """Create the placement groups and the actors, then set the actors up, saying what it waits
         for before each wait (the actors' processes start, then they build their models)."""
-        self.progress(f"starting {actor_roster(self.cfg)} ...")
+        self.progress(f"starting {actor_roster(self.models, self.cfg.parallel.world_size)} ...")
         self._make_placement_groups()
         self._start_actors()
         self.progress("building the models ...")
@@ -177,52 +186,60 @@ class Colocation:
         cfg = self.cfg
         tp = cfg.parallel.tensor_model_parallel_size
 
-        def options(index: int) -> dict:
-            share = {"num_cpus": cfg.ray.cpus_per_rank * ACTOR_SHARE}
+        per_bundle: dict[int, int] = {}
+        for b in self.bundle_of.values():
+            per_bundle[b] = per_bundle.get(b, 0) + 1
+        share = 1.0 / max(4, max(per_bundle.values()))  # a quarter of a bundle at least, as before
+
+        def options(bundle: int) -> dict:
+            ask = {"num_cpus": cfg.ray.cpus_per_rank * share}
             if self.use_gpu:
-                share["num_gpus"] = ACTOR_SHARE
+                ask["num_gpus"] = share
             return dict(
-                share,
+                ask,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._pgs[index // tp], placement_group_bundle_index=index % tp
+                    self._pgs[bundle // tp], placement_group_bundle_index=bundle % tp
                 ),
             )
 
         memory = cfg.memory.manager.model_dump()
         Trainer, Inference = ray.remote(TrainerActor), ray.remote(InferenceActor)
-        for role, group, model in (("policy", self.policy, cfg.policy), ("critic", self.critic, cfg.critic)):
-            for rank in range(cfg.parallel.world_size):
-                name = f"{role}_{rank}"
-                handle = Trainer.options(**options(rank)).remote(name, role, model.model_dump(), memory)
-                group.append(handle)
-                self.names[handle] = name
-        if cfg.rollout.engine == "vllm":
-            from chatlearn_mem_ray.vllm_actor import VLLMRolloutActor
+        for m in self.models:
+            config = m.config.model_dump()
+            for name, bundle in zip(m.actor_names(cfg.parallel.world_size), m.bundles(cfg.parallel.world_size)):
+                if m.kind == "trainer":
+                    handle = Trainer.options(**options(bundle)).remote(name, m.head, config, memory)
+                elif m.kind == "engine" and m.backend == "vllm":
+                    from chatlearn_mem_ray.vllm_actor import VLLMRolloutActor
 
-            self.rollout = (
-                ray.remote(VLLMRolloutActor)
-                .options(**options(0))
-                .remote("rollout", cfg.policy.model_dump(), memory, cfg.rollout.model_dump())
-            )
-        else:
-            self.rollout = Inference.options(**options(0)).remote("rollout", cfg.policy.model_dump(), memory)
-        self.reference = Inference.options(**options(0)).remote("reference", cfg.policy.model_dump(), memory)
-        self.names[self.rollout], self.names[self.reference] = "rollout", "reference"
+                    handle = (
+                        ray.remote(VLLMRolloutActor)
+                        .options(**options(bundle))
+                        .remote(name, config, memory, m.engine_config.model_dump())
+                    )
+                else:  # a frozen model, or the megatron rollout
+                    handle = Inference.options(**options(bundle)).remote(name, config, memory)
+                self.actors_of[m.name].append(handle)
+                self.names[handle] = name
         self._check_nodes()
 
     def _setup_actors(self) -> None:
-        """Every actor builds its model; the trainers join their process groups."""
+        """Every actor builds its model; a trainer's ranks join their process group."""
         p = self.cfg.parallel
-        for group in (self.policy, self.critic):
+        for m in self.models:
+            group = self.actors_of[m.name]
             init = self.call("setup", {group[0]: group[0].master_address.remote()})[group[0]]
-            results = self.call(
-                "setup",
-                {a: a.setup.remote(r, p.world_size, p.tensor_model_parallel_size, init) for r, a in enumerate(group)},
-            )
-            self.ranks.update({self.names[a]: v for a, v in results.items()})
-        for a in (self.rollout, self.reference):
-            init = self.call("setup", {a: a.master_address.remote()})[a]
-            self.call("setup", {a: a.setup.remote(init)})
+            if m.kind == "trainer":
+                results = self.call(
+                    "setup",
+                    {
+                        a: a.setup.remote(r, p.world_size, p.tensor_model_parallel_size, init)
+                        for r, a in enumerate(group)
+                    },
+                )
+                self.ranks.update({self.names[a]: v for a, v in results.items()})
+            else:
+                self.call("setup", {group[0]: group[0].setup.remote(init)})
 
     def _check_nodes(self) -> None:
         """Learn every actor's node; stop before any work when one runs other versions than the driver."""
@@ -302,7 +319,8 @@ class Colocation:
     # -- calls ----------------------------------------------------------------------------
     @property
     def all_actors(self) -> list:
-        return [*self.policy, *self.critic, self.rollout, self.reference]
+        """Every actor, model by model in declared order (a trainer's in rank order)."""
+        return [a for m in self.models for a in self.actors_of[m.name]]
 
     def call(self, phase: str, refs: Mapping[Any, Any], timeout_s: Optional[float] = None) -> dict:
         """Wait for one call per actor; return ``{actor: result}``.

@@ -1,6 +1,8 @@
-"""Configuration of a colocated PPO run: one pydantic model per component, YAML plus overrides.
+"""Configuration of a loop on the colocation service: one pydantic model per component, YAML plus overrides.
 
-A run is described by :class:`RunConfig`. :func:`load_config` reads a preset or a YAML file,
+Every loop shares :class:`LoopConfig` (the policy, its layout, the rollout engine, the task, memory,
+Ray, checkpoints, output); a PPO run is a :class:`RunConfig` (adds the critic and ``ppo``), a GRPO
+run a :class:`GRPORunConfig` (adds ``reference`` and ``grpo``). :func:`load_config` reads a preset or a YAML file,
 applies ``key=value`` overrides (dotted keys, YAML-typed values: ``ppo.iterations=5``,
 ``memory.enabled=false``) and validates everything at once with the project's one loader
 (:func:`chatlearn_mem_config_files.load_config`); its ``ConfigError`` lists every problem, so a bad
@@ -12,20 +14,29 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Optional, Sequence, Union
+from typing import ClassVar, Literal, Optional, Sequence, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatlearn_mem import MemoryConfig
 from chatlearn_mem.models.gpt import GPTTrainerConfig
 from chatlearn_mem_config_files import load_config as _load
+from chatlearn_mem_ray.data import DataConfig
 
 __all__ = [
     "CheckpointConfig",
+    "DEFAULT_GRPO_PRESET",
     "DEFAULT_PRESET",
+    "GRPOConfig",
+    "GRPORunConfig",
+    "GRPO_PRESETS",
+    "LoopConfig",
     "MemoryPolicy",
     "PPOConfig",
     "PRESETS",
+    "ReferenceConfig",
+    "RewardConfig",
+    "TokenizerConfig",
     "RolloutConfig",
     "ParallelConfig",
     "RayConfig",
@@ -33,6 +44,7 @@ __all__ = [
     "TaskConfig",
     "TrainerModelConfig",
     "load_config",
+    "load_grpo_config",
 ]
 
 
@@ -367,6 +379,88 @@ _TRUNK_FIELDS = (
 """What a critic copies from a policy with ``from_hf``, so that the checkpoint's trunk fits it."""
 
 
+class GRPOConfig(_Strict):
+    """GRPO hyper-parameters and batch shape: ``group_size`` responses per prompt, advantages
+    normalised within each prompt's group, no critic (see :mod:`chatlearn_mem_ray.grpo`)."""
+
+    iterations: int = Field(20, ge=1)
+    """Rollout + train iterations, numbered 1 to ``iterations`` (as PPO's)."""
+    prompts_per_iteration: int = Field(8, ge=1)
+    """Prompts per iteration; each is sampled ``group_size`` times, so a batch holds
+    ``prompts_per_iteration x group_size`` responses, divided among data-parallel ranks."""
+    group_size: int = 4
+    """Responses sampled per prompt (8 in slime and ROLL, 16 in NeMo-RL); each response's
+    advantage is its reward against the others of its group, so at least 2."""
+    prompt_length: int = Field(4, ge=1)
+    """Tokens per prompt (random ids on the built-in task)."""
+    response_length: int = Field(8, ge=1)
+    """Tokens generated per response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; every log-probability (the ratio, the KL to the reference, the
+    entropy) is taken under the same tempered distribution."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each iteration's batch (1: on-policy, the ratio starts at 1)."""
+    minibatch_size: int = Field(8, ge=1)
+    """Responses per optimizer step on each data-parallel rank."""
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """The ratio's lower clip: ``1 - clip_low``."""
+    clip_high: float = Field(0.2, gt=0)
+    """The ratio's upper clip: ``1 + clip_high`` (0.28 is DAPO's "clip higher")."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL-to-reference loss term (the k3 estimator ``exp(ref - new) - (ref - new) - 1``,
+    per token). 0: no reference model is launched at all."""
+    variant: Literal["grpo", "dr_grpo"] = "grpo"
+    """``grpo``: advantages ``(r - mean) / (std + 1e-6)`` within a group, each response's token
+    losses averaged, then the responses averaged. ``dr_grpo`` (Dr. GRPO): advantages ``r - mean``
+    (no division by the std), token losses summed and divided by a constant (the minibatch's
+    responses x ``response_length``), so neither a group's spread nor a response's length
+    rescales its gradient."""
+    seed: int = 0
+    """Seed of prompts and sampling."""
+
+    @field_validator("group_size")
+    @classmethod
+    def _a_group(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(
+                f"must be >= 2, got {v}: a response's advantage is its reward against the "
+                "other responses to the same prompt, and a group of one has none to compare with"
+            )
+        return v
+
+
+class TokenizerConfig(_Strict):
+    """The tokenizer of a run on text (``data`` set): prompts encoded, responses decoded."""
+
+    path: Optional[Path] = None
+    """A Hugging Face tokenizer directory (``AutoTokenizer``, local files only); None: the policy's
+    ``from_hf`` directory. ``{output_dir}`` stands for the run's ``output_dir``."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings: a response ends at the first (its text cut there, its tokens after it masked),
+    as it ends at the tokenizer's EOS token."""
+    log_samples: int = Field(2, ge=0)
+    """Sample texts (prompt, response, reward) kept per iteration in ``log.json``; the console shows
+    the first one every fifth iteration."""
+
+
+class RewardConfig(_Strict):
+    """How responses are scored (see :mod:`chatlearn_mem_ray.rewards`)."""
+
+    function: str = "token_range"
+    """``token_range`` (the toy rule on random token ids, runs without ``data``), ``exact_match``,
+    ``math``, or your own: ``"package.module:function"`` or ``"path/to/file.py:function"``, called
+    with ``(prompts, responses, **fields)`` (the texts and each row's other fields) and returning one
+    float per response, or a dict with them under ``"reward"`` and more named scores to log."""
+
+
+class ReferenceConfig(_Strict):
+    """The frozen reference model of the KL term."""
+
+    from_hf: Optional[Path] = None
+    """A Hugging Face checkpoint of the policy's architecture (an SFT model, say); None: the
+    policy's initial weights (its ``from_hf`` checkpoint, or its seed's random init)."""
+
+
 def _default_policy() -> TrainerModelConfig:
     return TrainerModelConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=1e-3
@@ -382,32 +476,42 @@ _DEFAULT_CRITIC = dict(
 )
 
 
-class RunConfig(_Strict):
-    """A whole colocated PPO run."""
+C = TypeVar("C", bound="LoopConfig")
+
+
+class LoopConfig(_Strict):
+    """What every loop on the colocation service shares: the policy, its parallel layout, the
+    rollout engine, the task, the memory policy, Ray, checkpoints and the output directory.
+
+    A loop's own config subclasses it with one section of its own (``ppo``, ``grpo``, ...) named
+    by :attr:`loop_section`; that section holds at least ``iterations`` and ``seed``. Subclasses
+    add models (PPO's ``critic``) and cross-field checks (:meth:`_problems`)."""
+
+    loop_section: ClassVar[str] = "loop"
+    """The name of the loop's own section."""
+    model_sections: ClassVar[tuple[str, ...]] = ("policy",)
+    """Sections that hold a :class:`TrainerModelConfig` (``{output_dir}`` is filled in each)."""
 
     policy: TrainerModelConfig = Field(default_factory=_default_policy)
-    """The policy trainer; the rollout and reference models are inference copies of it."""
-    critic: TrainerModelConfig = Field(default_factory=_default_critic)
-    """The critic trainer (a GPT trunk with a scalar value head). When the policy has
-    ``from_hf`` and the critic does not say otherwise, the critic starts from the same
-    checkpoint's trunk, with the policy's architecture and shape."""
+    """The policy trainer; the rollout (and a reference) are inference copies of it."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    ppo: PPOConfig = Field(default_factory=PPOConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
     ray: RayConfig = Field(default_factory=RayConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    output_dir: Path = Path("runs/ppo")
+    output_dir: Path = Path("runs/loop")
     """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
-    ``log.json`` is rewritten (atomically) after every iteration. Each iteration's entry holds
-    ``reward`` (mean task reward of the rollouts), ``policy_loss`` (``pg`` on the console: the
-    policy-gradient loss), ``value_loss`` (``vf``: the value-function loss), ``kl`` (KL(policy ||
-    reference) per token) and the phases' seconds and device bytes."""
+    ``log.json`` is rewritten (atomically) after every iteration."""
     output_dir_exists: Literal["error", "overwrite"] = "error"
     """When ``output_dir`` already holds another run's ``log.json`` with at least one iteration:
     ``error`` stops before anything starts; ``overwrite`` replaces that run's log and picture (and
     deletes its checkpoints). Resuming (``checkpoint.resume``) continues the log instead."""
+
+    @property
+    def loop(self):
+        """The loop's own section (``self.ppo``, ``self.grpo``, ...)."""
+        return getattr(self, self.loop_section)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -421,13 +525,96 @@ class RunConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _checkpoint_paths(cls, data):
-        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict) or not data["policy"].get("from_hf"):
+        if not isinstance(data, dict):
             return data
         out_dir = str(data.get("output_dir", cls.model_fields["output_dir"].default))
         data = dict(data)
-        for role in ("policy", "critic"):
+        for role in cls.model_sections:
             if isinstance(data.get(role), dict) and "{output_dir}" in str(data[role].get("from_hf") or ""):
                 data[role] = {**data[role], "from_hf": str(data[role]["from_hf"]).replace("{output_dir}", out_dir)}
+        return cls._derive(data)
+
+    @classmethod
+    def _derive(cls, data: dict) -> dict:
+        """Fill in what one section derives from another (before validation)."""
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LoopConfig":
+        problems = self._problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _problems(self) -> list[str]:
+        """Every cross-field problem, each one sentence naming the keys and values."""
+        problems = []
+        p, loop = self.policy, self.loop
+        prompt_key, prompt_tokens = self._prompt_tokens()
+        total = prompt_tokens + loop.response_length
+        s = self.loop_section
+        for name in self.model_sections:
+            m = getattr(self, name)
+            if total > m.seq_length:
+                problems.append(
+                    f"{prompt_key} + {s}.response_length ({total}) exceeds {name}.seq_length ({m.seq_length})"
+                )
+            tp = self.parallel.tensor_model_parallel_size
+            if m.num_attention_heads % tp or m.vocab_size % tp:
+                problems.append(
+                    f"parallel.tensor_model_parallel_size ({tp}) must divide "
+                    f"{name}.num_attention_heads ({m.num_attention_heads}) and "
+                    f"{name}.vocab_size ({m.vocab_size})"
+                )
+        problems += self._model_problems()
+        if self.task.target_high > p.vocab_size:
+            problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
+        problems += self._batch_problems()
+        if self.rollout.engine == "vllm":
+            if p.from_hf is None:
+                problems.append(
+                    "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"
+                )
+            if self.memory.device_budget_mb is not None and self.ray.use_gpu is True:
+                problems.append(
+                    "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
+                    "plan does not know the size of the engine's KV cache there (vLLM's gpu_memory_utilization share)"
+                )
+        return problems
+
+    def _prompt_tokens(self) -> tuple[str, int]:
+        """The longest prompt, in tokens, and the key that says so."""
+        return f"{self.loop_section}.prompt_length", self.loop.prompt_length
+
+    def _model_problems(self) -> list[str]:
+        return []
+
+    def _batch_problems(self) -> list[str]:
+        return []
+
+
+class RunConfig(LoopConfig):
+    """A whole colocated PPO run."""
+
+    loop_section: ClassVar[str] = "ppo"
+    model_sections: ClassVar[tuple[str, ...]] = ("policy", "critic")
+
+    critic: TrainerModelConfig = Field(default_factory=_default_critic)
+    """The critic trainer (a GPT trunk with a scalar value head). When the policy has
+    ``from_hf`` and the critic does not say otherwise, the critic starts from the same
+    checkpoint's trunk, with the policy's architecture and shape."""
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    output_dir: Path = Path("runs/ppo")
+    """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
+    ``log.json`` is rewritten (atomically) after every iteration. Each iteration's entry holds
+    ``reward`` (mean task reward of the rollouts), ``policy_loss`` (``pg`` on the console: the
+    policy-gradient loss), ``value_loss`` (``vf``: the value-function loss), ``kl`` (KL(policy ||
+    reference) per token) and the phases' seconds and device bytes."""
+
+    @classmethod
+    def _derive(cls, data: dict) -> dict:
+        if not isinstance(data.get("policy"), dict) or not data["policy"].get("from_hf"):
+            return data
         policy = data["policy"]
         if isinstance(data.get("critic"), dict):
             critic = dict(data["critic"])
@@ -442,69 +629,145 @@ class RunConfig(_Strict):
         critic["create_hf"] = policy.get("create_hf", False)  # written once, from the policy's config
         return {**data, "critic": critic}
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
-        problems = []
-        p, c, ppo = self.policy, self.critic, self.ppo
-        total = ppo.prompt_length + ppo.response_length
-        for name, m in (("policy", p), ("critic", c)):
-            if total > m.seq_length:
-                problems.append(
-                    f"ppo.prompt_length + ppo.response_length ({total}) exceeds {name}.seq_length ({m.seq_length})"
-                )
-            tp = self.parallel.tensor_model_parallel_size
-            if m.num_attention_heads % tp or m.vocab_size % tp:
-                problems.append(
-                    f"parallel.tensor_model_parallel_size ({tp}) must divide "
-                    f"{name}.num_attention_heads ({m.num_attention_heads}) and "
-                    f"{name}.vocab_size ({m.vocab_size})"
-                )
-        if c.vocab_size != p.vocab_size:
-            problems.append(f"critic.vocab_size ({c.vocab_size}) must equal policy.vocab_size ({p.vocab_size})")
-        if self.task.target_high > p.vocab_size:
-            problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
-        dp = self.parallel.data_parallel_size
+    def _model_problems(self) -> list[str]:
+        if self.critic.vocab_size != self.policy.vocab_size:
+            return [
+                f"critic.vocab_size ({self.critic.vocab_size}) must equal policy.vocab_size ({self.policy.vocab_size})"
+            ]
+        return []
+
+    def _batch_problems(self) -> list[str]:
+        ppo, dp = self.ppo, self.parallel.data_parallel_size
         if ppo.prompts_per_iteration % dp:
-            problems.append(
+            return [
                 f"ppo.prompts_per_iteration ({ppo.prompts_per_iteration}) must be "
                 f"divisible by the data-parallel size ({dp})"
-            )
-        elif (ppo.prompts_per_iteration // dp) % ppo.minibatch_size:
-            problems.append(
+            ]
+        if (ppo.prompts_per_iteration // dp) % ppo.minibatch_size:
+            return [
                 f"ppo.minibatch_size ({ppo.minibatch_size}) must divide the prompts per "
                 f"data-parallel rank ({ppo.prompts_per_iteration // dp})"
+            ]
+        return []
+
+
+class GRPORunConfig(LoopConfig):
+    """A whole colocated GRPO run: the policy, its rollout and (with ``grpo.kl_coef`` > 0) a
+    frozen reference; no critic."""
+
+    loop_section: ClassVar[str] = "grpo"
+
+    reference: Optional[ReferenceConfig] = Field(default_factory=ReferenceConfig)
+    """The reference model of the KL term; null: none configured (then ``grpo.kl_coef`` must be 0).
+    It is launched only when ``grpo.kl_coef`` > 0."""
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    data: Optional[DataConfig] = None
+    """Your prompts (:mod:`chatlearn_mem_ray.data`); None: random token ids scored by ``task``."""
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    output_dir: Path = Path("runs/grpo")
+    """Where the JSON log and the memory timeline PNG go (as PPO's ``output_dir``)."""
+
+    @property
+    def launches_reference(self) -> bool:
+        """Whether the run has a reference model: only when the KL term is on."""
+        return self.grpo.kl_coef > 0
+
+    @property
+    def tokenizer_dir(self) -> Optional[Path]:
+        """Where the tokenizer is read from: ``tokenizer.path``, else the policy's checkpoint."""
+        return self.tokenizer.path if self.tokenizer.path is not None else self.policy.from_hf
+
+    @classmethod
+    def _derive(cls, data: dict) -> dict:
+        out_dir = str(data.get("output_dir", cls.model_fields["output_dir"].default))
+
+        def fill(v):
+            return str(v).replace("{output_dir}", out_dir) if isinstance(v, (str, Path)) else v
+
+        for section, key in (("data", "train_files"), ("tokenizer", "path"), ("reference", "from_hf")):
+            if isinstance(data.get(section), dict) and key in data[section]:
+                v = data[section][key]
+                data = {
+                    **data,
+                    section: {**data[section], key: [fill(x) for x in v] if isinstance(v, list) else fill(v)},
+                }
+        return data
+
+    def _prompt_tokens(self) -> tuple[str, int]:
+        if self.data is not None:
+            return "data.max_prompt_tokens", self.data.max_prompt_tokens
+        return super()._prompt_tokens()
+
+    def _model_problems(self) -> list[str]:
+        problems = []
+        if self.grpo.kl_coef > 0 and self.reference is None:
+            problems.append(
+                f"grpo.kl_coef={self.grpo.kl_coef:g} needs a reference model, and reference is null: set "
+                "reference: {} (the policy's initial weights) or reference.from_hf, or grpo.kl_coef=0"
             )
-        if self.rollout.engine == "vllm":
-            if p.from_hf is None:
-                problems.append(
-                    "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"
-                )
-            if self.memory.device_budget_mb is not None and self.ray.use_gpu is True:
-                problems.append(
-                    "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
-                    "plan does not know the size of the engine's KV cache there (vLLM's gpu_memory_utilization share)"
-                )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        text = self.reward.function != "token_range"
+        if self.data is not None and not text:
+            problems.append(
+                "reward.function=token_range scores random token ids; with data.train_files give a text reward: "
+                "exact_match, math, or 'package.module:function'"
+            )
+        if self.data is None and text:
+            problems.append(
+                f"reward.function={self.reward.function} scores text: set data.train_files (your prompts) too"
+            )
+        if self.data is not None and self.tokenizer_dir is None:
+            problems.append(
+                "data.train_files needs a tokenizer: set tokenizer.path, or policy.from_hf (its directory's)"
+            )
+        return problems
+
+    def _batch_problems(self) -> list[str]:
+        g, dp = self.grpo, self.parallel.data_parallel_size
+        batch = g.prompts_per_iteration * g.group_size
+        if batch % dp:
+            return [
+                f"grpo.prompts_per_iteration x grpo.group_size ({batch}) must be divisible by the "
+                f"data-parallel size ({dp})"
+            ]
+        if (batch // dp) % g.minibatch_size:
+            return [
+                f"grpo.minibatch_size ({g.minibatch_size}) must divide the responses per data-parallel "
+                f"rank ({batch // dp} = prompts_per_iteration x group_size / {dp})"
+            ]
+        return []
 
 
 PRESETS = resources.files("chatlearn_mem_ray.presets")
-"""The shipped run presets (``configs/ppo/*.yaml`` in the repository, installed with the package)."""
+"""The shipped PPO presets (``configs/ppo/*.yaml`` in the repository, installed with the package)."""
+GRPO_PRESETS = resources.files("chatlearn_mem_ray.grpo_presets")
+"""The shipped GRPO presets (``configs/grpo/*.yaml``)."""
 DEFAULT_PRESET = "cpu_tiny"
-"""What ``chatlearn-mem ppo`` runs without ``--config``: the CPU default (about 2 minutes on 2 cores)."""
+"""What ``chatlearn-mem ppo`` runs without ``--config``: the CPU default (about 30 s on 2 cores)."""
+DEFAULT_GRPO_PRESET = "cpu_grpo"
+"""What ``chatlearn-mem grpo`` runs without ``--config``."""
 
 
-def load_config(source: Optional[str | os.PathLike] = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Build a :class:`RunConfig` from a preset name or YAML path, then dotted ``key=value`` overrides.
+def load_config(
+    source: Optional[str | os.PathLike] = None, overrides: Sequence[str] = (), schema: type[C] = RunConfig
+) -> C:
+    """Build a run config from a preset name or YAML path, then dotted ``key=value`` overrides.
 
     Args:
-        source: A preset name (``cpu_tiny``, ``gpu``; see :data:`PRESETS`) or the path of a YAML
-            file; None starts from the defaults of :class:`RunConfig`.
+        source: A preset name (``cpu_tiny``, ``gpu``; see :data:`PRESETS`, or :data:`GRPO_PRESETS`
+            for :class:`GRPORunConfig`) or the path of a YAML file; None starts from the defaults.
         overrides: ``ppo.iterations=5``, ``memory.enabled=false``, ...; values are parsed as YAML.
+        schema: The config class: :class:`RunConfig` (PPO, the default), :class:`GRPORunConfig`,
+            or a loop's own :class:`LoopConfig` subclass (whose presets, if any, are YAML paths).
 
     Raises:
         ConfigError: The source is missing or not a YAML mapping, an override is malformed, or
             the result is invalid; the message lists every problem with its dotted key.
     """
-    return _load(RunConfig, source, overrides, presets=PRESETS)
+    presets = {RunConfig: PRESETS, GRPORunConfig: GRPO_PRESETS}.get(schema)
+    return _load(schema, source, overrides, presets=presets)
+
+
+def load_grpo_config(source: Optional[str | os.PathLike] = None, overrides: Sequence[str] = ()) -> GRPORunConfig:
+    """:func:`load_config` for GRPO (presets from :data:`GRPO_PRESETS`)."""
+    return load_config(source, overrides, GRPORunConfig)

@@ -1,19 +1,25 @@
-"""Errors that stop a colocated PPO run. All share :class:`RunError` (itself a
+"""Errors that stop a run of a loop on the colocation service. All share :class:`RunError` (itself a
 :class:`chatlearn_mem.ChatlearnMemError`), so a caller catches one class; the command line prints
 ``error: <message>`` for each and exits 1."""
 
 from __future__ import annotations
 
-from chatlearn_mem import ChatlearnMemError
+import math
+
+from chatlearn_mem import ChatlearnMemError, ConfigError
 
 __all__ = [
+    "check_finite",
     "iteration_label",
     "ActorFailedError",
     "AuditFailedError",
+    "BudgetConfigError",
     "BudgetError",
     "CheckpointDirError",
     "CheckpointSaveError",
     "ClusterConnectionError",
+    "EngineMissingError",
+    "LoopUsageError",
     "NonFiniteLossError",
     "OutputDirError",
     "PhaseTimeoutError",
@@ -33,6 +39,22 @@ def iteration_label(number: int, comparison: bool) -> str:
     return f"manager-off iteration {number}" if comparison else f"iteration {number}"
 
 
+def check_finite(iteration: int, phase: str, metrics: dict, comparison: bool = False) -> None:
+    """Stop the run when a phase's loss (or any other metric) is NaN or infinite.
+
+    Args:
+        iteration: The iteration's number (from 1, see :meth:`Service.number
+            <chatlearn_mem_ray.service.Service.number>`).
+        comparison: Whether it is a manager-off comparison iteration.
+
+    Raises:
+        NonFiniteLossError: Naming the iteration, the phase and the values.
+    """
+    bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise NonFiniteLossError(iteration, phase, bad, comparison)
+
+
 class RunError(ChatlearnMemError):
     """Base class: the run cannot go on; the message says why and, where it can, what to do."""
 
@@ -41,6 +63,17 @@ class BudgetError(RunError):
     """``memory.device_budget_mb`` cannot hold a phase's models (checked before Ray starts from the
     config, and again once the models are measured); the message names the phase, its bytes and
     the budget."""
+
+
+class BudgetConfigError(BudgetError, ConfigError):
+    """``memory.device_budget_mb`` is below what the largest declared phase needs, estimated from the
+    config before anything starts: a config mistake (the command line exits 2)."""
+
+
+class LoopUsageError(RunError):
+    """A loop asked the colocation service for something it did not declare: a phase that was not
+    declared, a model its phase does not need, phases nested, a phase outside an iteration. The
+    message names the phase and the model, and what to declare."""
 
 
 class EngineMissingError(RunError):

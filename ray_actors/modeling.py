@@ -1,4 +1,4 @@
-"""What the PPO actors compute with a megatron-core GPT: log-probs, values, sampling, weight sync."""
+"""What the actors compute with a megatron-core GPT: log-probs (and entropies), values, sampling, weight sync."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 
 __all__ = [
     "generate",
+    "generate_rows",
     "merge_tensor_parallel",
     "sequence_logprobs",
+    "sequence_logprobs_entropy",
     "sequence_values",
     "split_tensor_parallel",
     "weights_digest",
@@ -52,6 +54,48 @@ def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, temperature:
     return -vocab_parallel_cross_entropy(logits.float() / temperature, tokens[:, 1:])
 
 
+def sequence_logprobs_entropy(
+    model: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` and the entropy of each next-token distribution at ``temperature``.
+
+    The entropy is for the log (no gradient flows through it); on a tensor-parallel model each rank
+    holds a slice of the vocabulary, and its max, normaliser and expectation are all-reduced over
+    the tensor-parallel group.
+
+    Returns:
+        ``(logprobs, entropy)``, each (B, T-1) float32.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    pos = _positions(tokens)
+    scaled = model(tokens[:, :-1], pos[:, :-1], None).float() / temperature  # (B, T-1, V / tensor-parallel size)
+    entropy = _vocab_parallel_entropy(scaled.detach())  # before the cross entropy, which works in place
+    return -vocab_parallel_cross_entropy(scaled, tokens[:, 1:]), entropy
+
+
+@torch.no_grad()
+def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy over the last dimension, which tensor parallelism may split: (..., V/tp) -> (...)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    top = logits.max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(logits - top)
+    z = e.sum(dim=-1, keepdim=True)
+    expected = (e * logits).sum(dim=-1, keepdim=True)
+    if tp > 1:
+        dist.all_reduce(z, group=group)
+        dist.all_reduce(expected, group=group)
+    return (torch.log(z) + top - expected / z).squeeze(-1)  # log Z - E[logit]
+
+
 def sequence_values(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Value of each prefix: ``out[b, t]`` scores ``tokens[b, :t+1]``. (B, T) float32."""
     return model(tokens, _positions(tokens), None).float()
@@ -86,6 +130,63 @@ def generate(
             nxt = torch.multinomial(probs, 1, generator=generator).to(tokens.device)
         tokens = torch.cat([tokens, nxt], dim=1)
     return tokens
+
+
+@torch.no_grad()
+def generate_rows(
+    model: torch.nn.Module,
+    rows: Sequence[Sequence[int]],
+    response_length: int,
+    temperature: float,
+    seed: int,
+    eos_ids: Sequence[int] = (),
+    pad_id: int = 0,
+    device: Optional[torch.device] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to ``response_length`` tokens after each prompt of ``rows`` (prompts of any length).
+
+    Prompts of one length are sampled as one batch (no padding inside a forward pass, so no
+    attention mask is needed), groups in order of length, each from its own generator
+    (``seed`` + the length), so a row's sample does not depend on which other lengths the batch
+    holds. A row stops after its first token in ``eos_ids`` (the EOS is kept); a group stops when
+    every row of it has.
+
+    Returns:
+        ``(tokens (B, L), response_lengths (B,))``: each row's prompt then its response, right-padded
+        with ``pad_id`` to the longest (``L``), and each response's length (up to and including its
+        EOS).
+    """
+    by_length: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_length.setdefault(len(r), []).append(i)
+    out: list[list[int]] = [[] for _ in rows]
+    lengths = [0] * len(rows)
+    stop = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+    for length in sorted(by_length):
+        idx = by_length[length]
+        tokens = torch.tensor([list(rows[i]) for i in idx], dtype=torch.long, device=device)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + length)
+        done = torch.zeros(len(idx), dtype=torch.bool)
+        for _ in range(response_length):
+            logits = model(tokens, _positions(tokens), None)[:, -1, :].float()  # (b, V)
+            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=g)  # (b, 1)
+            nxt[done] = pad_id  # a stopped row pads
+            tokens = torch.cat([tokens, nxt.to(tokens.device)], dim=1)
+            if len(stop):
+                done |= torch.isin(nxt[:, 0], stop)
+                if bool(done.all()):
+                    break
+        for j, i in enumerate(idx):
+            response = tokens[j, length:].tolist()
+            n = next((k + 1 for k, t in enumerate(response) if t in set(eos_ids)), len(response))
+            out[i] = list(rows[i]) + response[:n]
+            lengths[i] = n
+    width = max(len(r) for r in out)
+    padded = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(out):
+        padded[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return padded, torch.tensor(lengths, dtype=torch.long)
 
 
 def merge_tensor_parallel(

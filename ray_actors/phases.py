@@ -1,33 +1,51 @@
-"""What a phase of the colocated PPO loop does with memory, apart from its work: the recipe
-(:mod:`chatlearn_mem_ray.ppo`) says which models each phase needs; :class:`PhaseRunner` brings them
-onto the devices (all of them, or as the residency plan of ``memory.device_budget_mb`` says, with
-prefetch), audits them, runs the work, records every actor's residency in the memory timeline and
-puts them back to sleep.
+"""What a phase does with memory, apart from its work: :class:`PhaseRunner` brings the models a
+phase needs onto the devices (all of them, or as the residency plan of ``memory.device_budget_mb``
+says, with prefetch), audits them, and once the work is done records every actor's residency in
+the memory timeline and puts them back to sleep. The colocation service
+(:class:`chatlearn_mem_ray.service.Service`) calls :meth:`PhaseRunner.enter` and
+:meth:`PhaseRunner.exit` around the work of each ``with svc.phase(name)`` block.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from chatlearn_mem import Part
-from chatlearn_mem_ray.config import RunConfig
+from chatlearn_mem_ray.config import LoopConfig
 from chatlearn_mem_ray.errors import AuditFailedError, BudgetError
-from chatlearn_mem_ray.schedule import PHASES, BoundaryPlan, ResidencySchedule, bundle_of, pinned_items
+from chatlearn_mem_ray.schedule import BoundaryPlan, PhaseDemand, ResidencySchedule
 from chatlearn_mem_ray.timeline import MemoryTimeline
 
 if TYPE_CHECKING:
     from chatlearn_mem_ray.colocation import Colocation
 
-__all__ = ["PhaseRunner"]
+__all__ = ["OpenPhase", "PhaseRunner"]
+
+
+@dataclass
+class OpenPhase:
+    """A phase between :meth:`PhaseRunner.enter` and :meth:`PhaseRunner.exit`."""
+
+    number: int
+    name: str
+    needs: dict[Any, tuple[Part, ...]]  # actor handle -> parts
+    manager_on: bool
+    planned: bool
+    t0: float
+    before_seconds: float = 0.0  # transitions before the work (that did not overlap it)
+    moved: list = field(default_factory=list)
 
 
 class PhaseRunner:
     """The memory side of every phase of a run.
 
     Args:
-        cfg: The run config (``memory.audit``, ``memory.prefetch``).
+        cfg: The run config (``memory.audit``, ``memory.prefetch``, ``memory.device_budget_mb``).
         colo: The actors, set up.
+        demands: Each declared phase's needs and writes per actor name, in declared order.
+        pinned: Items that cannot leave the device (an engine that cannot sleep).
         progress: Called with the warnings of a residency plan (a phase over its budget, a re-plan).
 
     Attributes:
@@ -37,8 +55,15 @@ class PhaseRunner:
         over_budget: Phases measured above their device's budget.
     """
 
-    def __init__(self, cfg: RunConfig, colo: "Colocation", progress: Callable[[str], None] = print):
-        self.cfg, self.colo, self.progress = cfg, colo, progress
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        colo: "Colocation",
+        demands: Sequence[PhaseDemand],
+        pinned: set = frozenset(),
+        progress: Callable[[str], None] = print,
+    ):
+        self.cfg, self.colo, self.demands, self.pinned, self.progress = cfg, colo, list(demands), pinned, progress
         self.timeline = MemoryTimeline()
         self.audits = {"runs": 0, "checks_clean": 0}
         self.schedule: Optional[ResidencySchedule] = None
@@ -64,7 +89,7 @@ class PhaseRunner:
                     "memory.device_budget_mb=auto reads the free memory of each GPU, and this run "
                     "has none; give the budget in MiB, or null (all or nothing)"
                 )
-            one = {bundle_of(c.names[a]): a for a in reversed(c.policy)}  # one actor per device
+            one = {c.bundle_of[c.names[a]]: a for a in reversed(c.all_actors)}  # one actor per device
             free = c.call("plan", {a: a.device_free_bytes.remote() for a in one.values()})
             margin = int(mem.device_budget_margin_mb * 2**20)
             budget = {b: max(0, free[a] - margin) for b, a in one.items()}
@@ -76,7 +101,7 @@ class PhaseRunner:
                 "plan does not know the size of the engine's KV cache there; set memory.device_budget_mb=null"
             )
         try:
-            self.schedule = ResidencySchedule(sizes, budget, pinned=pinned_items(self.cfg, c.use_gpu))
+            self.schedule = ResidencySchedule(sizes, budget, self.demands, c.bundle_of, pinned=self.pinned)
         except ValueError as e:
             raise BudgetError(str(e)) from None
         return self.schedule
@@ -93,45 +118,64 @@ class PhaseRunner:
                 )
             self.audits["checks_clean"] += 1
 
-    def run(self, number: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any], manager_on: bool):
-        """Phase ``name`` of iteration ``number``: onload what ``needs`` names (actor -> parts; all
-        of it, or as the residency plan says), do ``work``, record everyone's residency, offload.
-        With ``manager_on`` false nothing moves (the models stay resident); the phase is recorded."""
-        if self.schedule is not None and manager_on:
-            return self._planned(number, name, needs, work)
+    # -- one phase --------------------------------------------------------------------------
+    def enter(self, number: int, name: str, needs: Mapping[Any, tuple[Part, ...]], manager_on: bool) -> OpenPhase:
+        """Before phase ``name`` of iteration ``number``'s work: onload what ``needs`` names (actor
+        -> parts; all of it, or as the residency plan says) and audit it. With ``manager_on``
+        false nothing moves (the models stay resident)."""
+        planned = self.schedule is not None and manager_on
+        open_ = OpenPhase(number, name, dict(needs), manager_on, planned, time.perf_counter())
+        if planned:
+            self._planned_enter(open_)
+            return open_
         c = self.colo
-        t0 = time.perf_counter()
-        moved = []
         if manager_on:
-            moved += [
+            open_.moved += [
                 s
                 for stats in c.call(name, {a: a.onload.remote(parts) for a, parts in needs.items()}).values()
                 for s in stats
             ]
-        t_in = time.perf_counter() - t0
+        open_.before_seconds = time.perf_counter() - open_.t0
         if manager_on and self.cfg.memory.audit:
             self.audit(name, needs)
-        result = work()
+        return open_
+
+    def exit(self, open_: OpenPhase) -> None:
+        """After the phase's work: record everyone's residency, then offload what it onloaded (or
+        wait for the plan's transitions)."""
+        if open_.planned:
+            return self._planned_exit(open_)
+        c, name = self.colo, open_.name
         residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
         t1 = time.perf_counter()
-        if manager_on:
-            moved += [
+        if open_.manager_on:
+            open_.moved += [
                 s
-                for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in needs.items()}).values()
+                for stats in c.call(name, {a: a.offload.remote(parts) for a, parts in open_.needs.items()}).values()
                 for s in stats
             ]
-        seconds = time.perf_counter() - t0
+        self._record(open_, residency, open_.before_seconds + time.perf_counter() - t1)
+
+    def settle(self) -> None:
+        """Wait for every non-blocking transition still running (before everything is offloaded)."""
+        if self._unsettled:
+            self.colo.call("sleep", {a: a.settle.remote() for a in self._unsettled})
+            self._unsettled.clear()
+
+    def _record(self, open_: OpenPhase, residency: dict, transition_seconds: float, **planned) -> None:
+        c = self.colo
         self.timeline.add(
-            number,
-            name,
-            manager_on,
-            seconds,
-            {c.names[a]: parts for a, parts in needs.items()},
+            open_.number,
+            open_.name,
+            open_.manager_on,
+            time.perf_counter() - open_.t0,
+            {c.names[a]: parts for a, parts in open_.needs.items()},
             {c.names[a]: r for a, r in residency.items()},
-            moved=moved,
-            transition_seconds=t_in + time.perf_counter() - t1,
+            moved=open_.moved,
+            transition_seconds=transition_seconds,
+            bundles=c.bundle_of,
+            **planned,
         )
-        return result
 
     def _moves(self, name: str, moves: dict[str, tuple[Part, ...]], direction: str, blocking: bool) -> list[dict]:
         """Offload or onload ``moves`` (actor name -> parts) on every actor at once; the stats of
@@ -145,53 +189,45 @@ class PhaseRunner:
             self._unsettled.update(refs)
         return [s for stats in c.call(name, refs).values() for s in stats]
 
-    def _planned(self, number: int, name: str, needs: dict[Any, tuple[str, ...]], work: Callable[[], Any]):
+    def _planned_enter(self, open_: OpenPhase) -> None:
         """A phase under the residency plan (``memory.device_budget_mb``): at the boundary the
         plan's out-moves (first, and waited for, only when the device needs their room), then its
-        in-moves; the next phase's in-moves start now when they fit beside this phase's models
-        (prefetch); the work; then every transition still running is waited for and the residency
-        recorded. With ``memory.prefetch`` the transitions are non-blocking: a forward pass waits
-        per module for its weights, a training step for the parts it touches."""
-        c, s = self.colo, self.schedule
-        phase = PHASES.index(name)
+        in-moves; the next declared phase's in-moves start now when they fit beside this phase's
+        models (prefetch). With ``memory.prefetch`` the transitions are non-blocking: a forward
+        pass waits per module for its weights, a training step for the parts it touches."""
+        s, name = self.schedule, open_.name
+        phase = s.index(name)
         nb = self.prefetch
-        t0 = time.perf_counter()
         moves = s.boundary(phase)
-        moved = []
         if moves.out and not s.fits(s.resident | s.target(phase)):  # their room is needed first
-            moved += self._moves(name, moves.out, "offload", blocking=True)
+            open_.moved += self._moves(name, moves.out, "offload", blocking=True)
             s.moved(BoundaryPlan(moves.out, {}))
             moves = BoundaryPlan({}, moves.into)
-        moved += self._moves(name, moves.into, "onload", blocking=not nb)
-        moved += self._moves(name, moves.out, "offload", blocking=not nb)  # behind this phase
+        open_.moved += self._moves(name, moves.into, "onload", blocking=not nb)
+        open_.moved += self._moves(name, moves.out, "offload", blocking=not nb)  # behind this phase
         s.moved(moves)
         if nb:  # the next phase's in-moves, when they fit beside what is resident now
-            ahead = s.boundary((phase + 1) % len(PHASES)).into
+            ahead = s.boundary((phase + 1) % len(s.phase_names)).into
             items = {(a, p) for a, parts in ahead.items() for p in parts}
             if ahead and s.fits(s.resident | items):
                 self._moves(name, ahead, "onload", blocking=False)
                 s.moved(BoundaryPlan({}, ahead))
-        t_before = time.perf_counter() - t0
-        result = work()
+        open_.before_seconds = time.perf_counter() - open_.t0
+
+    def _planned_exit(self, open_: OpenPhase) -> None:
+        """Every transition still running is waited for, the phase's models audited and the
+        residency recorded; a phase measured over its budget is said; changed sizes re-plan."""
+        c, s, name, number = self.colo, self.schedule, open_.name, open_.number
         t1 = time.perf_counter()
         waits = c.call(name, {a: a.settle.remote() for a in self._unsettled})
         self._unsettled.clear()
-        moved += [x for w in waits.values() for x in w["stats"]]
+        open_.moved += [x for w in waits.values() for x in w["stats"]]
         t_settle = time.perf_counter() - t1
         if self.cfg.memory.audit:
-            self.audit(name, needs)
+            self.audit(name, open_.needs)
         residency = c.call(name, {a: a.residency.remote() for a in c.all_actors})
-        self.timeline.add(
-            number,
-            name,
-            True,
-            time.perf_counter() - t0,
-            {c.names[a]: parts for a, parts in needs.items()},
-            {c.names[a]: r for a, r in residency.items()},
-            moved=moved,
-            transition_seconds=t_before + t_settle,
-            budget_bytes=s.budget,
-            kept=s.kept(phase),
+        self._record(
+            open_, residency, open_.before_seconds + t_settle, budget_bytes=s.budget, kept=s.kept(s.index(name))
         )
         over = {b: n for b, n in self.timeline.records[-1].bundle_bytes.items() if n > s.budget[int(b)]}
         if over:  # never silently: a measured phase above its device's budget is said and logged
@@ -207,4 +243,3 @@ class PhaseRunner:
             self.progress(
                 f"re-planned the device memory after {name} of iteration {number}: a model's parts changed size"
             )
-        return result

@@ -1,87 +1,51 @@
-"""What stays on each device in each phase of a colocated PPO run: the residency planner
-(:func:`chatlearn_mem.plan_residency`) applied to the run's five phases.
+"""What stays on each device in each phase a loop declared: the residency planner
+(:func:`chatlearn_mem.plan_residency`) applied to a loop's phases.
 
-An *item* is one part of one actor's model (``"critic_0/optimizer_states"``); the phases need and
-write these items:
-
-===============  =================================  ==========================================
-phase            needs                              writes
-===============  =================================  ==========================================
-generate         rollout/weights                    rollout/weights (the weight sync)
-reference        reference/weights                  -
-values           critic_i/weights                   -
-train_critic     every part of critic_i             critic_i weights, main weights, states
-train_policy     every part of policy_i             policy_i weights, main weights, states
-===============  =================================  ==========================================
-
-Gradients are scratch (dropped on offload, rebuilt zeroed). Each placement-group bundle is one
-device with its own budget, so each bundle gets its own plan over the items of the actors on it
-(bundle ``i`` holds ``policy_i`` and ``critic_i``; bundle 0 also the rollout and the reference).
+An *item* is one part of one actor's model (``"critic_0/optimizer_states"``). Each declared phase
+needs some items and writes some of them (:class:`PhaseDemand`; the colocation service derives
+both from the loop's :class:`~chatlearn_mem_ray.service.Phase` declarations). Gradients are
+scratch (dropped on offload, rebuilt zeroed). Each placement-group bundle is one device with its
+own budget, so each bundle gets its own plan over the items of the actors on it; which bundle an
+actor lives on is given, never read from its name.
 
 :class:`ResidencySchedule` holds the plans and the driver's view of what is resident now; at each
 phase it says what moves out, what moves in, and whether the next phase's in-moves may start
-early (prefetch: when what is resident now and what comes in fit the budget together). A model
-whose sizes change (the optimizer states the first step creates, a buffer that grows) is planned
+early (prefetch: when what is resident now and what comes in fit the budget together). A loop
+that runs its phases in another order than declared (a skipped sync, a repeated generate) stays
+correct: every boundary is computed from what is resident now, it only moves more. A model whose
+sizes change (the optimizer states the first step creates, a buffer that grows) is planned
 again: :meth:`ResidencySchedule.update_sizes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
 
 from chatlearn_mem import Part, ResidencyPlan, plan_residency
 
-__all__ = [
-    "PHASES",
-    "ResidencySchedule",
-    "bundle_of",
-    "estimate_sizes",
-    "phase_needs",
-    "phase_writes",
-    "pinned_items",
-]
+__all__ = ["BoundaryPlan", "PhaseDemand", "ResidencySchedule", "TRAINED"]
 
-PHASES = ("generate", "reference", "values", "train_critic", "train_policy")
-_TRAINED = (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+TRAINED = (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
+"""What a training phase changes (gradients are scratch and never copied)."""
 
 Item = tuple[str, Part]  # (actor name, part)
 
 
-def _role(name: str) -> str:
-    return name.rpartition("_")[0] if name.rpartition("_")[2].isdigit() else name
+@dataclass(frozen=True)
+class PhaseDemand:
+    """What one phase asks of the devices, per actor.
 
+    Attributes:
+        name: The phase's name.
+        needs: Actor name -> the parts the phase uses (they are resident during it).
+        writes: Actor name -> the parts the phase changes (a subset of ``needs``; an item moved
+            out after a write is copied back to the host, otherwise dropped).
+    """
 
-def bundle_of(name: str) -> int:
-    """The placement-group bundle (device) an actor lives on: ``policy_3`` and ``critic_3`` on 3; the
-    rollout and the reference on 0 (see :class:`chatlearn_mem_ray.colocation.Colocation`)."""
-    base, _, rank = name.rpartition("_")
-    return int(rank) if base and rank.isdigit() else 0
-
-
-def phase_needs(names: Iterable[str]) -> list[dict[str, tuple[Part, ...]]]:
-    """Per phase (in :data:`PHASES` order): actor name -> the parts the phase uses."""
-    names = list(names)
-    by = {r: [n for n in names if _role(n) == r] for r in ("policy", "critic", "rollout", "reference")}
-    return [
-        {n: (Part.WEIGHTS,) for n in by["rollout"]},
-        {n: (Part.WEIGHTS,) for n in by["reference"]},
-        {n: (Part.WEIGHTS,) for n in by["critic"]},
-        {n: tuple(Part) for n in by["critic"]},
-        {n: tuple(Part) for n in by["policy"]},
-    ]
-
-
-def phase_writes(names: Iterable[str]) -> list[dict[str, tuple[Part, ...]]]:
-    """Per phase: actor name -> the parts the phase changes (grads are scratch and not listed)."""
-    names = list(names)
-    return [
-        {n: (Part.WEIGHTS,) for n in names if _role(n) == "rollout"},
-        {},
-        {},
-        {n: _TRAINED for n in names if _role(n) == "critic"},
-        {n: _TRAINED for n in names if _role(n) == "policy"},
-    ]
+    name: str
+    needs: dict[str, tuple[Part, ...]]
+    writes: dict[str, tuple[Part, ...]] = field(default_factory=dict)
 
 
 def _mib(nbytes: int) -> str:
@@ -90,27 +54,6 @@ def _mib(nbytes: int) -> str:
 
 def _key(item: Item) -> str:
     return f"{item[0]}/{item[1].value}"
-
-
-def estimate_sizes(cfg) -> dict[str, dict[Part, int]]:
-    """Per actor and part, the device bytes a run of ``cfg`` (a :class:`RunConfig`) will hold, from
-    the config alone: for a budget check before Ray starts (:func:`check_budget`)."""
-    from chatlearn_mem.models import gpt
-
-    p = cfg.parallel
-    tp, dp = p.tensor_model_parallel_size, p.data_parallel_size
-    out: dict[str, dict[Part, int]] = {}
-    for rank in range(p.world_size):
-        for role, model, head in (("policy", cfg.policy, False), ("critic", cfg.critic, True)):
-            est = gpt.estimate_part_bytes(model, head, tp, dp)
-            out[f"{role}_{rank}"] = {Part(k): v for k, v in est.items()}
-    for name in ("rollout", "reference"):
-        out[name] = {Part.WEIGHTS: gpt.estimate_part_bytes(cfg.policy, trainer=False)["weights"]}
-    if cfg.rollout.engine == "vllm" and not runs_on_gpus(cfg):  # what the engine's actor reports
-        from chatlearn_mem_ray.vllm_actor import engine_bytes
-
-        out["rollout"] = {Part.WEIGHTS: engine_bytes(cfg.policy, cfg.rollout, cuda=False)}
-    return out
 
 
 @dataclass(frozen=True)
@@ -122,34 +65,16 @@ class BoundaryPlan:
     into: dict[str, tuple[Part, ...]]
 
 
-def runs_on_gpus(cfg, use_gpu: Optional[bool] = None) -> bool:
-    """``use_gpu`` when known (the colocation's), else ``ray.use_gpu``, where ``auto`` means
-    whether this process sees a GPU (before Ray starts, on the driver's machine)."""
-    if use_gpu is not None:
-        return bool(use_gpu)
-    if cfg.ray.use_gpu == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return bool(cfg.ray.use_gpu)
-
-
-def pinned_items(cfg, use_gpu: Optional[bool] = None) -> set[Item]:
-    """Items that cannot leave the device, so the plan counts them in every phase: the vLLM
-    engine's weights and KV cache without GPUs (vLLM's CPU build cannot sleep). ``use_gpu``: as
-    :func:`runs_on_gpus`."""
-    if cfg.rollout.engine == "vllm" and not runs_on_gpus(cfg, use_gpu):
-        return {("rollout", Part.WEIGHTS)}
-    return set()
-
-
 class ResidencySchedule:
     """The residency plan of every bundle of a run, and what is resident now.
 
     Args:
         sizes: Actor name -> part -> device bytes when resident (every actor of the run).
         budget_bytes: Device bytes each bundle may hold (the same for all when an int).
-        pinned: Items resident in every phase, whatever the phase needs (:func:`pinned_items`).
+        phases: The loop's phases in their declared order (the cycle the plan optimises).
+        bundles: Actor name -> the bundle (device) it lives on.
+        pinned: Items resident in every phase, whatever the phase needs (an engine that cannot
+            sleep).
 
     Raises:
         ValueError: A phase alone exceeds a bundle's budget (naming the bundle, the phase, its
@@ -160,51 +85,60 @@ class ResidencySchedule:
         self,
         sizes: Mapping[str, Mapping[Part, int]],
         budget_bytes: int | Mapping[int, int],
+        phases: Sequence[PhaseDemand],
+        bundles: Mapping[str, int],
         pinned: Iterable[Item] = (),
     ):
         self.names = list(sizes)
-        self.bundles = sorted({bundle_of(n) for n in self.names})
+        self.bundle_of = {n: int(bundles.get(n, 0)) for n in self.names}
+        self.bundles = sorted(set(self.bundle_of.values()))
         self.budget = (
             {b: int(budget_bytes) for b in self.bundles}
             if isinstance(budget_bytes, (int, float))
             else {b: int(budget_bytes[b]) for b in self.bundles}
         )
+        self.phase_names = [p.name for p in phases]
         self.sizes: dict[Item, int] = {}
         self.resident: set[Item] = set()  # what the driver has onloaded (or is onloading) and not offloaded
         self.plans: dict[int, ResidencyPlan] = {}
         self.replans = 0
         self.pinned = {(a, Part(p)) for a, p in pinned if a in self.names}
-        self._needs = phase_needs(self.names)
+        self._needs = [{a: tuple(parts) for a, parts in p.needs.items() if a in self.names} for p in phases]
         for need in self._needs:  # a pinned item is needed in every phase
             for a, p in sorted(self.pinned):
                 need[a] = tuple(dict.fromkeys([*need.get(a, ()), p]))
-        self._writes = phase_writes(self.names)
+        self._writes = [{a: tuple(parts) for a, parts in p.writes.items() if a in self.names} for p in phases]
         self._plan(sizes)
+
+    def index(self, phase: str) -> int:
+        """The position of ``phase`` in the declared order."""
+        return self.phase_names.index(phase)
 
     # -- planning ---------------------------------------------------------------------------
     def _plan(self, sizes: Mapping[str, Mapping[Part, int]]) -> None:
         self.sizes = {(n, Part(p)): int(b) for n, parts in sizes.items() for p, b in parts.items()}
         plans = {}
         for b in self.bundles:
-            names = [n for n in self.names if bundle_of(n) == b]
+            names = [n for n in self.names if self.bundle_of[n] == b]
             items = {_key(i): n for i, n in self.sizes.items() if i[0] in names}
             phases = [[_key((a, p)) for a, parts in need.items() if a in names for p in parts] for need in self._needs]
             written = [[_key((a, p)) for a, parts in w.items() if a in names for p in parts] for w in self._writes]
             scratch = [_key((n, Part.GRADS)) for n in names if _key((n, Part.GRADS)) in items]
-            needs = [sum(items[k] for k in ph) for ph in phases]
-            worst = max(range(len(PHASES)), key=lambda i: needs[i])
+            needs = [sum(items.get(k, 0) for k in ph) for ph in phases]
+            worst = max(range(len(phases)), key=lambda i: needs[i])
             if needs[worst] > self.budget[b]:
                 where = f"device {b} (bundle {b})" if len(self.bundles) > 1 else "the device"
                 raise ValueError(
-                    f"memory.device_budget_mb is below what one phase needs on {where}: {PHASES[worst]} needs "
-                    f"{_mib(needs[worst])} but the budget is {_mib(self.budget[b])}; raise memory.device_budget_mb "
-                    f"to at least {-(-needs[worst] // 2**20)}, or set it to null (onload each phase's models, "
-                    "offload them after)"
+                    f"memory.device_budget_mb is below what one phase needs on {where}: {self.phase_names[worst]} "
+                    f"needs {_mib(needs[worst])} but the budget is {_mib(self.budget[b])}; raise "
+                    f"memory.device_budget_mb to at least {-(-needs[worst] // 2**20)}, or set it to null (onload "
+                    "each phase's models, offload them after)"
                 )
             plans[b] = plan_residency(items, phases, self.budget[b], written=written, scratch=scratch)
         self.plans = plans
         self._kept_scratch = {
-            b: self._keep_scratch(b, set(s for s in self.sizes if bundle_of(s[0]) == b)) for b in self.bundles
+            b: self._keep_scratch(b, set(s for s in self.sizes if self.bundle_of.get(s[0], 0) == b))
+            for b in self.bundles
         }
 
     def _keep_scratch(self, bundle: int, items: set[Item]) -> set[Item]:
@@ -241,7 +175,7 @@ class ResidencySchedule:
 
     # -- the phases -------------------------------------------------------------------------
     def target(self, phase: int) -> set[Item]:
-        """The items resident during phase ``phase`` (index into :data:`PHASES`), over all bundles."""
+        """The items resident during phase ``phase`` (its index in the declared order), over all bundles."""
         out: set[Item] = set()
         for b, plan in self.plans.items():
             for key in plan.resident[phase]:
@@ -268,7 +202,8 @@ class ResidencySchedule:
         """Whether ``items`` fit every bundle's budget together."""
         items = set(items)
         return all(
-            sum(self.sizes.get(i, 0) for i in items if bundle_of(i[0]) == b) <= self.budget[b] for b in self.bundles
+            sum(self.sizes.get(i, 0) for i in items if self.bundle_of.get(i[0], 0) == b) <= self.budget[b]
+            for b in self.bundles
         )
 
     def moved(self, moves: BoundaryPlan) -> None:
@@ -290,6 +225,7 @@ class ResidencySchedule:
                 "bytes_moved": p.bytes_moved,
                 "all_or_nothing_bytes": p.all_or_nothing_bytes,
                 "optimal": p.optimal,
+                "phases": list(self.phase_names),
                 "resident": [sorted(r) for r in p.resident],
                 "gradients_kept": sorted(_key(i) for i in self._kept_scratch[b]),
             }

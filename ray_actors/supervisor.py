@@ -1,10 +1,11 @@
-"""Running the PPO recipe of :mod:`chatlearn_mem_ray.ppo` as a job: :func:`run_ppo`.
+"""Running a loop on the colocation service as a job: :func:`run_loop` (:func:`run_ppo`,
+:func:`run_grpo` for the two recipes shipped).
 
-What a run needs around the recipe, and what a reader copying the recipe need not read:
+What a run needs around the loop, and what a reader copying a recipe need not read:
 
-- Before Ray starts: the output directory (:func:`prepare_output_dir`: writable, another run's
-  results kept), where to resume from (:func:`find_resume_point`), the device budget
-  (:func:`check_budget`) and the checkpoint directory.
+- Before Ray starts: the loop's declarations, the output directory (:func:`prepare_output_dir`:
+  writable, another run's results kept), where to resume from (:func:`find_resume_point`), the
+  device budget (:func:`chatlearn_mem_ray.service.check_budget`) and the checkpoint directory.
 - The outer loop: the run's iterations, then the manager-off comparison iterations; a progress
   line per iteration; ``log.json`` rewritten after each; checkpoints every ``checkpoint.every``.
 - Stops: Ctrl-C and SIGTERM (at the end of an iteration, a checkpoint saved) write the log first;
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -41,12 +42,11 @@ from chatlearn_mem_ray.checkpoints import (
     remove_temporaries,
     write_json_atomic,
 )
-from chatlearn_mem_ray.colocation import Colocation
-from chatlearn_mem_ray.config import RunConfig
+from chatlearn_mem_ray.config import GRPORunConfig, LoopConfig, RunConfig
 from chatlearn_mem_ray.connect import wants_gpu
+from chatlearn_mem_ray.declare import check_declarations
 from chatlearn_mem_ray.errors import (
     ActorFailedError,
-    BudgetError,
     CheckpointDirError,
     EngineMissingError,
     OutputDirError,
@@ -58,40 +58,44 @@ from chatlearn_mem_ray.errors import (
     iteration_label,
 )
 from chatlearn_mem_ray.nodes import software_versions
-from chatlearn_mem_ray.ppo import PPORun
-from chatlearn_mem_ray.schedule import ResidencySchedule, estimate_sizes, pinned_items
+from chatlearn_mem_ray.service import Loop, Service, check_budget
 from chatlearn_mem_ray.timeline import MemoryTimeline, plot_timeline
 
-__all__ = ["check_budget", "find_resume_point", "prepare_output_dir", "run_ppo"]
+__all__ = ["find_resume_point", "prepare_output_dir", "run_grpo", "run_loop", "run_ppo"]
 
 
-def run_ppo(
-    cfg: RunConfig,
+def run_loop(
+    loop: Union[type[Loop], Callable[[LoopConfig], Loop]],
+    cfg: LoopConfig,
     progress: Callable[[str], None] = print,
-    on_iteration: Optional[Callable[[PPORun, int], None]] = None,
-    on_phase: Optional[Callable[[PPORun, int, str], None]] = None,
+    on_iteration: Optional[Callable[[Service, int], None]] = None,
+    on_phase: Optional[Callable[[Service, int, str], None]] = None,
     on_checkpoint: Optional[Callable[[Path], None]] = None,
 ) -> dict:
-    """Run PPO as ``cfg`` says; write ``log.json`` and ``memory_timeline.png`` to ``cfg.output_dir``.
+    """Run ``loop`` (a :class:`~chatlearn_mem_ray.service.Loop` subclass, or a factory taking
+    ``cfg``) on the colocation service as ``cfg`` says; write ``log.json`` and
+    ``memory_timeline.png`` to ``cfg.output_dir``.
 
-    ``output_dir`` (and the checkpoint directory) are checked before Ray starts. ``log.json`` is
-    rewritten atomically after every iteration (``status``: ``running``), so a run that fails or
-    is interrupted keeps every iteration it completed; at the end ``status`` is ``completed``,
-    ``failed`` (with ``error``), ``interrupted`` (Ctrl-C) or ``terminated`` (SIGTERM).
+    Its declarations, ``output_dir`` (and the checkpoint directory) and a device budget are checked
+    before Ray starts. ``log.json`` is rewritten atomically after every iteration (``status``:
+    ``running``), so a run that fails or is interrupted keeps every iteration it completed; at the
+    end ``status`` is ``completed``, ``failed`` (with ``error``), ``interrupted`` (Ctrl-C) or
+    ``terminated`` (SIGTERM).
 
-    Checkpoints (the ``checkpoint`` section): every ``checkpoint.every`` iterations the trainers
-    save their state from their host stores (see :mod:`chatlearn_mem_ray.checkpoints`);
+    Checkpoints (the ``checkpoint`` section): every ``checkpoint.every`` iterations the saved models
+    (the trainers) save their state from their host stores, with the loop's own
+    (:meth:`~chatlearn_mem_ray.service.Loop.state_dict`; see :mod:`chatlearn_mem_ray.checkpoints`);
     ``checkpoint.resume`` continues from the newest complete one (iteration counter, every
-    trainer's state and RNG, the log and memory timeline so far). When an actor process dies or
-    a phase times out, every actor is torn down, started again and the run continues from the
-    newest checkpoint, up to ``checkpoint.max_restarts`` times; ``log.json`` lists each restart
-    under ``restarts``.
+    trainer's state and RNG, the loop's state, the log and memory timeline so far). When an actor
+    process dies or a phase times out, every actor is torn down, started again and the run
+    continues from the newest checkpoint, up to ``checkpoint.max_restarts`` times; ``log.json``
+    lists each restart under ``restarts``.
 
     Args:
         progress: Receives one line per iteration, per checkpoint and per restart, and a summary.
-        on_iteration: Called after each iteration with the run and the iteration's index (from 0:
-            iteration 1 is index 0; tests use it to inspect or disturb the actors).
-        on_phase: Called as each phase starts with the run, the iteration's index and the phase's name.
+        on_iteration: Called after each iteration with the service and the iteration's index
+            (from 0: iteration 1 is index 0; tests use it to inspect or disturb the actors).
+        on_phase: Called as each phase starts with the service, the iteration's index and the phase's name.
         on_checkpoint: Called with the temporary directory of each save before the trainers write.
 
     Returns:
@@ -99,30 +103,33 @@ def run_ppo(
         checkpoints, restarts and the final weights' SHA-256 per trainer rank. Iterations are
         numbered from 1 (``iteration``) in the log, the memory timeline and on the console alike,
         and the manager-off comparison iterations from 1 again (``manager_on`` false); the
-        checkpoint ``iter_<K>`` holds iterations 1 to K. Each iteration's metrics are those of
-        :meth:`~chatlearn_mem_ray.ppo.PPORun.iteration`: ``reward`` (mean task reward of the
-        rollouts), ``kl`` (KL(policy || reference) per token), ``policy_loss`` (``pg`` on the
-        console), ``value_loss`` (``vf``), ...
+        checkpoint ``iter_<K>`` holds iterations 1 to K. Each iteration's metrics are those the
+        loop's :meth:`~chatlearn_mem_ray.service.Loop.step` returned, with the service's figures.
 
     Raises:
+        DeclarationError: The loop's models and phases are inconsistent (nothing started).
         RunError: A subclass saying why the run stopped (the log is written first).
         RunInterrupted: Ctrl-C (a ``KeyboardInterrupt``), after the log was written and Ray shut down.
         RunTerminated: SIGTERM (a ``RunInterrupted``): the run stopped at the end of the iteration
             it was in, saved a checkpoint of it (``checkpoint.on_sigterm``), wrote the log
             (``status``: ``terminated``) and shut Ray down. Only when called from the main thread.
     """
+    recipe = loop(cfg)
+    models, phases = recipe.models(), recipe.phases()
+    check_declarations(models, phases, cfg.parallel.world_size)
     check_engine_installed(cfg)
-    resume = find_resume_point(cfg, progress)
-    check_budget(cfg)
+    resume = find_resume_point(cfg, progress, [m.name for m in models if m.is_saved])
+    check_budget(cfg, models, phases)
     log_path = prepare_output_dir(cfg, resuming=resume is not None)
     _prepare_checkpoints(cfg, resume, progress)
     _prepare_hf_checkpoint(cfg, progress)
+    recipe.prepare(progress)
     out_dir = log_path.parent
     t0 = time.perf_counter()
     versions = _versions()
-    run: Optional[PPORun] = None
+    svc: Optional[Service] = None
     ck = cfg.checkpoint
-    total = cfg.ppo.iterations
+    total = recipe.iterations
     extra_its = cfg.memory.compare_iterations if cfg.memory.enabled else 0
     record: dict = {"resumed_from": None, "restarts": [], "checkpoints": [], "final_weights": {}, "nodes": {}}
     if resume is not None:
@@ -131,7 +138,7 @@ def run_ppo(
         record["checkpoints"] = list(resume[1].get("checkpoints", []))
 
     def write(status: str, error: Optional[str] = None) -> dict:
-        log = _log(cfg, run, versions, status, time.perf_counter() - t0, error, record)
+        log = _log(cfg, svc, versions, status, time.perf_counter() - t0, error, record)
         write_json_atomic(log_path, log)
         return log
 
@@ -140,34 +147,40 @@ def run_ppo(
     legend_said = False
 
     def attempt() -> None:
-        nonlocal run, legend_said
+        nonlocal svc, recipe, legend_said
         t_start = time.perf_counter()
-        with Colocation(cfg, progress, wait_s=cfg.ray.node_wait_s if restarts_here else 0.0) as colo:
+        if restarts_here:  # the loop's state as the checkpoint (or the start) has it
+            recipe = loop(cfg)
+            recipe.prepare(lambda line: None)
+        wait_s = cfg.ray.node_wait_s if restarts_here else 0.0
+        with Service(cfg, recipe.models(), recipe.phases(), progress, on_phase, wait_s) as svc_:
+            svc = svc_
             term.install()  # after ray.init, whose core worker installed its own handler
-            record["nodes"] = dict(colo.nodes)
+            record["nodes"] = dict(svc.colo.nodes)
             if ck.every or resume is not None:
-                colo.check_shared_dir(cfg.checkpoint_dir)
-            run = PPORun(cfg, colo, progress, on_phase)
+                svc.colo.check_shared_dir(cfg.checkpoint_dir)
             if resume is not None:
-                run.restore(*resume)
-                progress(f"resumed from {resume[0]}: {run.next_iteration} iteration(s) done")
+                svc.restore(*resume)
+                recipe.load_state_dict(resume[1].get("loop", {}))
+                progress(f"resumed from {resume[0]}: {svc.next_iteration} iteration(s) done")
             progress(
-                f"{len(colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
-                f"({'GPU' if colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
+                f"{len(svc.colo.all_actors)} actors ready on {cfg.parallel.world_size} bundle(s) "
+                f"({'GPU' if svc.colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
                 f"memory manager {'on' if cfg.memory.enabled else 'off'}"
             )
             if ck.every:
-                run.checkpointer = RunCheckpointer(cfg, colo, progress, saved=record["checkpoints"])
+                svc.checkpointer = RunCheckpointer(
+                    cfg, svc.colo, svc.saved_models, progress, saved=record["checkpoints"]
+                )
+                trainers = [a for m in svc.saved_models for a in svc.colo.actors_of[m]]
                 nbytes = sum(
-                    colo.call(
-                        "setup", {a: a.checkpoint_nbytes.remote(ck.resharding) for a in [*colo.policy, *colo.critic]}
-                    ).values()
+                    svc.colo.call("setup", {a: a.checkpoint_nbytes.remote(ck.resharding) for a in trainers}).values()
                 )
                 check_room(cfg.checkpoint_dir, nbytes, ck.keep_last)
-            start = run.next_iteration
+            start = svc.next_iteration
             if cfg.memory.enabled:
-                run.sleep_all()
-                schedule = run.plan_memory()
+                svc.sleep_all()
+                schedule = svc.plan()
                 if schedule is not None:
                     record["residency_plan"] = schedule.summary()
                     moved = {b: p["bytes_moved"] for b, p in record["residency_plan"].items()}
@@ -177,35 +190,35 @@ def run_ppo(
                         f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
                         f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)"
                     )
-            if start < total + extra_its and not legend_said:
-                progress(PROGRESS_LEGEND)
+            if start < total + extra_its and not legend_said and recipe.legend:
+                progress(recipe.legend)
                 legend_said = True
             for it in range(start, total + extra_its):
                 if it == total:
-                    if run.checkpointer is not None:
-                        run.checkpointer.complete()
-                        run.checkpointer = None  # the comparison iterations are not saved
+                    if svc.checkpointer is not None:
+                        svc.checkpointer.complete()
+                        svc.checkpointer = None  # the comparison iterations are not saved
                     progress(f"comparison: {extra_its} more iteration(s) with the memory manager off")
-                    run.wake_all()
-                m = run.iteration(it)
-                if run.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
-                    run.where = (it, "checkpoint")
+                    svc.wake_all()
+                svc.begin_iteration(it)
+                m = svc.end_iteration(recipe.step(svc, it))
+                if svc.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
+                    svc.where = (it, "checkpoint")
                     saved_so_far = {"restarts": list(record["restarts"]), "checkpoints": list(record["checkpoints"])}
-                    waited = run.checkpointer.save(
-                        it + 1, dict(run.state(), **saved_so_far), before_calls=on_checkpoint
-                    )
+                    state = dict(svc.state(), loop=recipe.state_dict(), **saved_so_far)
+                    waited = svc.checkpointer.save(it + 1, state, before_calls=on_checkpoint)
                     m["checkpoint_seconds"] += waited
                     m["seconds"] += waited
                 write("running")
-                progress(_progress_line(m, extra_its if it >= total else total, comparison=it >= total))
+                progress(_progress_line(recipe, m, extra_its if it >= total else total, comparison=it >= total))
                 if on_iteration is not None:
-                    on_iteration(run, it)
+                    on_iteration(svc, it)
                 if term.at is not None and it + 1 < total + extra_its:  # the safe point after SIGTERM
-                    term.note = _sigterm_checkpoint(cfg, run, record, it + 1, term)
+                    term.note = _sigterm_checkpoint(cfg, svc, recipe, record, it + 1, term)
                     raise _Terminate()
-            if run.checkpointer is not None:
-                run.checkpointer.complete()
-            record["final_weights"] = run.final_weights()
+            if svc.checkpointer is not None:
+                svc.checkpointer.complete()
+            record["final_weights"] = svc.final_weights()
 
     term.install()
     try:
@@ -226,9 +239,9 @@ def run_ppo(
                         progress(f"no restarts left (checkpoint.max_restarts={ck.max_restarts}); the run stops")
                     raise
                 restarts_here += 1
-                resume = _restart(cfg, e, run, record, restarts_here, progress)
+                resume = _restart(cfg, e, svc, record, restarts_here, progress)
     except _Terminate:
-        done = len(run.iterations) if run is not None else 0
+        done = len(svc.iterations) if svc is not None else 0
         _write_quietly(write, progress, "terminated", "stopped by SIGTERM")
         newest = latest_run_checkpoint(cfg.checkpoint_dir) if ck.every else None
         raise RunTerminated(
@@ -238,11 +251,11 @@ def run_ppo(
             term.note or "stopped before the iteration ended",
         ) from None
     except KeyboardInterrupt:
-        done = len(run.iterations) if run is not None else 0
+        done = len(svc.iterations) if svc is not None else 0
         _write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")
         raise RunInterrupted(done, log_path) from None
     except BaseException as e:
-        done = len(run.iterations) if run is not None else 0
+        done = len(svc.iterations) if svc is not None else 0
         if _write_quietly(write, progress, "failed", f"{type(e).__name__}: {e}") and done:
             progress(f"the run stopped; log of its {done} completed iteration(s): {log_path}")
         raise
@@ -250,16 +263,16 @@ def run_ppo(
         term.restore()
     log = write("completed")
     nodes = sorted(set(record["nodes"].values()))
-    main = min(len(run.iterations), total)
-    compared = f" (+{len(run.iterations) - main} with the manager off)" if len(run.iterations) > main else ""
+    main = min(len(svc.iterations), total)
+    compared = f" (+{len(svc.iterations) - main} with the manager off)" if len(svc.iterations) > main else ""
     plot_timeline(
-        run.timeline,
+        svc.timeline,
         out_dir / "memory_timeline.png",
-        f"colocated PPO, {cfg.parallel.world_size} rank(s), {main} iterations{compared}, "
+        f"colocated {recipe.title}, {cfg.parallel.world_size} rank(s), {main} iterations{compared}, "
         f"{len(nodes)} node(s): {', '.join(nodes[:4])}{' ...' if len(nodes) > 4 else ''}",
         mismatch={
             (m["iteration"], m["manager_on"]): m["logprob_mismatch"]["max"]
-            for m in run.iterations
+            for m in svc.iterations
             if m.get("logprob_mismatch")
         },
     )
@@ -276,8 +289,22 @@ def run_ppo(
     return log
 
 
+def run_ppo(cfg: RunConfig, progress: Callable[[str], None] = print, **hooks) -> dict:
+    """:func:`run_loop` of the PPO recipe (:class:`~chatlearn_mem_ray.ppo.PPO`); ``hooks`` as there."""
+    from chatlearn_mem_ray.ppo import PPO
+
+    return run_loop(PPO, cfg, progress, **hooks)
+
+
+def run_grpo(cfg: GRPORunConfig, progress: Callable[[str], None] = print, **hooks) -> dict:
+    """:func:`run_loop` of the GRPO recipe (:class:`~chatlearn_mem_ray.grpo.GRPO`); ``hooks`` as there."""
+    from chatlearn_mem_ray.grpo import GRPO
+
+    return run_loop(GRPO, cfg, progress, **hooks)
+
+
 # -- before Ray starts ---------------------------------------------------------------------
-def prepare_output_dir(cfg: RunConfig, resuming: bool = False) -> Path:
+def prepare_output_dir(cfg: LoopConfig, resuming: bool = False) -> Path:
     """Check ``cfg.output_dir`` before anything starts; return the path of its ``log.json``.
 
     Creates the directory and writes a first ``log.json`` (status ``starting``, no iterations):
@@ -306,7 +333,7 @@ def prepare_output_dir(cfg: RunConfig, resuming: bool = False) -> Path:
                 old, done, status, pid, node = {}, 0, "unreadable", None, None
             else:
                 raise OutputDirError(
-                    f"output_dir {out} holds a log.json that is not a PPO run's log "
+                    f"output_dir {out} holds a log.json that is not a run's log "
                     f"({type(e).__name__}); choose another output_dir or set "
                     "output_dir_exists=overwrite"
                 ) from None
@@ -346,7 +373,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -> Optional[tuple[Path, dict]]:
+def find_resume_point(
+    cfg: LoopConfig, progress: Callable[[str], None] = print, saved: Sequence[str] = ("policy", "critic")
+) -> Optional[tuple[Path, dict]]:
     """Where ``cfg.checkpoint.resume`` says the run continues from: ``(checkpoint, its run.json)``,
     or None for a fresh start. Checked before anything starts.
 
@@ -368,7 +397,7 @@ def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -
             "at the run's checkpoints"
         )
     newest, state = intact
-    blocking, changed = config_differences(state["config"], cfg)
+    blocking, changed = config_differences(state["config"], cfg, state.get("models", saved))
     if blocking:
         raise ResumeError(
             f"cannot resume from {newest}: the config's model differs from the checkpoint's: "
@@ -391,24 +420,7 @@ def find_resume_point(cfg: RunConfig, progress: Callable[[str], None] = print) -
     return newest, state
 
 
-def check_budget(cfg: RunConfig) -> None:
-    """Before Ray starts: a ``memory.device_budget_mb`` below what one phase needs, estimated from
-    the config (:func:`chatlearn_mem_ray.schedule.estimate_sizes`), stops the run here. The plan
-    made once the models are measured checks again, exactly.
-
-    Raises:
-        BudgetError: Naming the phase, its bytes and the budget.
-    """
-    budget = cfg.memory.device_budget_mb
-    if budget is None or budget == "auto" or not cfg.memory.enabled:
-        return
-    try:
-        ResidencySchedule(estimate_sizes(cfg), int(budget * 2**20), pinned=pinned_items(cfg))
-    except ValueError as e:
-        raise BudgetError(f"{e} (estimated from the config, before starting)") from None
-
-
-def check_engine_installed(cfg: RunConfig) -> None:
+def check_engine_installed(cfg: LoopConfig) -> None:
     """Before Ray starts: the rollout engine the config names can be imported here (the actors run
     in this Python's environment). Without it the run used to fail only once the actors had
     started, some 30 s later.
@@ -428,7 +440,7 @@ def check_engine_installed(cfg: RunConfig) -> None:
     )
 
 
-def _prepare_hf_checkpoint(cfg: RunConfig, progress: Callable[[str], None]) -> None:
+def _prepare_hf_checkpoint(cfg: LoopConfig, progress: Callable[[str], None]) -> None:
     """Before Ray starts: write the policy's Hugging Face checkpoint when it asks for one
     (``policy.create_hf``) and none is there yet."""
     policy = cfg.policy
@@ -440,7 +452,7 @@ def _prepare_hf_checkpoint(cfg: RunConfig, progress: Callable[[str], None]) -> N
     progress(f"wrote a randomly initialised {hf.hf_config_dict(policy)['architectures'][0]} to {policy.from_hf}")
 
 
-def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:
+def _prepare_checkpoints(cfg: LoopConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:
     """Before Ray starts: the checkpoint directory is writable, and holds no other run's checkpoints."""
     root = cfg.checkpoint_dir
     if cfg.checkpoint.every == 0 and resume is None:
@@ -467,8 +479,8 @@ def _prepare_checkpoints(cfg: RunConfig, resume: Optional[tuple[Path, dict]], pr
 
 # -- the log and the console ---------------------------------------------------------------
 def _log(
-    cfg: RunConfig,
-    run: Optional[PPORun],
+    cfg: LoopConfig,
+    run: Optional[Service],
     versions: dict,
     status: str,
     seconds: float,
@@ -520,16 +532,9 @@ def _versions() -> dict:
     }
 
 
-PROGRESS_LEGEND = (
-    "reward: mean task reward of the rollouts, pg: policy-gradient (clipped PPO) loss, "
-    "vf: value-function loss, kl: KL(policy || reference) per token, mm (vLLM rollout): max |policy - engine| "
-    "log-prob of the sampled tokens; then per phase: seconds/MiB held on the devices"
-)
-"""What the progress line's short names mean, said once before the first iteration."""
-
-
-def _progress_line(m: dict, of: int, comparison: bool = False) -> str:
-    """``iter   3/20 reward ...``, or ``iter manager off 1/1 reward ...`` for a comparison iteration."""
+def _progress_line(loop: Loop, m: dict, of: int, comparison: bool = False) -> str:
+    """``iter   3/20 reward ... | generate 0.05s/0.2MiB ...``, or ``iter manager off 1/1 ...`` for a
+    comparison iteration: the loop's figures (:meth:`Loop.progress_line`), then each phase's."""
     phases = " ".join(
         f"{name} {m['phase_seconds'][name]:.2f}s/{m['phase_colocated_bytes'][name] / 2**20:.1f}MiB"
         for name in m["phase_seconds"]
@@ -538,11 +543,7 @@ def _progress_line(m: dict, of: int, comparison: bool = False) -> str:
         head = f"iter manager off {m['iteration']}/{of}"
     else:
         head = f"iter {m['iteration']:>3}/{of}{'' if m['manager_on'] else ' [manager off]'}"
-    mismatch = f" mm {m['logprob_mismatch']['max']:.1e}" if m.get("logprob_mismatch") else ""
-    return (
-        f"{head} reward {m['reward']:.3f} pg {m['policy_loss']:+.4f} vf {m['value_loss']:.4f} "
-        f"kl {m['kl']:+.4f}{mismatch} | {phases}"
-    )
+    return f"{head} {loop.progress_line(m)} | {phases}"
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
@@ -583,7 +584,7 @@ class _SigtermWatch:
         self._progress("SIGTERM received: the run stops once this iteration ends (a second SIGTERM stops it now)")
 
 
-def _sigterm_checkpoint(cfg: RunConfig, run: "PPORun", record: dict, done: int, term: _SigtermWatch) -> str:
+def _sigterm_checkpoint(cfg: LoopConfig, run: Service, loop: Loop, record: dict, done: int, term: _SigtermWatch) -> str:
     """At the safe point after SIGTERM: make the newest checkpoint hold the ``done`` iterations
     when ``checkpoint.on_sigterm`` and the time left allow it; returns what was done, for the line."""
     ck = cfg.checkpoint
@@ -602,7 +603,9 @@ def _sigterm_checkpoint(cfg: RunConfig, run: "PPORun", record: dict, done: int, 
             f"{max(0.0, left):.1f}s of checkpoint.sigterm_grace_s={ck.sigterm_grace_s:g} are left"
         )
     run.where = (done - 1, "checkpoint")
-    state = dict(run.state(), restarts=list(record["restarts"]), checkpoints=list(record["checkpoints"]))
+    state = dict(
+        run.state(), loop=loop.state_dict(), restarts=list(record["restarts"]), checkpoints=list(record["checkpoints"])
+    )
     run.checkpointer.save(done, state)
     run.checkpointer.complete()
     return f"saved on SIGTERM, it holds all {done} iterations"
@@ -615,9 +618,9 @@ def _restartable(e: BaseException) -> bool:
 
 
 def _restart(
-    cfg: RunConfig,
+    cfg: LoopConfig,
     error: BaseException,
-    run: Optional[PPORun],
+    run: Optional[Service],
     record: dict,
     number: int,
     progress: Callable[[str], None],
@@ -663,7 +666,7 @@ def _cluster_resources() -> dict:
     return ray.cluster_resources()
 
 
-def _elastic_config(cfg: RunConfig, error: BaseException, progress: Callable[[str], None]) -> RunConfig:
+def _elastic_config(cfg: LoopConfig, error: BaseException, progress: Callable[[str], None]) -> LoopConfig:
     """``cfg`` with the largest data-parallel size the live nodes hold (``checkpoint.elastic``), said
     in one line; re-raises ``error`` when no smaller layout fits or validates."""
     total = _cluster_resources()
@@ -677,7 +680,7 @@ def _elastic_config(cfg: RunConfig, error: BaseException, progress: Callable[[st
     data = json.loads(cfg.model_dump_json())
     data["parallel"]["world_size"] = ranks
     try:
-        smaller = RunConfig.model_validate(data)
+        smaller = type(cfg).model_validate(data)
     except ValueError as e:
         raise ResourceError(f"{error}; checkpoint.elastic cannot go on with {ranks} rank(s): {e}") from None
     progress(

@@ -88,6 +88,7 @@ class MemoryTimeline:
         transition_seconds: float = 0.0,
         budget_bytes: Optional[Mapping[int, int]] = None,
         kept: Optional[dict[str, list[str]]] = None,
+        bundles: Optional[Mapping[str, int]] = None,
     ) -> PhaseRecord:
         """Record a phase from every actor's ``residency()`` taken at its peak.
 
@@ -96,13 +97,13 @@ class MemoryTimeline:
             transition_seconds: Seconds the driver waited on transitions.
             budget_bytes: Device (bundle) -> budget, with a residency plan.
             kept: Actor -> parts kept resident beyond the phase's need, with a residency plan.
+            bundles: Actor -> the bundle (device) it lives on (default: all on bundle 0).
         """
-        from chatlearn_mem_ray.schedule import bundle_of
-
         need = sum(residency[a]["by_part"].get(p, 0) for a, parts in active.items() for p in parts)
-        bundles: dict[str, int] = {}
+        on = {a: str((bundles or {}).get(a, 0)) for a in residency}
+        per_bundle: dict[str, int] = {}
         for a, r in residency.items():
-            bundles[str(bundle_of(a))] = bundles.get(str(bundle_of(a)), 0) + r["device_bytes"]
+            per_bundle[on[a]] = per_bundle.get(on[a], 0) + r["device_bytes"]
         rec = PhaseRecord(
             iteration,
             phase,
@@ -116,7 +117,7 @@ class MemoryTimeline:
             moved_in_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "onload"),
             moved_out_bytes=sum(s["copied_bytes"] for s in moved if s["direction"] == "offload"),
             transition_seconds=transition_seconds,
-            bundle_bytes=bundles,
+            bundle_bytes=per_bundle,
             budget_bytes={str(b): int(v) for b, v in (budget_bytes or {}).items()},
             kept=dict(kept or {}),
             rss_bytes={a: int(r["rss_bytes"]) for a, r in residency.items() if r.get("rss_bytes") is not None},

@@ -1,7 +1,7 @@
-"""The weight sync from the policy to the rollout before each generate phase, and with the vLLM
-rollout the training-inference mismatch in train_policy and what the run says of both.
+"""The weight sync from a trainer to the engine that follows it (``p.sync(trainer, engine)`` in a
+phase), and with the vLLM rollout the training-inference mismatch and what the run says of both.
 
-The megatron rollout (:func:`sync_rollout_model`) takes every tensor-parallel shard of the policy's
+The megatron rollout (:func:`sync_rollout_model`) takes every tensor-parallel shard of the trainer's
 weights; with ``memory.verify_sync`` the digests on both sides must match. The vLLM rollout
 (:func:`sync_engine`) pulls them streamed in buckets.
 
@@ -30,9 +30,10 @@ import torch
 from chatlearn_mem_ray.errors import WeightSyncError, iteration_label
 
 if TYPE_CHECKING:
-    from chatlearn_mem_ray.ppo import PPORun
+    from chatlearn_mem_ray.service import PhaseContext, Service
 
 __all__ = [
+    "engine_mismatch",
     "recompute_old_logprobs",
     "sync_engine",
     "sync_rollout_model",
@@ -50,26 +51,27 @@ def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) 
     return None
 
 
-def sync_rollout_model(run: "PPORun", index: int, senders: list) -> None:
-    """megatron: the rollout model takes every tensor-parallel shard of the policy's weights;
-    with ``memory.verify_sync`` their digests must match on both sides."""
-    c = run.colo
-    verify = run.cfg.memory.verify_sync
+def sync_rollout_model(svc: "Service", phase: str, rollout, senders: list) -> None:
+    """megatron: the rollout model takes every tensor-parallel shard of the trainer's weights from
+    ``senders`` (its tensor-parallel ranks, in order); with ``memory.verify_sync`` their digests
+    must match on both sides."""
+    c = svc.colo
+    verify = svc.cfg.memory.verify_sync
     triples = [a.weights_for_sync.options(num_returns=3).remote(verify) for a in senders]
     # Waiting on the small refs finds a dead sender by name; the states go actor to actor.
-    dims = c.call("generate", {senders[0]: triples[0][1]})[senders[0]]
-    digests = c.call("generate", {a: digest_ref for a, (_, _, digest_ref) in zip(senders, triples)})
+    dims = c.call(phase, {senders[0]: triples[0][1]})[senders[0]]
+    digests = c.call(phase, {a: digest_ref for a, (_, _, digest_ref) in zip(senders, triples)})
     rollout_digests = c.call(
-        "generate", {c.rollout: c.rollout.load_weights.remote(dims, *[state_ref for state_ref, _, _ in triples])}
-    )[c.rollout]
+        phase, {rollout: rollout.load_weights.remote(dims, *[state_ref for state_ref, _, _ in triples])}
+    )[rollout]
     if verify:
         policy_digests = [digests[a] for a in senders]  # tensor-parallel rank order, as the shards
         mismatch = weight_sync_mismatch(policy_digests, rollout_digests)
-        number, comparison = run.number(index)
-        run.sync_checks.append(
+        number, comparison = svc.number(svc.where[0])
+        svc.sync_checks.append(
             {
                 "iteration": number,
-                "manager_on": run.manager_on,
+                "manager_on": svc.manager_on,
                 "equal": mismatch is None,
                 "policy": policy_digests,
                 "rollout": rollout_digests,
@@ -79,49 +81,59 @@ def sync_rollout_model(run: "PPORun", index: int, senders: list) -> None:
             raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
 
 
-def sync_engine(run: "PPORun", index: int, senders: list) -> dict:
-    """The engine pulls the policy's weights from its host store, streamed in buckets; returns the
+def sync_engine(svc: "Service", phase: str, engine, senders: list) -> dict:
+    """The engine pulls the trainer's weights from its host store, streamed in buckets; returns the
     iteration's ``weight_sync`` record (without its share of the iteration, known at the end). A
-    stream that missed a tensor is an error there; whether the engine serves the policy's weights
-    is checked in train_policy (:func:`recompute_old_logprobs`)."""
-    c, rollout = run.colo, run.cfg.rollout
+    stream that missed a tensor is an error there; whether the engine serves the trainer's weights
+    is checked when the trainer recomputes the rollout's log-probs (:func:`recompute_old_logprobs`)."""
+    c, rollout = svc.colo, svc.cfg.rollout
     bucket = int(rollout.sync_bucket_mb * 2**20)
-    sync = c.call("generate", {c.rollout: c.rollout.sync_from.remote(senders, bucket)})[c.rollout]
+    sync = c.call(phase, {engine: engine.sync_from.remote(senders, bucket)})[engine]
     record = {"seconds": sync["seconds"], "bytes": sync["bytes"], "gb_per_s": sync["gb_per_s"]}
     if rollout.sync_baseline:  # every tensor-parallel rank copies its shards at once
-        copies = c.call("generate", {a: a.host_weights_copy_seconds.remote() for a in senders})
+        copies = c.call(phase, {a: a.host_weights_copy_seconds.remote() for a in senders})
         seconds = max(x["seconds"] for x in copies.values())
         record.update(
             plain_copy_seconds=seconds,
             plain_copy_bytes=sum(x["bytes"] for x in copies.values()),
             vs_plain_copy=sync["seconds"] / seconds if seconds > 0 else None,
         )
-    number, _ = run.number(index)
-    run.sync_checks.append({"iteration": number, "manager_on": run.manager_on, "engine": "vllm", **sync})
+    number, _ = svc.number(svc.where[0])
+    svc.sync_checks.append({"iteration": number, "manager_on": svc.manager_on, "engine": "vllm", **sync})
     return record
 
 
-def recompute_old_logprobs(
-    run: "PPORun", index: int, tokens: torch.Tensor, engine_old: torch.Tensor
+def engine_mismatch(
+    p: "PhaseContext",
+    model: str,
+    tokens: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
 ) -> tuple[torch.Tensor, dict]:
-    """The policy's own log-probs of the sampled tokens (PPO's old log-probs), and the
-    training-inference mismatch against the engine's (``{"mean", "max"}``), also recorded with
-    the iteration's sync.
+    """Trainer ``model``'s own log-probs of the sampled sequences (the old log-probs of the clipped
+    objective, (B, T-1)), and the training-inference mismatch against the engine's on the positions
+    ``mask`` picks (``{"mean", "max"}``), also recorded with the iteration's sync.
+
+    Args:
+        p: The running phase (it must need ``model``).
+        tokens: (B, T) the sampled sequences; ``engine_logprobs``, ``mask``: (B, T-1).
 
     Raises:
-        WeightSyncError: The two differ by more than 10x ``rollout.mismatch_warn``: the engine
-            does not serve the policy's weights.
+        WeightSyncError: The two differ by more than 10x ``rollout.mismatch_warn``, or not by a
+            finite amount: the engine does not serve the trainer's weights.
     """
-    P = run.cfg.ppo.prompt_length
-    old = run.forward_on("train_policy", run.colo.policy, tokens, run.cfg.ppo.temperature)[:, P - 1 :]
-    diff = (old - engine_old).abs()
+    svc = p.svc
+    own = p.forward(model, tokens, temperature)
+    diff = (own - engine_logprobs).abs()[mask.bool()]
     mismatch = {"mean": diff.mean().item(), "max": diff.max().item()}
-    number, comparison = run.number(index)
-    record = next((r for r in reversed(run.sync_checks) if r["iteration"] == number), None)
-    limit = run.cfg.rollout.mismatch_warn
+    number, comparison = svc.number(svc.where[0])
+    record = next((r for r in reversed(svc.sync_checks) if r["iteration"] == number), None)
+    limit = svc.cfg.rollout.mismatch_warn
+    bad = not mismatch["max"] <= 10 * limit  # a NaN is bad too
     if record is not None:
-        record.update(logprob_mismatch=mismatch, equal=mismatch["max"] <= 10 * limit)
-    if mismatch["max"] > 10 * limit:
+        record.update(logprob_mismatch=mismatch, equal=not bad)
+    if bad:
         raise WeightSyncError(
             f"{iteration_label(number, comparison)}: the engine's log-probs differ from the policy's by "
             f"{mismatch['max']:.3g} (more than 10x rollout.mismatch_warn={limit:g}): the engine does not "
@@ -133,7 +145,26 @@ def recompute_old_logprobs(
             f"(max |policy - engine| log-prob) exceeds rollout.mismatch_warn={limit:g}",
             stacklevel=2,
         )
-    return old, mismatch
+    return own, mismatch
+
+
+def recompute_old_logprobs(
+    p: "PhaseContext",
+    model: str,
+    tokens: torch.Tensor,
+    engine_old: torch.Tensor,
+    prompt_length: int,
+    temperature: float,
+) -> tuple[torch.Tensor, dict]:
+    """:func:`engine_mismatch` for prompts of one length and responses of another (PPO's): the
+    engine's and the trainer's log-probs of the response tokens only, (B, R) each."""
+    width = tokens.shape[1] - 1
+    full = torch.zeros(tokens.shape[0], width, dtype=engine_old.dtype)
+    full[:, prompt_length - 1 :] = engine_old
+    mask = torch.zeros_like(full)
+    mask[:, prompt_length - 1 :] = 1
+    own, mismatch = engine_mismatch(p, model, tokens, full, mask, temperature)
+    return own[:, prompt_length - 1 :], mismatch
 
 
 def _quartiles(values: list[float]) -> dict:

@@ -92,10 +92,11 @@ def plot(results: dict, path: Path, largest: int) -> None:
     plt.close(fig)
 
 
-def _segment(run, iterations: int, warmup: int, start: int) -> tuple[dict, int]:
+def _segment(run, loop, iterations: int, warmup: int, start: int) -> tuple[dict, int]:
     its = []
     for it in range(start, start + iterations):
-        its.append(run.iteration(it))
+        run.begin_iteration(it)
+        its.append(run.end_iteration(loop.step(run, it)))
     kept = its[warmup:]
     phases = [r for r in run.timeline.records if r.iteration > start + warmup]  # numbered from 1
     budget = max(run.schedule.budget.values()) if run.schedule is not None else None
@@ -126,9 +127,9 @@ def main() -> None:
     import ray
 
     from chatlearn_mem_ray import load_config
-    from chatlearn_mem_ray.colocation import Colocation
-    from chatlearn_mem_ray.ppo import PPORun
-    from chatlearn_mem_ray.schedule import PHASES, ResidencySchedule, phase_needs
+    from chatlearn_mem_ray.ppo import PPO
+    from chatlearn_mem_ray.schedule import ResidencySchedule
+    from chatlearn_mem_ray.service import Service
     from chatlearn_mem_ray.supervisor import _versions
 
     base = [
@@ -142,8 +143,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     try:
-        with Colocation(cfg, progress=lambda line: None) as colo:
-            run = PPORun(cfg, colo, progress=print)
+        loop = PPO(cfg)
+        with Service(cfg, loop.models(), loop.phases(), progress=print) as run:
+            colo, demands = run.colo, run.runner.demands
             sizes = {
                 colo.names[a]: s
                 for a, s in colo.call("plan", {a: a.part_sizes.remote() for a in colo.all_actors}).items()
@@ -151,7 +153,7 @@ def main() -> None:
             from chatlearn_mem import Part
 
             sizes = {n: {Part(p): b for p, b in s.items()} for n, s in sizes.items()}
-            largest = max(sum(sizes[a][p] for a, parts in need.items() for p in parts) for need in phase_needs(sizes))
+            largest = max(sum(sizes[a][p] for a, parts in d.needs.items() for p in parts) for d in demands)
             total = sum(b for s in sizes.values() for b in s.values())
             segments = [("all_or_nothing", None, False)]
             for f in args.factors.split(","):
@@ -163,16 +165,16 @@ def main() -> None:
             start = 0
             for name, budget, blocking in segments:
                 run.sleep_all()
-                run.schedule = ResidencySchedule(sizes, budget) if budget else None
-                run.prefetch = not blocking
+                run.runner.schedule = ResidencySchedule(sizes, budget, demands, colo.bundle_of) if budget else None
+                run.runner.prefetch = not blocking
                 print(f"[{name}] {args.iterations} iterations ...", flush=True)
-                r, start = _segment(run, args.iterations, args.warmup, start)
+                r, start = _segment(run, loop, args.iterations, args.warmup, start)
                 r.update(
                     budget_bytes=budget,
                     blocking=blocking,
                     planned_bytes=run.schedule.plans[0].bytes_moved if run.schedule else None,
                     all_or_nothing_planned_bytes=run.schedule.plans[0].all_or_nothing_bytes if run.schedule else None,
-                    kept={PHASES[i]: sorted(k) for i, k in enumerate(run.schedule.plans[0].resident)}
+                    kept={run.schedule.phase_names[i]: sorted(k) for i, k in enumerate(run.schedule.plans[0].resident)}
                     if run.schedule
                     else None,
                 )

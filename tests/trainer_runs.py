@@ -603,3 +603,31 @@ def checkpoint_reshard(spec: dict) -> dict:
         or not torch.equal(expected[k], got[k])
     )
     return {"differ": differ, "compared": len(expected), "saved_split": meta["parallel"]}
+
+
+def vocab_parallel_entropy(spec: dict) -> dict:
+    """The entropy of next-token distributions whose vocabulary tensor parallelism split over the
+    ranks (``chatlearn_mem_ray.modeling``, all-reduced), against the entropy of the whole
+    vocabulary on one rank: ``max_abs_diff``, and the log-probs of the same split (megatron's
+    vocab-parallel cross entropy) against the whole vocabulary's."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from chatlearn_mem_ray import modeling
+
+    setup_parallel(spec)
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 64, generator=g) * 3  # (B, T, V): far from uniform
+    labels = torch.randint(0, 64, (3, 5), generator=g)
+    shard = logits.chunk(tp, dim=-1)[rank].clone()  # this rank's slice of the vocabulary
+    whole = torch.distributions.Categorical(logits=logits).entropy()
+    got = modeling._vocab_parallel_entropy(shard)
+    lp = -vocab_parallel_cross_entropy(shard.clone(), labels)
+    want_lp = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    return dict(
+        tp=tp,
+        max_abs_diff=(got - whole).abs().max().item(),
+        logprob_max_abs_diff=(lp - want_lp).abs().max().item(),
+        entropy_mean=whole.mean().item(),
+    )

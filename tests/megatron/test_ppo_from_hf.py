@@ -19,8 +19,8 @@ def test_the_tiny_llama_preset_starts_every_model_from_its_checkpoint(dist1, tmp
     assert lines == [f"wrote a randomly initialised LlamaForCausalLM to {tmp_path / 'hf_tiny_llama'}"]
     files = files_state_dict(cfg.policy.from_hf)
     memory = cfg.memory.manager.model_dump()
-    policy = TrainerActor("policy_0", "policy", cfg.policy.model_dump(), memory)
-    critic = TrainerActor("critic_0", "critic", cfg.critic.model_dump(), memory)
+    policy = TrainerActor("policy_0", "lm", cfg.policy.model_dump(), memory)
+    critic = TrainerActor("critic_0", "value", cfg.critic.model_dump(), memory)
     reference = InferenceActor("reference", cfg.policy.model_dump(), memory)
     for trainer in (policy, critic):
         trainer.setup(0, 1, 1, "unused")  # joins the test's process group (dist1)

@@ -16,7 +16,9 @@ def outcome(log: dict) -> dict:
             for p in log["memory_timeline"]
         ],
         "colocation": {
-            k: {f: s[f] for f in ("peak_colocated_bytes", "largest_phase_bytes", "ratio", "peak_phase", "largest_phase")}
+            k: {
+                f: s[f] for f in ("peak_colocated_bytes", "largest_phase_bytes", "ratio", "peak_phase", "largest_phase")
+            }
             for k, s in log["summary"].items()
             if isinstance(s, dict) and "ratio" in s
         },

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_outcome import outcome
 
 from chatlearn_mem_ray import load_config, run_ppo
-from golden_outcome import outcome
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from chatlearn_mem_ray import ActorFailedError, NonFiniteLossError, load_config, run_ppo
-from chatlearn_mem_ray.ppo import value_loss
+from chatlearn_mem_ray import ActorFailedError, NonFiniteLossError, load_config, run_loop, run_ppo
+from chatlearn_mem_ray.ppo import PPO, value_loss
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -62,7 +62,7 @@ def test_a_dead_actor_stops_the_run_naming_actor_and_phase(local_ray, tmp_path):
 
     def kill_critic(run, iteration):
         if iteration == 0:
-            critic = run.colo.critic[0]
+            critic = run.actors("critic")[0]
             ray.kill(critic, no_restart=True)
 
     with pytest.raises(ActorFailedError) as e:
@@ -78,12 +78,15 @@ def test_a_dead_actor_stops_the_run_naming_actor_and_phase(local_ray, tmp_path):
 def test_a_nan_loss_stops_the_run_naming_iteration_and_phase(local_ray, tmp_path):
     cfg = load_config(CONFIG, ["ppo.iterations=3", "memory.compare_iterations=0", f"output_dir={tmp_path}"])
 
-    def poison_value_loss(run, iteration):
-        if iteration == 0:  # a NaN clip range: the critic's loss (and grads) of iteration 2 are NaN
-            run._value_loss = functools.partial(value_loss, prompt_length=cfg.ppo.prompt_length, value_clip=math.nan)
+    class Poisoned(PPO):
+        def step(self, svc, index):
+            if index == 1:  # a NaN clip range: the critic's loss (and grads) of iteration 2 are NaN
+                nan_clip = functools.partial(value_loss, prompt_length=cfg.ppo.prompt_length, value_clip=math.nan)
+                self._value_loss = nan_clip
+            return super().step(svc, index)
 
     with pytest.raises(NonFiniteLossError) as e:
-        run_ppo(cfg, progress=lambda line: None, on_iteration=poison_value_loss)
+        run_loop(Poisoned, cfg, progress=lambda line: None)
     assert (e.value.iteration, e.value.phase) == (2, "train_critic")
     assert str(e.value).startswith("iteration 2, phase 'train_critic': non-finite ")
     assert "loss=nan" in str(e.value)

@@ -54,7 +54,7 @@ def test_an_actor_killed_mid_iteration_is_restarted_and_the_run_ends_bit_identic
         # so the newest complete one is after iteration 1: iteration 2 is redone (iterations_redone
         # counts it) and iteration 3 starts again.
         if (iteration, phase) == (2, "reference") and not killed:
-            pid = ray.get(run.colo.policy[0].pid.remote())
+            pid = ray.get(run.actors("policy")[0].pid.remote())
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 

@@ -89,8 +89,10 @@ import sys
 import ray
 from chatlearn_mem_ray.colocation import Colocation
 from chatlearn_mem_ray.config import load_config
+from chatlearn_mem_ray.ppo import PPO
 
-colo = Colocation(load_config("cpu_tiny", sys.argv[1:]), progress=print)
+cfg = load_config("cpu_tiny", sys.argv[1:])
+colo = Colocation(cfg, PPO(cfg).models(), progress=print)
 colo._place = lambda: None  # the actors are placed as on any cluster (tests/ray/test_ppo_ray.py)
 with colo:
     print("cpus", ray.cluster_resources()["CPU"])

@@ -5,7 +5,8 @@ import torch
 
 from chatlearn_mem_ray import modeling
 from chatlearn_mem_ray.config import TaskConfig
-from chatlearn_mem_ray.ppo import gae, policy_loss, token_range_reward, value_loss
+from chatlearn_mem_ray.ppo import gae, policy_loss, value_loss
+from chatlearn_mem_ray.tasks import token_range_reward
 from chatlearn_mem_ray.weight_sync import weight_sync_mismatch
 
 

@@ -16,6 +16,7 @@ from chatlearn_mem_ray.colocation import Colocation
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.connect import ClusterTarget, init_kwargs, join_environment, probe_address, resolve_address
 from chatlearn_mem_ray.errors import ClusterConnectionError
+from chatlearn_mem_ray.ppo import PPO
 
 LIVE = "10.0.0.7:6379"
 
@@ -174,7 +175,8 @@ def _start(monkeypatch, fake, overrides, env=None):
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
     lines = []
-    colo = Colocation(load_config("cpu_tiny", overrides), progress=lines.append)
+    cfg = load_config("cpu_tiny", overrides)
+    colo = Colocation(cfg, PPO(cfg).models(), progress=lines.append)
     colo._start()
     return colo, lines
 
@@ -262,9 +264,8 @@ def test_a_start_says_what_it_starts_before_each_wait(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     lines = []
-    Colocation(
-        load_config("cpu_tiny", ["parallel.world_size=2", "ppo.prompts_per_iteration=16"]), progress=lines.append
-    )._start()
+    cfg = load_config("cpu_tiny", ["parallel.world_size=2", "ppo.prompts_per_iteration=16"])
+    Colocation(cfg, PPO(cfg).models(), progress=lines.append)._start()
     assert lines == [
         "starting a local Ray cluster (2 CPUs) ...",
         "starting 6 actors (policy x2, critic x2, rollout, reference) ...",

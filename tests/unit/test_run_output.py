@@ -1,8 +1,8 @@
 """What a PPO run leaves behind, without Ray: output_dir checked first, log.json rewritten
 atomically after every iteration, kept on failure, NaN and Ctrl-C.
 
-The actors are replaced by a stand-in colocation and a scripted ``PPORun.iteration``; the loop,
-the log writing and the error handling are the real ones. The real loop's NaN check and Ctrl-C
+The actors are replaced by a stand-in colocation and a scripted ``PPO.step``; the service, the
+job's loop, the log writing and the error handling are the real ones. The real loop's NaN check and Ctrl-C
 through Ray are in tests/ray/.
 """
 
@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from chatlearn_mem import ConfigError
 from chatlearn_mem_cli.app import app
-from chatlearn_mem_ray import supervisor
+from chatlearn_mem_ray import service, supervisor
 from chatlearn_mem_ray.checkpoints import write_json_atomic
 from chatlearn_mem_ray.config import load_config
 from chatlearn_mem_ray.errors import (
@@ -24,8 +24,9 @@ from chatlearn_mem_ray.errors import (
     OutputDirError,
     PhaseTimeoutError,
     RunInterrupted,
+    check_finite,
 )
-from chatlearn_mem_ray.ppo import PPORun, check_finite
+from chatlearn_mem_ray.ppo import PPO
 from chatlearn_mem_ray.supervisor import prepare_output_dir, run_ppo
 
 
@@ -34,10 +35,11 @@ class FakeColocation:
 
     made: list = []
 
-    def __init__(self, cfg, progress=None, wait_s=0.0):
+    def __init__(self, cfg, models=(), progress=None, wait_s=0.0):
         self.cfg, self.closed, self.all_actors, self.use_gpu = cfg, False, [], False
         self.wait_s = wait_s
-        self.policy, self.critic, self.names, self.nodes = [], [], {}, {}
+        self.actors_of = {m.name: [] for m in models}
+        self.names, self.nodes, self.ranks, self.bundle_of = {}, {}, {}, {}
         FakeColocation.made.append(self)
 
     def __enter__(self):
@@ -59,29 +61,16 @@ def fake_run(monkeypatch):
     FakeColocation.made = []
     script: dict = {}
 
-    def iteration(self, it):
+    def step(self, svc, it):
         action = script.get(it)
         if callable(action):
-            action(self, it)
+            action(svc, it)
         elif action is not None:
             raise action
-        m = {
-            "iteration": self.number(it)[0],
-            "manager_on": self.manager_on,
-            "reward": 0.25 + it / 100,
-            "kl": 0.0,
-            "policy_loss": -0.1,
-            "value_loss": 0.5,
-            "phase_seconds": {},
-            "phase_colocated_bytes": {},
-            "seconds": 0.0,
-            "checkpoint_seconds": 0.0,
-        }
-        self.iterations.append(m)
-        return m
+        return {"reward": 0.25 + it / 100, "kl": 0.0, "policy_loss": -0.1, "value_loss": 0.5}
 
-    monkeypatch.setattr(supervisor, "Colocation", FakeColocation)
-    monkeypatch.setattr(PPORun, "iteration", iteration)
+    monkeypatch.setattr(service, "Colocation", FakeColocation)
+    monkeypatch.setattr(PPO, "step", step)
     monkeypatch.setattr(
         supervisor, "plot_timeline", lambda timeline, path, title, mismatch=None: path.write_bytes(b"\x89PNG fake")
     )
@@ -125,8 +114,11 @@ def test_console_and_log_number_iterations_alike_and_the_comparison_apart(fake_r
     assert [c["iterations_done"] for c in log["checkpoints"]] == [1, 2]  # after "iter 1/2", after "iter 2/2"
 
 
-def test_a_run_numbers_its_iterations_from_1_and_its_comparison_iterations_again(tmp_path):
-    run = PPORun(_cfg(tmp_path, "ppo.iterations=2"), FakeColocation(None))
+def test_a_run_numbers_its_iterations_from_1_and_its_comparison_iterations_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(service, "Colocation", FakeColocation)
+    cfg = _cfg(tmp_path, "ppo.iterations=2")
+    loop = PPO(cfg)
+    run = service.Service(cfg, loop.models(), loop.phases())
     assert [run.number(i) for i in range(3)] == [(1, False), (2, False), (3, False)]
     run.iterations = [{}, {}]
     run.wake_all()  # the manager off: what follows is the comparison
@@ -232,7 +224,7 @@ def test_a_live_run_in_the_same_output_dir_is_refused(tmp_path):
 
 def test_a_foreign_log_json_is_not_replaced(tmp_path):
     (tmp_path / "log.json").write_text("not json")
-    with pytest.raises(OutputDirError, match="holds a log.json that is not a PPO run's log"):
+    with pytest.raises(OutputDirError, match="holds a log.json that is not a run's log"):
         prepare_output_dir(_cfg(tmp_path))
     assert (tmp_path / "log.json").read_text() == "not json"
 
@@ -373,7 +365,7 @@ def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_
                 raise ResourceError("not enough resources for this run:\n  2 rank(s) need 2 CPUs but ... has 1")
             return self
 
-    monkeypatch.setattr(supervisor, "Colocation", ShrunkCluster)
+    monkeypatch.setattr(service, "Colocation", ShrunkCluster)
     monkeypatch.setattr(supervisor, "_cluster_resources", lambda: {"CPU": 1.0})
 
     def lose_a_node(run, it):

@@ -38,6 +38,7 @@ class FakeCheckpointer:
 
     def save(self, done, state):
         self.saved.append(done)
+        self.states = [*getattr(self, "states", []), state]
         self.record["checkpoints"].append({"iterations_done": done, "seconds": 1.0})
 
 
@@ -45,20 +46,24 @@ def _run(record):
     return SimpleNamespace(checkpointer=FakeCheckpointer(record), where=None, state=lambda: {})
 
 
+LOOP = SimpleNamespace(state_dict=lambda: {"cursor": 7})  # the loop's own state, saved with the checkpoint
+
+
 def test_the_sigterm_checkpoint_saves_what_the_newest_lacks_when_there_is_time(tmp_path):
     cfg = load_config("cpu_tiny", ["checkpoint.every=3", "checkpoint.sigterm_grace_s=30", f"output_dir={tmp_path}"])
     term = SimpleNamespace(at=time.monotonic())
     record = {"restarts": [], "checkpoints": [{"iterations_done": 3, "seconds": 2.0}]}
     run = _run(record)
-    assert _sigterm_checkpoint(cfg, run, record, 4, term) == "saved on SIGTERM, it holds all 4 iterations"
+    assert _sigterm_checkpoint(cfg, run, LOOP, record, 4, term) == "saved on SIGTERM, it holds all 4 iterations"
     assert run.checkpointer.saved == [4]
-    assert _sigterm_checkpoint(cfg, run, record, 4, term) == "it holds all 4 iterations"  # nothing more to save
+    assert run.checkpointer.states[0]["loop"] == {"cursor": 7}  # the loop's own state goes with the models
+    assert _sigterm_checkpoint(cfg, run, LOOP, record, 4, term) == "it holds all 4 iterations"  # nothing more to save
     slow = {"restarts": [], "checkpoints": [{"iterations_done": 3, "seconds": 40.0}]}
     run = _run(slow)
-    note = _sigterm_checkpoint(cfg, run, slow, 5, term)
+    note = _sigterm_checkpoint(cfg, run, LOOP, slow, 5, term)
     assert note.startswith("no time to save the last iterations: the previous save took 40.0s and ")
     assert run.checkpointer.saved == []
     off = load_config("cpu_tiny", ["checkpoint.every=3", "checkpoint.on_sigterm=false", f"output_dir={tmp_path}"])
-    assert _sigterm_checkpoint(off, _run(record), record, 5, term).startswith("checkpoint.on_sigterm=false")
+    assert _sigterm_checkpoint(off, _run(record), LOOP, record, 5, term).startswith("checkpoint.on_sigterm=false")
     none = load_config("cpu_tiny", [f"output_dir={tmp_path}"])
-    assert _sigterm_checkpoint(none, _run(record), record, 5, term) == "checkpoints are off (checkpoint.every=0)"
+    assert _sigterm_checkpoint(none, _run(record), LOOP, record, 5, term) == "checkpoints are off (checkpoint.every=0)"

@@ -75,7 +75,7 @@ def test_a_killed_engine_is_restarted_and_the_run_ends_as_the_undisturbed_one(lo
 
     def kill_engine(run, iteration, phase):
         if (iteration, phase) == (2, "values") and not killed:
-            pid = ray.get(run.colo.rollout.pid.remote())
+            pid = ray.get(run.actors("rollout")[0].pid.remote())
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 

@@ -1,0 +1,66 @@
+"""A text task a tiny model learns from scratch by RL on a CPU: reverse a short string.
+
+``cpu_grpo_text`` writes, under its output directory and only when they are missing, a prompt file
+(``data.create: reverse``) and a character-level tokenizer (a real ``tokenizer.json`` made with the
+``tokenizers`` library: a few dozen symbols, an EOS and a padding token) into the policy's Hugging
+Face directory, beside the random checkpoint ``policy.create_hf`` writes. Each prompt is a string
+of ``LETTERS`` and ``=`` (``"abd="``); the answer is the string reversed (``"dba"``), stored in the
+row's ``answer`` field. :func:`reverse_reward` gives partial credit: the share of positions the
+response gets right, over the longer of the two, so a response must stop (EOS) to score 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+from typing import Union
+
+__all__ = ["LETTERS", "SYMBOLS", "reverse_reward", "write_reverse_task", "write_tokenizer"]
+
+LETTERS = "abcd"
+"""The alphabet of the prompts."""
+SYMBOLS = "abcdefghijklmnopqrstuvwxyz=+-*0123456789 "
+"""What the tokenizer knows beside its special tokens (a random policy samples all of them)."""
+SPECIAL = ("<pad>", "</s>")
+
+
+def write_tokenizer(directory: Union[str, Path]) -> None:
+    """A character-level tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+    ``special_tokens_map.json``) in ``directory``: ``<pad>`` 0, ``</s>`` (EOS) 1, then
+    :data:`SYMBOLS` one token each; decoding joins the characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*SPECIAL, *SYMBOLS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # every character a token
+    tok.decoder = decoders.Fuse()  # and back without spaces between them
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+    fast.save_pretrained(str(directory))
+
+
+def write_reverse_task(path: Union[str, Path], rows: int = 256, length: int = 3, seed: int = 0) -> None:
+    """``rows`` prompts ``<string>=`` of ``length`` letters of :data:`LETTERS` with their answers,
+    as JSONL at ``path`` (every string appears, in a shuffled cycle)."""
+    strings = ["".join(s) for s in itertools.product(LETTERS, repeat=length)]
+    random.Random(seed).shuffle(strings)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            s = strings[i % len(strings)]
+            f.write(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n")
+
+
+def reverse_reward(prompts: list[str], responses: list[str], answer: list[str], **fields) -> dict[str, list[float]]:
+    """The share of positions a response gets right, over the longer of it and the answer (so
+    trailing characters cost, and a response scores 1 only when it stops); and ``exact``, 1 for a
+    response that is the answer."""
+    scores, exact = [], []
+    for r, a in zip(responses, answer):
+        right = sum(x == y for x, y in zip(r, a))
+        scores.append(right / max(len(r), len(a), 1))
+        exact.append(float(r == a))
+    return {"reward": scores, "exact": exact}

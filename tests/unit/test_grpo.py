@@ -1,0 +1,113 @@
+"""GRPO without Ray: its presets, its bad input (one error line, exit code 2, nothing started), and
+its math on hand-checked numbers (group advantages, both loss normalisations, the two clips, the
+k3 KL term)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from chatlearn_mem import ConfigError
+from chatlearn_mem_cli.app import app
+from chatlearn_mem_config_files import preset_names
+from chatlearn_mem_ray.config import DEFAULT_GRPO_PRESET, GRPO_PRESETS, GRPORunConfig, load_grpo_config
+from chatlearn_mem_ray.grpo import group_advantages, grpo_loss
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "grpo").glob("*.yaml"))
+
+
+def test_the_grpo_presets_ship_and_validate():
+    assert {p.stem for p in CONFIGS} == {"cpu_grpo", "cpu_grpo_text", "cpu_grpo_vllm", "gpu_grpo"}
+    assert preset_names(GRPO_PRESETS) == [p.stem for p in CONFIGS] and DEFAULT_GRPO_PRESET == "cpu_grpo"
+    for path in CONFIGS:
+        cfg = load_grpo_config(path)
+        assert isinstance(cfg, GRPORunConfig) and load_grpo_config(path.stem) == cfg
+        assert path.read_text().startswith("# ") and cfg.grpo.group_size >= 2
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["grpo.group_size=1"], "grpo.group_size: must be >= 2, got 1"),
+        (["grpo.kl_coef=0.01", "reference=null"], "grpo.kl_coef=0.01 needs a reference model, and reference is null"),
+        (["grpo.minibatch_size=5"], "grpo.minibatch_size (5) must divide the responses per data-parallel rank (32"),
+        (["grpo.variant=ppo"], "grpo.variant"),
+        (["memory.device_budget_mb=1"], "train needs 1.88 MiB but the budget is 1.00 MiB"),
+    ],
+)
+def test_bad_grpo_input_is_one_error_line_and_exit_code_2_before_anything_starts(tmp_path, overrides, said):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["grpo", f"output_dir={out}", *overrides])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and result.output.startswith("error: ")
+    assert "Traceback" not in result.output and not out.exists()  # nothing started, nothing written
+
+
+def test_a_reference_is_launched_only_with_a_kl_term():
+    assert not GRPORunConfig().launches_reference  # kl_coef 0 by default
+    assert GRPORunConfig.model_validate({"grpo": {"kl_coef": 0.001}}).launches_reference
+    assert not GRPORunConfig.model_validate({"reference": None}).launches_reference  # no KL term: fine
+    with pytest.raises(ConfigError):
+        load_grpo_config(None, ["grpo.kl_coef=0.1", "reference=null"])
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])  # two groups of 4
+    a = group_advantages(rewards, 4)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # unbiased, as verl's torch.std
+    x = 0.5 / (std + 1e-6)
+    assert a[:4].tolist() == pytest.approx([x, -x, -x, x])
+    assert a[4:].tolist() == [0.0] * 4  # a group that all scored the same: no signal
+    dr = group_advantages(rewards, 4, scale=False)  # Dr. GRPO: no division by the std
+    assert dr.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+def _full(x: torch.Tensor, P: int, fill: float = 0.0) -> torch.Tensor:
+    """(b, R) response positions -> (b, P-1+R) next-token positions: ``P - 1`` prompt positions first."""
+    return torch.cat([torch.full((x.shape[0], P - 1), fill), x], dim=1)
+
+
+def _outputs(new: torch.Tensor, P: int):
+    """(logprobs, entropy) as the policy returns them over every next-token position."""
+    logprobs = _full(new, P)
+    return logprobs, torch.full_like(logprobs, 2.0)
+
+
+def test_the_loss_clips_each_side_apart_and_normalises_both_ways():
+    P = 2
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[1.5, 1.0, 0.5], [1.0, 1.0, 1.0]]))  # ratios 1.5, 1, 0.5 / 1, 1, 1
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # the second response stopped after a token
+    # the engine's log-probs of the prompt positions are NaN: nothing off the mask may count
+    mb = {"old_logprobs": _full(old, P, math.nan), "advantages": torch.tensor([1.0, -1.0]), "mask": _full(mask, P)}
+    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.0, response_length=3)
+    loss, m = grpo_loss(_outputs(new, P), mb, token_sum=False, **kw)
+    # response 0 (A = 1): -min(1.5, 1.28) = -1.28, -1, -min(0.5, 0.8) = -0.5; response 1 (A = -1): +1
+    per_response = [(-1.28 - 1.0 - 0.5) / 3, 1.0]
+    assert loss.item() == pytest.approx(sum(per_response) / 2)
+    assert m["clip_fraction"] == pytest.approx(2 / 4)  # 1.5 above 1.28 and 0.5 below 0.8, of 4 tokens that count
+    assert m["entropy"] == pytest.approx(2.0)
+    token_sum, _ = grpo_loss(_outputs(new, P), mb, token_sum=True, **kw)
+    assert token_sum.item() == pytest.approx((-1.28 - 1.0 - 0.5 + 1.0) / 6)  # summed, over 2 responses x 3 tokens
+    wide, _ = grpo_loss(_outputs(new, P), mb, token_sum=False, **{**kw, "clip_high": 0.6})
+    assert wide.item() == pytest.approx(((-1.5 - 1.0 - 0.5) / 3 + 1.0) / 2)  # clip higher lets 1.5 through
+
+
+def test_the_kl_term_is_the_k3_estimator():
+    P = 2
+    new = torch.tensor([[math.log(0.5)]])
+    ref = torch.tensor([[math.log(0.25)]])
+    mb = {
+        "old_logprobs": _full(new.clone(), P),
+        "advantages": torch.zeros(1),
+        "mask": _full(torch.ones(1, 1), P),
+        "ref_logprobs": _full(ref, P),
+    }
+    kw = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.5, token_sum=False, response_length=1)
+    loss, m = grpo_loss(_outputs(new, P), mb, **kw)
+    d = math.log(0.25) - math.log(0.5)
+    k3 = math.exp(d) - d - 1
+    assert m["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
+    assert k3 > 0  # non-negative, zero only when the two agree
