@@ -54,10 +54,11 @@ class DataConfig(BaseModel):
     """A new permutation of the rows every epoch, drawn from ``seed``; False: the files' order."""
     seed: int = 0
     """The shuffle's seed."""
-    create: Optional[Literal["reverse"]] = None
+    create: Optional[Literal["copy", "reverse"]] = None
     """Write a built-in task's prompts to the first of ``train_files`` (and its tokenizer into the
     tokenizer's directory) when they do not exist yet: ``reverse`` (see
-    :mod:`chatlearn_mem_ray.text_task`; the ``cpu_grpo_text`` preset)."""
+    :mod:`chatlearn_mem_ray.text_task`; the ``cpu_grpo_text`` preset); ``copy`` the same strings,
+    answered as they are."""
 
     @field_validator("train_files", mode="before")
     @classmethod

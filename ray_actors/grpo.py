@@ -186,13 +186,13 @@ class GRPO(Loop):
         cfg = self.cfg
         if cfg.data is None:
             return
-        if cfg.data.create == "reverse":
+        if cfg.data.create is not None:
             from chatlearn_mem_ray import text_task
 
             first = Path(cfg.data.train_files[0])
             if not first.exists():
-                text_task.write_reverse_task(first, seed=cfg.data.seed)
-                progress(f"wrote the reverse task's prompts to {first}")
+                text_task.write_task(cfg.data.create, first, seed=cfg.data.seed)
+                progress(f"wrote the {cfg.data.create} task's prompts to {first}")
             if not (Path(cfg.tokenizer_dir) / "tokenizer.json").exists():
                 text_task.write_tokenizer(cfg.tokenizer_dir)
                 progress(f"wrote a character-level tokenizer to {cfg.tokenizer_dir}")
@@ -327,20 +327,27 @@ def decode_responses(
 ) -> tuple[list[str], torch.Tensor]:
     """Each row's response as text, and its length in tokens, cut at the first stop string.
 
-    The text leaves out the EOS and the stop string; the length keeps their tokens (the policy
-    learns to emit them). The same for both rollouts: the driver decodes what either generated.
+    The text is everything the response holds but its final EOS: special tokens sampled on the way
+    (a padding token, say) are kept as text, so a reward sees them and a policy cannot pass them off
+    as nothing. The text leaves out the stop string; the length keeps the EOS's and the stop
+    string's tokens (the policy learns to emit them). The same for both rollouts: the driver decodes
+    what either generated.
     """
+    eos = {tokenizer.eos_token_id} - {None}
     texts, out = [], lengths.clone()
+
+    def text_of(ids: list[int]) -> str:
+        return tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids, skip_special_tokens=False)
+
     for i in range(tokens.shape[0]):
         start = int(prompt_lengths[i])
         ids = tokens[i, start : start + int(lengths[i])].tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+        text = text_of(ids)
         cut = min((text.find(s) for s in stop if s and s in text), default=-1)
         if cut >= 0:
             text = text[:cut]
             for k in range(1, len(ids) + 1):  # the first prefix whose text holds a stop string
-                head = tokenizer.decode(ids[:k], skip_special_tokens=True)
-                if any(s and s in head for s in stop):
+                if any(s and s in text_of(ids[:k]) for s in stop):
                     out[i] = k
                     break
         texts.append(text)

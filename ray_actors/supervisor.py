@@ -543,7 +543,8 @@ def _progress_line(loop: Loop, m: dict, of: int, comparison: bool = False) -> st
         head = f"iter manager off {m['iteration']}/{of}"
     else:
         head = f"iter {m['iteration']:>3}/{of}{'' if m['manager_on'] else ' [manager off]'}"
-    return f"{head} {loop.progress_line(m)} | {phases}"
+    first, newline, rest = loop.progress_line(m).partition("\n")  # more lines (a sample) go under the phases
+    return f"{head} {first} | {phases}{newline}{rest}"
 
 
 # -- SIGTERM -------------------------------------------------------------------------------

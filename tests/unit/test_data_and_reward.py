@@ -21,7 +21,7 @@ from chatlearn_mem_ray.rewards import (
     math_answer,
     score,
 )
-from chatlearn_mem_ray.text_task import reverse_reward, write_reverse_task, write_tokenizer
+from chatlearn_mem_ray.text_task import position_reward, write_reverse_task, write_tokenizer
 
 pytest.importorskip("transformers")
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
@@ -123,7 +123,7 @@ def test_bad_files_and_tokenizers_are_named(tokenizer, tmp_path):
 
 def test_the_order_is_the_seeds_and_a_cursor_continues_it_across_epochs(tokenizer, tmp_path):
     f = tmp_path / "r.jsonl"
-    write_reverse_task(f, rows=10)
+    write_task("reverse", f, rows=10)
     data = _data(tokenizer, f, seed=3)
     first, cursor = data.batch(4)
     second, cursor = data.batch(4, cursor)
@@ -146,15 +146,15 @@ def test_the_built_in_rewards():
     answers = [gsm8k, "72", "72", "1000", "72", "72"]
     assert math_answer([""] * 6, responses, answer=answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     assert math_answer([""], ["\\boxed{0.75}"], ground_truth=["3/4"]) == [1.0]
-    assert reverse_reward(["ab="] * 3, ["ba", "b", "bax"], answer=["ba"] * 3) == {
+    assert position_reward(["ab="] * 3, ["ba", "b", "bax"], answer=["ba"] * 3) == {
         "reward": [1.0, 0.5, 2 / 3],
         "exact": [1.0, 0.0, 0.0],
     }
 
 
 def test_a_reward_function_by_module_or_file_path(tmp_path):
-    fn = load_reward_function("chatlearn_mem_ray.text_task:reverse_reward", ["answer"])
-    assert fn is reverse_reward
+    fn = load_reward_function("chatlearn_mem_ray.text_task:position_reward", ["answer"])
+    assert fn is position_reward
     f = tmp_path / "my_reward.py"
     f.write_text("def length(prompts, responses, **fields):\n    return [float(len(r)) for r in responses]\n")
     mine = load_reward_function(f"{f}:length")
