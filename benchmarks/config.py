@@ -20,7 +20,15 @@ PRESETS = resources.files("chatlearn_mem_bench.presets")
 DEFAULT_PRESET = "cpu"
 """What ``chatlearn-mem bench`` runs without ``--config`` (about 135 M parameters, minutes on 2 cores)."""
 
-METHODS = ("manager", "ceiling", "per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin")
+METHODS = (
+    "manager",
+    "ceiling",
+    "per_tensor_new_host",
+    "fresh_host_alloc",
+    "replace_rebuild",
+    "megatron_builtin",
+    "torch_memory_saver",
+)
 """Every method the benchmark can time; ``manager`` and ``ceiling`` are always run."""
 
 FULL = "full"
@@ -61,11 +69,22 @@ class BenchConfig(BaseModel):
     """Untimed repeats first (the manager allocates its host store on the first offload)."""
     cycles: int = Field(20, ge=2)
     """Full offload/onload cycles of the manager for the time-flat / no-growth check."""
-    methods: list[Literal["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]] = Field(
+    methods: list[
+        Literal["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin", "torch_memory_saver"]
+    ] = Field(
         default_factory=lambda: ["per_tensor_new_host", "fresh_host_alloc", "replace_rebuild", "megatron_builtin"]
     )
     """Alternatives to time against the manager (``megatron_builtin`` runs on the parts megatron-core's
-    own offload covers, where the installed release has it)."""
+    own offload covers, where the installed release has it; ``torch_memory_saver`` on a GPU with
+    torch_memory_saver installed, in a worker process of its own, see ``chatlearn_mem_bench.tms``;
+    where an alternative cannot run, the results say why and the run goes on without it)."""
+    tms_retain_cpu_backup: bool = False
+    """``torch_memory_saver``: keep its host backups between pauses (``TMS_RETAIN_CPU_BACKUP``).
+    False, TMS's default and how slime runs it, allocates and pins them again on every pause."""
+    release_bound: bool = True
+    """Time the release bound (a device buffer of each part's size beside the ceiling's, the full
+    part's included). False where the device has no room for both (the ``gpu_large`` preset): the
+    manager is then compared with the ceiling alone."""
     threads: Optional[int] = Field(None, ge=1)
     """``torch.set_num_threads`` for the run; None keeps torch's default (one per core)."""
     overlap: bool = True

@@ -92,6 +92,7 @@ LABELS = {
     "fresh_host_alloc": "alternative: host buffers allocated (pinned on GPU) and freed every cycle",
     "replace_rebuild": "alternative: replace .data, then rebuild views",
     "megatron_builtin": "alternative: megatron-core's own offload calls",
+    "torch_memory_saver": "alternative: torch_memory_saver as slime uses it (CPU backup; its own process)",
 }
 
 

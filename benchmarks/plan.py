@@ -26,7 +26,15 @@ with the bandwidths measured there (copies 21 GB/s, fresh pages 5.6 GB/s) it giv
 ``cpu`` preset, which took 92 s and 98 s in two runs (single parts off by up to 40%: weights
 under, grads over). Fresh pages are what make the alternatives slow, and they do not get faster
 with the copies: a model of each method's time as a multiple of the ceiling's does not carry
-over (2-10x the ceiling on that CPU, 2-4x on a slower-copying one).
+over (2-10x the ceiling on that CPU, 2-4x on a slower-copying one). ``torch_memory_saver`` is
+estimated at the rates its users measured (:data:`chatlearn_mem_bench.tms.TMS_OUT_GBPS`, ``TMS_IN_GBPS``)
+on the bytes its tags hold (:func:`tms_part_bytes`).
+
+**Device memory** (:func:`plan_device_memory`, CUDA only). The trainer's state, the ceiling's device
+buffer (the largest part, the full copy included), the release bound's (the largest part, while
+the part runs), activations of the training step (a rough model, :func:`activation_bytes`) and,
+with ``torch_memory_saver``, its worker's trainer (the same state, allocator segments whole):
+what the GPU validation checks a preset against before it runs.
 """
 
 from __future__ import annotations
@@ -46,14 +54,17 @@ __all__ = [
     "PAGEABLE_GBPS",
     "PINNED_GBPS",
     "TimeEstimate",
+    "activation_bytes",
     "estimate_part_sizes",
     "estimate_seconds",
     "format_bytes",
     "measured_part_sizes",
     "method_parts",
     "part_bytes",
+    "plan_device_memory",
     "plan_host_memory",
     "refuse_unless_fits",
+    "tms_part_bytes",
 ]
 
 PINNED_GBPS = 55.0
@@ -80,6 +91,7 @@ METHOD_PAGES = {
     "fresh_host_alloc": ((1, 0), (0, 1)),
     "replace_rebuild": ((1, 0), (0, 1)),
     "megatron_builtin": ((0, 0), (0, 1)),
+    "torch_memory_saver": ((0, 0), (0, 0)),  # estimated at its measured rates (estimate_seconds)
 }
 """Per method, ``(offload, onload)`` pairs of (fresh host bytes, regrown device bytes) per byte of
 the part: the alternatives allocate their host copies anew on every offload; everything that
@@ -101,7 +113,20 @@ def method_parts(name: str, cuda: bool, builtin_available: bool = True) -> tuple
         return PARTS
     if name == "megatron_builtin":
         return ((Part.WEIGHTS, Part.GRADS) + ((FULL,) if cuda else ())) if builtin_available else ()
+    if name == "torch_memory_saver":  # its tags: the model (weights with grads), main weights, states, all
+        return (Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES, FULL) if cuda else ()
     return COPY_PARTS
+
+
+def tms_part_bytes(b: Mapping[str, int], part: str) -> int:
+    """Bytes ``torch_memory_saver`` pauses to free ``part`` (from :func:`part_bytes`): its ``model``
+    tag holds the weights and the grads together, ``full`` is every tag (grads included); free
+    blocks in its segments come on top and are not counted here."""
+    if part == Part.WEIGHTS.value:
+        return b[Part.WEIGHTS.value] + b[Part.GRADS.value]
+    if part == FULL:
+        return b[FULL] + b[Part.GRADS.value]
+    return b[part]
 
 
 # -- sizes --------------------------------------------------------------------------------------
@@ -209,6 +234,8 @@ def plan_host_memory(
     bucket_size: int,
     builtin_available: bool = True,
     overlap_bytes: Optional[Mapping[str, int]] = None,
+    release_bound: bool = True,
+    tms_retain_cpu_backup: bool = False,
 ) -> HostMemoryPlan:
     """The host memory a run with these parts and methods holds (sizes in, bytes out).
 
@@ -224,6 +251,9 @@ def plan_host_memory(
         overlap_bytes: With the overlap rows, the second (critic-sized) trainer's bytes per part
             (:func:`chatlearn_mem.models.gpt.estimate_part_bytes`): its host store, and on CPU its
             "device" state too, held while those rows run.
+        release_bound: The release bound is timed (``BenchConfig.release_bound``).
+        tms_retain_cpu_backup: ``torch_memory_saver`` keeps its pinned backups between pauses
+            (held for the run, not only while it runs).
     """
     b = part_bytes(sizes)
     copy_max = max(b[str(p)] for p in COPY_PARTS)
@@ -240,8 +270,9 @@ def plan_host_memory(
         # only inside its own timed calls): count the largest part's for the whole run
         items += [
             PlanItem("ceiling device buffer", max(b[FULL], b[Part.GRADS.value]), False),
-            PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False),
         ]
+        if release_bound:
+            items.append(PlanItem("release_bound device buffer", max(b[FULL], b[Part.GRADS.value]), False))
     for name in methods:
         if name == "per_tensor_new_host":
             items.append(PlanItem("per_tensor_new_host host copies", copy_max, False, name))
@@ -259,6 +290,9 @@ def plan_host_memory(
                 items.append(PlanItem("megatron-core .cpu() copies", max(sum(weights), moved), False, name))
             else:
                 items.append(PlanItem("megatron-core param_data_cpu", sum(weights), False))
+        elif name == "torch_memory_saver" and cuda:  # pinned backups of every tag, in its worker
+            held_by = None if tms_retain_cpu_backup else name
+            items.append(PlanItem("torch_memory_saver backups (its worker)", tms_part_bytes(b, FULL), True, held_by))
     if overlap_bytes:
         copied = sum(n for p, n in overlap_bytes.items() if p != Part.GRADS.value)
         items.append(PlanItem("overlap rows: second trainer's host store", copied, pin, "overlap"))
@@ -357,6 +391,7 @@ def estimate_seconds(
     overlap_bytes: Optional[Mapping[str, int]] = None,
     forward_tokens: Optional[int] = 0,
     overlap_repeats: Optional[int] = None,
+    release_bound: bool = True,
 ) -> TimeEstimate:
     """Seconds a run with these parts and settings should take (sizes in, seconds out).
 
@@ -370,6 +405,7 @@ def estimate_seconds(
             :func:`plan_host_memory`); ``forward_tokens``: tokens of their forward pass (None: it
             lasts one weights onload, as ``overlap_forward: match_copy`` sizes it);
             ``overlap_repeats``: their timed repeats (default ``repeats``).
+        release_bound: The release bound is timed.
     """
     if cuda:
         bw = {"pinned": PINNED_GBPS if pin else PAGEABLE_GBPS, "pageable": PAGEABLE_GBPS, "fill": DEVICE_FILL_GBPS}
@@ -381,6 +417,10 @@ def estimate_seconds(
     b = part_bytes(sizes)
 
     def call(name: str, part: str, direction: int) -> float:
+        if name == "torch_memory_saver":
+            from chatlearn_mem_bench.tms import TMS_IN_GBPS, TMS_OUT_GBPS
+
+            return CALL_OVERHEAD_S + tms_part_bytes(b, part) / (TMS_IN_GBPS if direction else TMS_OUT_GBPS) / 1e9
         fresh, regrow = METHOD_PAGES[name][direction]
         n = b[part]
         pinned_fresh = name == "fresh_host_alloc" and pin  # pinning fresh pages: faulted in, then locked
@@ -395,7 +435,7 @@ def estimate_seconds(
             seconds += n / bw["pageable" if name in PAGEABLE_METHODS else "pinned"]
         return CALL_OVERHEAD_S + seconds / 1e9
 
-    every = ["manager", "ceiling", "release_bound", *methods]
+    every = ["manager", "ceiling", *(["release_bound"] if release_bound else []), *methods]
     parts_s = {}
     for part in PARTS:
         timed = [m for m in every if part in method_parts(m, cuda, builtin_available)]
@@ -408,6 +448,8 @@ def estimate_seconds(
     # (use_cpu_initialization) of every parameter; plus the two integrity checksums.
     setup_s = 30.0 + 20.0 * n_params / 1e9 if cuda else 5.0 + 60.0 * n_params / 1e9
     setup_s += 2 * b[FULL] / 1e9 / bw["fill"]
+    if cuda and "torch_memory_saver" in methods:  # its worker builds beside, then checks every part once
+        setup_s += 10.0 + 2 * tms_part_bytes(b, FULL) / 1e9 / bw["fill"]
     overlap_s = 0.0
     if overlap_bytes:
         rounds = warmup + (overlap_repeats or repeats)
@@ -425,3 +467,53 @@ def estimate_seconds(
             + (20.0 if cuda else 60.0) * critic_params / 1e9
         )  # building the second trainer, as setup
     return TimeEstimate(setup_s, parts_s, cycles_s, bw, overlap_s)
+
+
+# -- device memory (CUDA) -----------------------------------------------------------------------
+def activation_bytes(trainer, batch_size: int) -> int:
+    """About the device bytes one training step of ``trainer`` (a ``GPTTrainerConfig``) adds on top
+    of its state: the layers' saved activations without recomputation (34 s b h + 5 a s^2 b bytes
+    per layer in bf16, Korthikanti et al. 2022), the fp32 logits with their softmax and gradient
+    (3 x 4 b s V bytes), and Adam's foreach temporaries (one fp32 copy of the states' smaller half,
+    4 bytes per parameter). A rough model, for sizing presets, not an exact figure."""
+    from chatlearn_mem.models.gpt import estimate_part_bytes
+
+    s, b, h = trainer.seq_length, batch_size, trainer.hidden_size
+    layers = trainer.num_layers * (34 * s * b * h + 5 * trainer.num_attention_heads * s * s * b)
+    logits = 3 * 4 * b * s * trainer.vocab_size
+    adam = estimate_part_bytes(trainer)["optimizer_states"] // 2
+    return layers + logits + adam
+
+
+def plan_device_memory(
+    sizes: Mapping[str, Sequence[int]],
+    *,
+    methods: Sequence[str],
+    release_bound: bool = True,
+    activations: int = 0,
+) -> dict:
+    """The device memory (CUDA) a run holds at its peak: ``{"items": [(what, bytes)], "setup_bytes",
+    "timing_bytes", "peak_bytes"}``.
+
+    While the trainers are built and trained one step (setup): the trainer's state and the step's
+    ``activations`` (:func:`activation_bytes`), and ``torch_memory_saver``'s worker doing the same
+    beside it. While the parts are timed: the state, the ceiling's device buffer (the largest part,
+    the full copy's bytes), the release bound's (up to the full copy's) and the worker's state.
+    The overlap rows and the soak come after the ceiling's buffers are freed.
+    """
+    b = part_bytes(sizes)
+    state = sum(b[str(p)] for p in Part)
+    tms = "torch_memory_saver" in methods
+    items = [
+        ("trainer state", state),
+        ("activations and optimizer temporaries of a training step (setup)", activations),
+        ("ceiling device buffer", max(b.values())),
+    ]
+    if release_bound:
+        items.append(("release_bound device buffer (the largest part)", max(b.values())))
+    if tms:
+        items.append(("torch_memory_saver worker's trainer state", state))
+        items.append(("torch_memory_saver worker's training step (setup)", activations))
+    setup = state + activations + (state + activations if tms else 0)
+    timing = state + max(b.values()) * (2 if release_bound else 1) + (state if tms else 0)
+    return {"items": items, "setup_bytes": setup, "timing_bytes": timing, "peak_bytes": max(setup, timing)}

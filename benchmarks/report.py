@@ -80,7 +80,9 @@ def markdown(res: dict) -> str:
     lines += [
         "",
         "Methods: " + "; ".join(f"`{k}`: {val}" for k, val in res["methods"].items()) + ".",
+        *[f"Not run: `{k}`: {why}." for k, why in (res.get("skipped_methods") or {}).items()],
         "",
+        *_versus_lines(res),
         *_host_work_lines(res),
         "## Memory per stage (first timed repeat)",
         "",
@@ -260,6 +262,68 @@ def _overlap_lines(rows) -> list[str]:
             f"({_ms(o[0])}-{_ms(o[1])}) | {r['ratio']:.2f} ({q[0]:.2f}-{q[1]:.2f}) | {note} |"
         )
     return lines
+
+
+VERSUS = ("torch_memory_saver", "megatron_builtin")
+"""The peers' own ways of putting a trainer to sleep, compared with the manager part by part."""
+
+
+def _versus_lines(res: dict) -> list[str]:
+    """The manager against torch_memory_saver and megatron-core's own offload, per part and
+    direction: each one's median time and its time over the manager's (the ratio the README's
+    headline quotes)."""
+    by = {(r["part"], r["method"], r["direction"]): r for r in res["timings"]}
+    peers = [m for m in VERSUS if any(k[1] == m for k in by)]
+    if not peers:
+        return []
+    head = "| part | direction | manager ms |" + "".join(f" {m} ms | {m} / manager |" for m in peers)
+    lines = [
+        "## The manager against " + " and ".join(f"`{m}`" for m in peers),
+        "",
+        "Median times in the same run, rounds interleaved; `x / manager` is how many times longer the "
+        "peer takes. torch_memory_saver runs in a worker process of its own on the same trainer (same "
+        "config, seed and first step), built under its tags: pausing `weights` pauses its `model` tag, the "
+        "weights with the grads (megatron allocates both in one constructor); `given back` is the device "
+        "memory its pause returned (its allocator segments whole).",
+        "",
+        head + (" torch_memory_saver given back GiB |" if "torch_memory_saver" in peers else ""),
+        "|---|---|---:|" + "---:|---:|" * len(peers) + ("---:|" if "torch_memory_saver" in peers else ""),
+    ]
+    for part in PARTS:
+        for d in ("offload", "onload"):
+            mgr = by.get((part, "manager", d))
+            if mgr is None or not any((part, m, d) in by for m in peers):
+                continue
+            row = f"| {part} | {d} | {_ms(mgr['seconds']['median'])} |"
+            for m in peers:
+                r = by.get((part, m, d))
+                row += f" {_ms(r['seconds']['median'])} | **{r['time_vs_manager']:.1f}x** |" if r else " - | - |"
+            if "torch_memory_saver" in peers:
+                r = by.get((part, "torch_memory_saver", d))
+                given = r.get("tms_released_bytes") if r else None
+                row += f" {given / 2**30:.2f} |" if given is not None and d == "offload" else " |"
+            lines.append(row)
+    tms = res.get("torch_memory_saver")
+    if tms:
+        w = tms.get("worker") or {}
+        env = w.get("environment") or {}
+        facts = [f"{k}={v}" for k, v in env.items() if v is not None and k != "LD_PRELOAD"]
+        facts += [f"{k}: {v}" for k, v in (w.get("settings") or {}).items()]
+        facts.append(f"its worker built its trainer in {w.get('build_s', 0):.0f} s")
+        if len(w.get("libcudart") or []) > 1:
+            facts.append(f"two CUDA runtimes in its worker ({', '.join(w['libcudart'])}): its figures are suspect")
+        if tms.get("failed"):
+            facts.append(f"it failed: {tms['failed']}")
+        if "same_forward_loss" in tms:
+            same = "the same bits" if tms["same_forward_loss"] else "different bits"
+            facts.append(f"the forward loss of both trainers after every round: {same}")
+        what = (
+            "a stand-in for torch_memory_saver (host copies: a test)"
+            if w.get("fake")
+            else (f"torch_memory_saver {w.get('version')}")
+        )
+        lines += ["", f"{what}: " + "; ".join(facts) + "."]
+    return lines + [""]
 
 
 def _host_work_lines(res: dict) -> list[str]:

@@ -14,6 +14,7 @@ import torch
 
 from chatlearn_mem import Part
 from chatlearn_mem.device_memory import trim_host_heap
+from chatlearn_mem_bench import tms as tms_mod
 from chatlearn_mem_bench.config import COPY_PARTS, FULL, PARTS, PRESETS, BenchConfig
 from chatlearn_mem_bench.measure import (
     compare,
@@ -53,6 +54,10 @@ __all__ = ["PARTS", "check_writable", "run_and_report", "run_benchmark"]
 
 
 log = logging.getLogger("benchmarks")
+TMS = tms_mod.NAME
+TMS_SPEEDUP = 5.0
+"""The manager must be at least this many times faster than torch_memory_saver, per part and
+direction, on the same GPU (issue 52's target)."""
 
 
 def _checksum(mm, trainer, parts=COPY_PARTS) -> list[int]:
@@ -160,8 +165,19 @@ def run_benchmark(
         torch.set_num_threads(cfg.threads)
     started = _dt.datetime.now(_dt.timezone.utc)
     t_start = time.perf_counter()
-    trainer = build_trainer(cfg)
     cuda = torch.cuda.is_available()
+    skipped: dict[str, str] = {}  # alternative -> why it did not run
+    tms_pending = None
+    if TMS in cfg.methods:
+        reason = tms_mod.skip_reason(cuda)
+        if reason:
+            skipped[TMS] = reason
+        else:  # its worker builds its trainer while this process builds its own
+            try:
+                tms_pending = tms_mod.TorchMemorySaverMethod.spawn(cfg)
+            except (OSError, tms_mod.TmsWorkerError) as e:
+                skipped[TMS] = f"its worker did not start: {e}"
+    trainer = build_trainer(cfg)
     pin = bool(cuda and (cfg.pin_memory is None or cfg.pin_memory))
     mm = TrainerMemoryManager(
         trainer.model,
@@ -188,18 +204,35 @@ def run_benchmark(
 
     manager = ManagerMethod(mm, trainer, pin)
     ceiling = CeilingMethod(mm, trainer, pin)
-    bound = ReleaseBound(mm, trainer, pin, ceiling)
-    alternatives = [ALTERNATIVES[name](mm, trainer, pin) for name in cfg.methods]
+    bound = ReleaseBound(mm, trainer, pin, ceiling) if cfg.release_bound else None
+    alternatives = [ALTERNATIVES[name](mm, trainer, pin) for name in cfg.methods if name in ALTERNATIVES]
+    if tms_pending is not None:
+        try:  # it started with this process's build and does the same: wait for it a while, not forever
+            wait_s = max(tms_mod.READY_MIN_S, tms_mod.READY_FACTOR * (time.perf_counter() - t_start))
+            alternatives.append(tms_pending.ready(mm, trainer, pin, timeout_s=wait_s))
+        except tms_mod.TmsWorkerError as e:
+            skipped[TMS] = str(e)
+    for name, reason in skipped.items():
+        log.warning("%s skipped: %s", name, reason)
+    methods = [m.name for m in alternatives]
     builtin = all(getattr(a, "available", True) for a in alternatives)
     plan_args = dict(
         cuda=device.type == "cuda", pin=pin, bucket_size=mm.config.bucket_size_bytes, builtin_available=builtin
     )
     overlap = overlap_plan_args(cfg)
-    plan = plan_host_memory(sizes, methods=cfg.methods, overlap_bytes=overlap.get("overlap_bytes"), **plan_args)
+    plan = plan_host_memory(
+        sizes,
+        methods=methods,
+        overlap_bytes=overlap.get("overlap_bytes"),
+        release_bound=cfg.release_bound,
+        tms_retain_cpu_backup=cfg.tms_retain_cpu_backup,
+        **plan_args,
+    )
     host_gbps = host_bandwidths()
     estimate = estimate_seconds(
         sizes,
-        methods=cfg.methods,
+        methods=methods,
+        release_bound=cfg.release_bound,
         repeats=cfg.repeats,
         warmup=cfg.warmup,
         cycles=cfg.cycles,
@@ -219,7 +252,13 @@ def run_benchmark(
         )
     usable = host_memory.usable_host_memory()
     margin = mm.config.host_memory_margin_bytes
-    refuse_unless_fits(plan, usable, margin, lambda room: _instead(plan, room, **plan_args))
+    try:
+        refuse_unless_fits(plan, usable, margin, lambda room: _instead(plan, room, **plan_args))
+    except BaseException:
+        for m in alternatives:
+            if getattr(m, "remote", False):
+                m.close()
+        raise
 
     res = {
         "command": command,
@@ -241,9 +280,10 @@ def run_benchmark(
         "time_estimate": estimate.to_dict(),
         "setup_seconds": time.perf_counter() - t_start,
         "part_seconds": {},
-        "methods": {k: LABELS[k] for k in ["manager", "ceiling", "release_bound"] + list(cfg.methods)},
+        "methods": {k: LABELS[k] for k in ["manager", "ceiling", *(["release_bound"] if bound else []), *methods]},
+        "skipped_methods": skipped,
         "method_parts": {m.name: [str(p) for p in m.parts()] for m in alternatives},
-        "pays_empty_cache": {m.name: m.pays_empty_cache for m in [manager, ceiling, bound, *alternatives]},
+        "pays_empty_cache": {m.name: m.pays_empty_cache for m in [manager, ceiling, bound, *alternatives] if m},
         "timings": [],
         "memory": [],
     }
@@ -254,6 +294,7 @@ def run_benchmark(
     # One host buffer for every part's copy (the largest: the full cycle), none for grads; one
     # device buffer for the largest part, grads' zero-fill included.
     ceiling.prepare(device_bytes=max(nbytes.values()), host_bytes=nbytes[FULL])
+    remote = next((m for m in alternatives if getattr(m, "remote", False)), None)
     try:
         for part in PARTS:
             t_part = time.perf_counter()
@@ -262,13 +303,29 @@ def run_benchmark(
             )
             res["part_seconds"][part] = time.perf_counter() - t_part
             res["missing_parts"].remove(part)
+            if remote is not None:
+                res[TMS] = _tms_results(remote, changed_by)
             res["targets"] = check_targets(res)
             publish(res)
             log.info("%s done in %.1f s", part, res["part_seconds"][part])
     finally:
         ceiling.release()
-        bound.release()
+        if bound is not None:
+            bound.release()
         res["detached_grad_hooks"] = {m.name: m.detached_grad_hooks for m in alternatives if m.detached_grad_hooks}
+        if remote is not None:
+            # the worker's trainer computes the same forward loss as this one, when both got the
+            # same first step (a check of the worker's build, not of a method)
+            bye = remote.close()
+            res[TMS] = _tms_results(remote, changed_by, bye)
+            if bye and "forward_loss_batch1" in bye:
+                from chatlearn_mem_bench.tms_worker import forward_loss
+
+                try:
+                    res[TMS]["forward_loss_here"] = forward_loss(trainer, cfg)
+                    res[TMS]["same_forward_loss"] = res[TMS]["forward_loss_here"] == bye["forward_loss_batch1"]
+                except Exception as e:  # noqa: BLE001 - a comparison, not a result: say why it is missing
+                    res[TMS]["forward_loss_error"] = repr(e)
 
     res["cycles"] = _cycles(mm, trainer, cfg, device)
     publish(res)
@@ -329,12 +386,17 @@ def _time_part(
 ) -> list[dict]:
     """``warmup + repeats`` interleaved rounds of every method on ``part``; its timing rows. In the
     first round the part's bytes are checked after each method against those before it: a method
-    that changed them is added to ``changed_by`` (method -> parts)."""
-    methods = [manager, ceiling, bound] + [a for a in alternatives if part in a.parts()]
+    that changed them is added to ``changed_by`` (method -> parts). A method timed in a worker of
+    its own (``remote``: torch_memory_saver) checks its own trainer's bytes and returns its own
+    times; one that fails is left out from then on (``failed`` says why)."""
+    methods = [manager, ceiling, *([bound] if bound else [])]
+    methods += [a for a in alternatives if part in a.parts() and not getattr(a, "failed", None)]
     checked = COPY_PARTS if part == FULL else [part] if part in COPY_PARTS else []
     reference = _checksum(manager.mm, manager.trainer, checked)
+    buffers = [b for b in (ceiling, bound) if b is not None]
     ceiling.use(nbytes[part])
-    bound.prepare(nbytes[part])
+    if bound is not None:
+        bound.prepare(nbytes[part])
     samples = {(m.name, d): [] for m in methods for d in ("offload", "onload")}
     # the manager's own count of its host work: (host seconds, steps, actions) per timed call
     host = {"offload": [], "onload": []}
@@ -352,12 +414,27 @@ def _time_part(
         trim_host_heap()
         for m in methods:  # interleaved, so drifting load hits every method alike
             record = r == cfg.warmup
+            if getattr(m, "remote", False):
+                if getattr(m, "failed", None):
+                    continue
+                try:
+                    out = m.round(part, check=r == 0, snap=record)
+                except tms_mod.TmsWorkerError as e:
+                    log.warning("%s failed on %s in round %d and is left out from now on: %s", m.name, part, r, e)
+                    continue
+                if record:
+                    memory += _remote_memory(m.name, part, nbytes[part], out)
+                if out["bytes_equal"] is False:
+                    changed_by.setdefault(m.name, []).append(part)
+                if r >= cfg.warmup:
+                    samples[(m.name, "offload")].append(out["offload_s"])
+                    samples[(m.name, "onload")].append(out["onload_s"])
+                    copied[(m.name, "offload")] = copied[(m.name, "onload")] = nbytes[part] if part != Part.GRADS else 0
+                continue
 
             def snap(stage: str) -> None:
                 if record:
-                    memory.append(
-                        {"part": part, "method": m.name, "stage": stage, **_snap(m, part, device, [ceiling, bound])}
-                    )
+                    memory.append({"part": part, "method": m.name, "stage": stage, **_snap(m, part, device, buffers)})
 
             m.before(part)
             snap("before")
@@ -380,13 +457,16 @@ def _time_part(
                 samples[(m.name, "offload")].append(t_off)
                 samples[(m.name, "onload")].append(t_on)
                 copied[(m.name, "offload")], copied[(m.name, "onload")] = c_off, c_on
-    bound.release()
+    if bound is not None:
+        bound.release()
     rows = []
     for direction in ("offload", "onload"):
         ms = stats(samples[("manager", direction)])
         cs = stats(samples[("ceiling", direction)])
-        bs = stats(samples[("release_bound", direction)])
+        bs = stats(samples[("release_bound", direction)]) if bound is not None else None
         for m in methods:
+            if len(samples[(m.name, direction)]) < cfg.repeats:
+                continue  # a remote method that failed on this part: no row
             s = stats(samples[(m.name, direction)])
             b = copied[(m.name, direction)]
             row = {
@@ -410,7 +490,9 @@ def _time_part(
                 row["steps"], row["actions"] = host[direction][-1][1:] if host[direction] else (0, 0)
                 ceiling_copies = part != Part.GRADS or direction == "onload"
                 row["vs_ceiling"] = cs["median"] / s["median"] if ceiling_copies and s["median"] else None
-                row["vs_release_bound"] = bs["median"] / s["median"] if ceiling_copies and s["median"] else None
+                row["vs_release_bound"] = (
+                    bs["median"] / s["median"] if bs is not None and ceiling_copies and s["median"] else None
+                )
                 row["vs_ceiling_note"] = (
                     "ceiling/manager time = manager/ceiling throughput"
                     if part != Part.GRADS
@@ -419,8 +501,49 @@ def _time_part(
             elif m.name not in ("ceiling", "release_bound"):
                 row["time_vs_manager"] = s["median"] / ms["median"] if ms["median"] else None
                 row["manager_is"] = compare(ms, s)
+                if getattr(m, "remote", False):
+                    row.update(m.row_extra(part))
             rows.append(row)
     return rows
+
+
+def _remote_memory(name: str, part: str, nbytes: int, out: dict) -> list[dict]:
+    """Memory rows of a method timed in its worker, from the worker's snapshots: device bytes are
+    the part's less what the pause gave back, host bytes the pinned backup of what it gave back
+    (TMS frees it at the resume unless it retains it), the rest the worker's own figures."""
+    rows = []
+    released = max(0, out["released_bytes"])
+    for stage, snap in (out.get("memory") or {}).items():
+        host = released if stage == "after_offload" else 0
+        rows.append(
+            {
+                "part": part,
+                "method": name,
+                "stage": stage,
+                "device_bytes": max(0, nbytes - released) if stage == "after_offload" else nbytes,
+                "host_bytes": host,
+                "pinned_bytes": host,
+                "benchmark_device_buffers_bytes": 0,
+                "rss_bytes": snap["rss_bytes"],
+                **{k: v for k, v in snap.items() if k.startswith("cuda_") or k == "device_used_bytes"},
+                "in_worker": True,
+            }
+        )
+    return rows
+
+
+def _tms_results(method, changed_by: dict, bye: Optional[dict] = None) -> dict:
+    """What the results keep of the torch_memory_saver worker: its build, its failures, whether
+    every resume kept the bytes, the device bytes each part's pauses gave back."""
+    out = {
+        "worker": method.info,
+        "failed": method.failed,
+        "parts_changed": changed_by.get(method.name, []),
+        "released_bytes": method.released,
+    }
+    if bye is not None:
+        out["bye"] = bye
+    return out
 
 
 def _host_work(stats: list) -> tuple[float, int, int]:
@@ -483,12 +606,13 @@ def check_targets(res: dict) -> list[dict]:
                 continue  # not measured (an incomplete run)
             row, ceil = by[(part, "manager", d)], by[(part, "ceiling", d)]
             ratio = row["vs_ceiling"]
+            bound = row.get("vs_release_bound")
             out.append(
                 {
                     "name": f"{part} {d}: manager >= {threshold} of ceiling",
                     "passed": ratio >= threshold,
                     "detail": f"{ratio:.2f} of ceiling ({row['gb_per_s']:.2f} GB/s vs {ceil['gb_per_s']:.2f} GB/s; "
-                    f"{row['vs_release_bound']:.2f} of the release bound)",
+                    + (f"{bound:.2f} of the release bound)" if bound is not None else "release bound not timed)"),
                 }
             )
     if not gpu:  # what any method that frees the memory must pay on a CPU "device" (see methods.py)
@@ -518,11 +642,34 @@ def check_targets(res: dict) -> list[dict]:
                 f"({r['manager_is']}{' - within spread' if r['manager_is'] == 'noise' else ''})",
             }
         )
+        if r["method"] == TMS:
+            released = r.get("tms_released_bytes")
+            out.append(
+                {
+                    "name": f"{r['part']} {r['direction']}: manager >= {TMS_SPEEDUP:g}x faster than {TMS}",
+                    "passed": r["time_vs_manager"] >= TMS_SPEEDUP,
+                    "detail": f"{TMS} takes {r['time_vs_manager']:.2f}x the manager's time (tag "
+                    f"{r.get('tms_tag')}"
+                    + (f", {released / 2**30:.2f} GiB given back per pause" if released else "")
+                    + f", {r['bytes_part'] / 2**30:.2f} GiB in the part)",
+                }
+            )
     if "cycles" in res:
         out += _cycle_targets(res, gpu)
     if res.get("overlap"):
         out += overlap_targets(res["overlap"], gpu)
     out += repeated_targets(res, gpu, res["config"]["rss_tolerance_mb"] * 2**20)
+    tms = res.get(TMS)
+    if tms and "bye" in tms:
+        changed = tms["parts_changed"]
+        out.append(
+            {
+                "name": f"integrity: {TMS}'s trainer bit-identical after every resume (checked in its worker)",
+                "passed": not changed and not tms["failed"],
+                "detail": (f"bytes changed in {', '.join(changed)}" if changed else "checksums equal")
+                + (f"; failed: {tms['failed']}" if tms["failed"] else ""),
+            }
+        )
     integ = res.get("integrity")
     if integ:
         out.append(

@@ -41,9 +41,10 @@ deep inside megatron's reader. Checkpoints written before the manifest load unve
 
 Where it lives: the directory format and the manifest in :mod:`chatlearn_mem.checkpoint_format`,
 the atomic writes in :mod:`chatlearn_mem.atomic_files`, the trainer's host copies in
-:mod:`chatlearn_mem.checkpoint_serving`, the guard against orphaned writer processes in
-:mod:`chatlearn_mem.writer_processes`; this module saves and loads (and re-exports the names
-users import from here).
+:mod:`chatlearn_mem.checkpoint_serving`, megatron's calls in :mod:`chatlearn_mem.mcore.checkpointing`,
+the guard against orphaned writer processes in :mod:`chatlearn_mem.writer_processes`; this module
+saves (plan, snapshot from the host copies, write, commit) and loads, and re-exports the names
+users import from here.
 
 Format choice: megatron-core's ``dist_checkpointing`` (``torch_dist`` backend) works on the CPU
 backend (gloo, CPU-only torch); ``torch.distributed.checkpoint`` is not needed. The distributed
@@ -54,14 +55,14 @@ optimizer is saved in a format that reshards across tensor- and data-parallel si
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
 import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -73,8 +74,7 @@ from chatlearn_mem.checkpoint_format import (
     CheckpointError,
     check_files,
     check_writable,
-    checkpoint_files,
-    file_digest,
+    full_manifest,
     latest_checkpoint,
     list_checkpoints,
     own_files,
@@ -128,69 +128,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-# -- building the state ------------------------------------------------------------------------------
-def _sharded_state(manager: Any, is_loading: bool, sharding: str) -> dict:
-    """``{"model": ..., "optimizer": ..., "rng": ShardedObject}`` (megatron's sharded state dicts)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    chunks, optimizer, leaves = trainer_parts(manager)
-    checkpointing.dist_checkpointing_numpy2_compat()
-    model = checkpointing.model_sharded_state_dict(chunks)
-    split = checkpointing.parallel_split()
-    rng = ShardedObject(
-        "chatlearn_rng_state",
-        checkpointing.rng_state(),
-        (split["pp"], split["tp"], split["dp"]),
-        (split["pp_rank"], split["tp_rank"], split["dp_rank"]),
-        replica_id=0,
-    )
-    return {
-        **model,
-        "optimizer": checkpointing.optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
-        "rng": rng,
-        "optimizer_steps": checkpointing.optimizer_steps(leaves),
-    }
-
-
-def _detach_for_save(state: dict, is_live) -> dict:
-    """Make the state independent of the trainer: tensors detached from parameter objects (which
-    follow their ``.data`` back to the device), live training tensors copied to host memory,
-    non-tensor objects deep-copied; host-store views in sharded tensors are kept as they are (no
-    copy); plain tensors (megatron pickles them, typically step counts) are copied."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        return t.to("cpu", copy=True) if is_live(t) else t
-
-    def fix(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):  # pickled into common.pt: a plain copy
-            return x.detach().to("cpu", copy=True)
-        if isinstance(x, ShardedObject):
-            x.data = copy.deepcopy(x.data)
-        elif isinstance(getattr(x, "data", None), torch.Tensor):  # ShardedTensor, ShardedTensorFactory
-            x.data = own(x.data)
-        return x
-
-    return dict_list_map_inplace(fix, state)
-
-
-def _tensor_shapes(state: dict) -> dict[str, tuple[list[int], str]]:
-    """``key -> (global shape, dtype)`` of the model's sharded tensors."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    out = {}
-    for name, sub in state.items():
-        if not name.startswith("model"):
-            continue
-        for v in nested_values(sub):
-            if isinstance(v, ShardedTensor):
-                out[v.key] = (list(v.global_shape), str(v.dtype).replace("torch.", ""))
-    return out
-
-
 def estimate_checkpoint_nbytes(manager: Any, resharding: bool = True) -> int:
     """About how many bytes :func:`save_checkpoint` writes for this rank, before any save (and
     before the optimizer's first step): the model's weights, plus fp32 main weights and Adam's
@@ -211,25 +148,49 @@ def estimate_checkpoint_nbytes(manager: Any, resharding: bool = True) -> int:
     return weights + owned * 4 * 3
 
 
-# -- saving ----------------------------------------------------------------------------------------------
+def _split_sizes() -> dict[str, int]:
+    """The parallel split's sizes (no ranks): what a checkpoint records and a load compares."""
+    return {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")}
+
+
+# -- saving: plan, snapshot (host copies served), write, commit ------------------------------------------
+@dataclass(frozen=True)
+class _SavePlan:
+    """Where and how a save writes, fixed before anything is written."""
+
+    root: str
+    step: int
+    final: str  # the checkpoint's directory once committed
+    tmp: str  # where every rank writes until the commit
+    rank: int
+    sharding: str  # the distributed optimizer's format (checkpointing.distrib_optimizer_sharding)
+    metadata: Optional[dict]
+    keep_last: Optional[int]
+    started: float  # time.perf_counter() when the save was called
+
+
 @dataclass
 class SaveHandle:
-    """A checkpoint save in progress (or done). Call :meth:`wait` on every rank."""
+    """A checkpoint save in progress (or done), and the owner of its state from the write to the
+    commit. Call :meth:`wait` on every rank."""
 
     path: str
     """The directory the checkpoint has once complete."""
     step: int
     nbytes: int
     """Tensor bytes this rank writes."""
-    _thread: Optional[threading.Thread] = None
-    _finish: Any = None
-    _error: Optional[BaseException] = None
-    _committed: bool = False
-    _manifest: Optional[dict] = None
+    _plan: _SavePlan = field(repr=False)
+    _request: Any = field(repr=False)  # megatron's; it holds what it writes
+    _readers: contextlib.ExitStack = field(repr=False)  # the host stores the write reads
+    _shapes: dict = field(repr=False)  # the model's tensors, for the metadata file
     seconds: float = 0.0
     """Wall time from the call to the commit (set by :meth:`wait`)."""
     manifest_seconds: float = 0.0
     """Of which this rank spent checksumming files for the manifest."""
+    _thread: Optional[threading.Thread] = None
+    _error: Optional[BaseException] = None
+    _manifest: Optional[dict] = None
+    _committed: bool = False
 
     def done(self) -> bool:
         """Whether the tensors are written (the checkpoint is complete once :meth:`wait` returned)."""
@@ -249,9 +210,54 @@ class SaveHandle:
         if self._error is not None:
             raise CheckpointError(f"saving checkpoint {self.path} failed: {self._error}") from self._error
         if not self._committed:
-            self._finish()
+            self._commit()
             self._committed = True
         return self.path
+
+    def _write_in_background(self) -> None:
+        self._thread = threading.Thread(target=self._write, name=f"chatlearn-ckpt-{self.step}", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        """Write this rank's tensors, then checksum its files for the manifest while they are still
+        in the page cache; an error is kept for :meth:`wait` (this may run in the save's thread)."""
+        with writers_die_with_this_thread():
+            try:
+                with self._readers:  # the host stores are read until the tensors are written
+                    checkpointing.write_save(self._request)
+                t = time.perf_counter()
+                self._manifest = own_files(self._plan.tmp, self._plan.rank)
+                self.manifest_seconds = time.perf_counter() - t
+            except BaseException as e:  # noqa: BLE001 - reported by wait()
+                self._error = e
+
+    def _commit(self) -> None:
+        """Finish megatron's save and gather the manifests (collectives); rank 0 writes the metadata
+        file last, renames the directory into place and drops checkpoints beyond ``keep_last``."""
+        plan = self._plan
+        _barrier()
+        checkpointing.finalize_save(self._request)
+        manifests = _gather(self._manifest)
+        if plan.rank == 0:
+            t = time.perf_counter()
+            files = full_manifest(plan.tmp, manifests)
+            self.manifest_seconds += time.perf_counter() - t
+            meta = {
+                "format": FORMAT,
+                "step": plan.step,
+                "megatron_core": checkpointing.megatron_core_version(),
+                "parallel": _split_sizes(),
+                "tensors": self._shapes,
+                "distrib_optimizer_sharding": plan.sharding,
+                "metadata": plan.metadata,
+                "files": files,
+            }
+            commit_directory(plan.tmp, self.path, METADATA_FILE, meta)
+            if plan.keep_last is not None:
+                for old in list_checkpoints(plan.root)[: -plan.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        self.seconds = time.perf_counter() - plan.started
 
 
 def save_checkpoint(
@@ -293,9 +299,26 @@ def save_checkpoint(
         UnsupportedLayoutError: ``resharding=False`` with megatron-core 0.13.
         ValueError: ``step`` < 0 or ``keep_last`` < 1.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    plan = _plan_save(manager, root, step, metadata, keep_last, resharding)
+    state, readers = with_host_copies(manager, lambda is_live: _snapshot(manager, plan.sharding, is_live))
+    handle = _start_write(plan, state, readers)
+    del state  # the request holds what it writes
+    if async_:
+        handle._write_in_background()
+    else:
+        handle._write()
+        handle.wait()
+    return handle
 
+
+def _plan_save(
+    manager: Any, root: str, step: int, metadata: Optional[dict], keep_last: Optional[int], resharding: bool
+) -> _SavePlan:
+    """Check the arguments and the directory and choose the optimizer's format; nothing is written.
+
+    Raises:
+        What :func:`save_checkpoint` raises before anything is written (not the optimizer's step).
+    """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:
@@ -304,108 +327,49 @@ def save_checkpoint(
         json.dumps(metadata)
     except (TypeError, ValueError) as e:
         raise ValueError(f"metadata must be JSON-serialisable: {e}") from e
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     install_parent_death_signal()
     root = os.path.abspath(root)
-    final = os.path.join(root, step_dirname(step))
-    tmp = os.path.join(root, ".tmp." + step_dirname(step))
     check_writable(root)
     sharding = checkpointing.distrib_optimizer_sharding(trainer_parts(manager)[2], resharding)
+    final = os.path.join(root, step_dirname(step))
+    tmp = os.path.join(root, ".tmp." + step_dirname(step))
+    return _SavePlan(root, step, final, tmp, _rank(), sharding, metadata, keep_last, started)
 
-    def build(is_live):
-        if None in checkpointing.optimizer_steps(trainer_parts(manager)[2]):  # read here: the states may be offloaded
-            raise CheckpointError(
-                "the optimizer has not taken a step yet, so it has no state to save (megatron's "
-                "optimizers cannot write a checkpoint before their first step); save after "
-                "optimizer.step()"
-            )
-        return _detach_for_save(_sharded_state(manager, is_loading=False, sharding=sharding), is_live)
 
-    state, readers = with_host_copies(manager, build)
+def _snapshot(manager: Any, sharding: str, is_live: Callable[[torch.Tensor], bool]) -> dict:
+    """The state to save, independent of the trainer; :func:`with_host_copies` runs it while the
+    offloaded tensors view their host copies (``is_live``: a tensor still training on the device).
+
+    Raises:
+        CheckpointError: The optimizer has not taken a step yet.
+    """
+    chunks, optimizer, leaves = trainer_parts(manager)
+    if None in checkpointing.optimizer_steps(leaves):  # read here: the states may be offloaded
+        raise CheckpointError(
+            "the optimizer has not taken a step yet, so it has no state to save (megatron's "
+            "optimizers cannot write a checkpoint before their first step); save after "
+            "optimizer.step()"
+        )
+    state = checkpointing.trainer_sharded_state(chunks, optimizer, leaves, is_loading=False, sharding=sharding)
+    return checkpointing.detached_for_save(state, is_live)
+
+
+def _start_write(plan: _SavePlan, state: dict, readers: contextlib.ExitStack) -> SaveHandle:
+    """Make the temporary directory and let megatron plan the write of ``state`` (a collective);
+    the returned handle owns the save from here. On a failure the host stores are let go."""
     try:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-            os.makedirs(tmp)
+        if plan.rank == 0:
+            shutil.rmtree(plan.tmp, ignore_errors=True)  # left by a save that was killed
+            os.makedirs(plan.tmp)
         _barrier()
-        shapes = _tensor_shapes(state)
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-        nbytes = sum(
-            v.data.numel() * v.data.element_size()
-            for v in nested_values(state)
-            if isinstance(getattr(v, "data", None), torch.Tensor)
-        )
-        # One writer process per rank: thread_count files per rank, each a process forked to write.
-        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-        checkpointing.use_in_process_write_results_queue()
-        request = dist_checkpointing.save(
-            state,
-            tmp,
-            sharded_strategy=strategy,
-            async_sharded_save=True,
-            **checkpointing.dist_checkpointing_save_kwargs(),
-        )
+        shapes = checkpointing.model_tensor_shapes(state)
+        nbytes = checkpointing.tensor_nbytes(state)
+        request = checkpointing.start_save(state, plan.tmp)
     except BaseException:
         readers.close()
         raise
-    del state  # the request holds what it writes
-
-    handle = SaveHandle(final, step, nbytes)
-    rank = _rank()
-
-    def write():
-        with writers_die_with_this_thread():
-            try:
-                with readers:  # the host stores are read until the tensors are written
-                    args = list(request.async_fn_args)
-                    preload = getattr(request, "preload_fn", None)
-                    if preload is not None:
-                        args[1] = preload()
-                    if request.async_fn is not None:
-                        request.async_fn(*args, **getattr(request, "async_fn_kwargs", {}))
-                t = time.perf_counter()
-                handle._manifest = own_files(tmp, rank)  # while the files are in the page cache
-                handle.manifest_seconds = time.perf_counter() - t
-            except BaseException as e:  # noqa: BLE001 - reported by wait()
-                handle._error = e
-
-    def finish():
-        _barrier()
-        for fn in request.finalize_fns:
-            fn()
-        manifests = _gather(handle._manifest)
-        if rank == 0:
-            t = time.perf_counter()
-            files = {k: v for m in manifests for k, v in m.items()}
-            for name in checkpoint_files(tmp):  # megatron's metadata, and any file not named after its rank
-                if name not in files:
-                    files[name] = file_digest(os.path.join(tmp, name))
-            handle.manifest_seconds += time.perf_counter() - t
-            meta = {
-                "format": FORMAT,
-                "step": step,
-                "megatron_core": checkpointing.megatron_core_version(),
-                "parallel": {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")},
-                "tensors": shapes,
-                "distrib_optimizer_sharding": sharding,
-                "metadata": metadata,
-                "files": files,
-            }
-            commit_directory(tmp, final, METADATA_FILE, meta)
-            if keep_last is not None:
-                for old in list_checkpoints(root)[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-        _barrier()
-        handle.seconds = time.perf_counter() - t0
-
-    handle._finish = finish
-    if async_:
-        handle._thread = threading.Thread(target=write, name=f"chatlearn-ckpt-{step}", daemon=True)
-        handle._thread.start()
-    else:
-        write()
-        handle.wait()
-    return handle
+    return SaveHandle(plan.final, plan.step, nbytes, plan, request, readers, shapes)
 
 
 # -- loading ---------------------------------------------------------------------------------------------
@@ -459,13 +423,13 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
         found = [e for e in _gather(None if mine is None else (mine.file, mine.problem)) if e is not None]
         if found:
             raise CheckpointDamagedError(path, *found[0])
-    chunks, optimizer, _ = trainer_parts(manager)
+    chunks, optimizer, leaves = trainer_parts(manager)
     prepare_load(manager)
-    same_split = {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")} == meta[
-        "parallel"
-    ]
-    state = _sharded_state(manager, is_loading=True, sharding=meta["distrib_optimizer_sharding"])
-    problems = _shape_differences(meta["tensors"], _tensor_shapes(state))
+    same_split = _split_sizes() == meta["parallel"]
+    state = checkpointing.trainer_sharded_state(
+        chunks, optimizer, leaves, is_loading=True, sharding=meta["distrib_optimizer_sharding"]
+    )
+    problems = _shape_differences(meta["tensors"], checkpointing.model_tensor_shapes(state))
     if problems:
         raise CheckpointError(
             f"checkpoint {path!r} does not fit this model: "
@@ -475,11 +439,11 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
     if not same_split:
         del state["rng"]
     loaded = dist_checkpointing.load(state, path)
-    checkpointing.clear_optimizer_states(trainer_parts(manager)[2])
+    checkpointing.clear_optimizer_states(leaves)
     checkpointing.load_model_state(chunks, loaded)
-    with checkpointing.loading_optimizer_steps_compat(trainer_parts(manager)[2]):
+    with checkpointing.loading_optimizer_steps_compat(leaves):
         optimizer.load_state_dict(loaded["optimizer"])
-    checkpointing.set_optimizer_steps(trainer_parts(manager)[2], loaded["optimizer_steps"])
+    checkpointing.set_optimizer_steps(leaves, loaded["optimizer_steps"])
     if same_split:
         checkpointing.set_rng_state(loaded["rng"])
     after_load(manager)

@@ -28,6 +28,7 @@ __all__ = [
     "check_writable",
     "checkpoint_files",
     "file_digest",
+    "full_manifest",
     "latest_checkpoint",
     "list_checkpoints",
     "own_files",
@@ -92,6 +93,16 @@ def own_files(directory: str, rank: int) -> dict[str, dict]:
     """The manifest entries of the tensor files ``rank`` wrote (torch's ``__<rank>_<n>.distcp``)."""
     prefix = f"__{rank}_"
     return {f: file_digest(os.path.join(directory, f)) for f in checkpoint_files(directory) if f.startswith(prefix)}
+
+
+def full_manifest(directory: str, own: list[dict[str, dict]]) -> dict[str, dict]:
+    """The manifest of a whole checkpoint directory: every rank's :func:`own_files`, then an entry
+    for every other file (megatron's metadata, any file not named after its rank)."""
+    files = {k: v for m in own for k, v in m.items()}
+    for name in checkpoint_files(directory):
+        if name not in files:
+            files[name] = file_digest(os.path.join(directory, name))
+    return files
 
 
 def check_files(path: str, manifest: dict[str, dict], names: list[str]) -> Optional[CheckpointDamagedError]:

@@ -14,21 +14,26 @@ once, under the first holder that claims it, in this order: the managers' parts,
 memory buffer, Transformer Engine, MoE token dispatchers, anything else reachable. On CUDA the
 allocator's own figures complete the picture: allocated bytes the walk did not reach, blocks the
 caching allocator keeps reserved, and device memory outside the allocator (CUDA context, NCCL
-communicators). On CPU the walk is the whole report.
+communicators). With NVML (``pynvml``, see :mod:`chatlearn_mem.process_memory`) those are this
+process's own bytes; without it, the device's (every process on the GPU). What the walk cannot
+see (the CUDA context, NCCL's buffers, cuBLAS workspaces) is split out when the caller measured it
+(``measured=``). On CPU the walk is the whole report, and the driver's view says "not measured
+here: no CUDA". :data:`WHY_IT_STAYS` says, per holder, why it is still there after a full offload.
 """
 
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from chatlearn_mem import process_memory
 from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.mcore import transient
 
-__all__ = ["DeviceReport", "HOLDERS", "device_report", "reachable_tensors"]
+__all__ = ["DeviceReport", "HOLDERS", "MEASURED", "WHY_IT_STAYS", "device_report", "reachable_tensors"]
 
 MANAGER_RESIDUE = "manager_residue"
 GLOBAL_MEMORY_BUFFER = "megatron_global_memory_buffer"
@@ -36,8 +41,18 @@ TRANSFORMER_ENGINE = "transformer_engine"
 MOE_DISPATCHER = "moe_dispatcher"
 MODEL_OTHER = "model_other"
 OTHER_ALLOCATED = "other_allocated"
+CUBLAS_WORKSPACES = "cublas_workspaces"
 ALLOCATOR_CACHE = "allocator_cache"
+NCCL_COMMUNICATORS = "nccl_communicators"
+CUDA_CONTEXT = "cuda_context"
 OUTSIDE_ALLOCATOR = "outside_allocator"
+
+MEASURED = (CUDA_CONTEXT, NCCL_COMMUNICATORS, CUBLAS_WORKSPACES)
+"""Holders the walk cannot see, which :func:`device_report` splits out when the caller measured them
+(``measured={name: bytes}``): ``cuda_context`` out of ``outside_allocator`` (the process's NVML
+bytes once CUDA started, before anything was allocated), ``nccl_communicators`` out of
+``outside_allocator`` (what the first collective added outside the allocator), ``cublas_workspaces``
+out of ``other_allocated`` (what :func:`chatlearn_mem.process_memory.release_idle_memory` freed)."""
 
 HOLDERS = {
     MANAGER_RESIDUE: "parts the memory managers manage that are still on the device: offload them "
@@ -57,12 +72,43 @@ HOLDERS = {
     "allocated): torch.cuda.empty_cache() returns them (MemoryConfig.empty_cache does "
     "after every offload); what stays after it is fragmentation, which "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces",
-    OUTSIDE_ALLOCATOR: "(CUDA) device memory outside PyTorch's allocator (device used minus reserved): "
-    "the CUDA context, NCCL communicators (often GBs per rank; destroy process "
-    "groups no longer needed), libraries' own allocations. Device-wide: other "
-    "processes on this GPU count here too",
+    CUBLAS_WORKSPACES: "(CUDA) cuBLAS/cuBLASLt workspaces torch keeps per handle and stream (32 MiB "
+    "each on Hopper), allocated but reachable from no model; measured by what "
+    "release_idle_memory freed",
+    NCCL_COMMUNICATORS: "(CUDA) NCCL communicators' buffers, outside the allocator (about 1 GiB per rank at "
+    "TP4 reported; measured as what the first collective added)",
+    CUDA_CONTEXT: "(CUDA) the CUDA context of this process: driver state and the kernels loaded "
+    "when CUDA started (measured before anything was allocated)",
+    OUTSIDE_ALLOCATOR: "(CUDA) device memory outside PyTorch's allocator (NVML's bytes for this process minus "
+    "reserved; without NVML the device's, other processes on this GPU included) not "
+    "split out above: the CUDA context, kernels loaded lazily since, NCCL communicators "
+    "(often GBs per rank; destroy process groups no longer needed), libraries' own "
+    "allocations",
 }
 """Every holder the report names, with what it is and what to do about it."""
+
+WHY_IT_STAYS = {
+    MANAGER_RESIDUE: "a part that is not offloaded: nothing stays of an offloaded part",
+    GLOBAL_MEMORY_BUFFER: "megatron owns it and hands out views of it; the manager does not drop "
+    "another library's scratch space (megatron would allocate it again at its next use)",
+    TRANSFORMER_ENGINE: "Transformer Engine's own workspaces and FP8 state, kept by TE for the process's life",
+    MOE_DISPATCHER: "the last batch's routing tensors, held by the dispatcher until the next forward",
+    MODEL_OTHER: "tensors user code or the optimizer attached to the model, outside every part",
+    OTHER_ALLOCATED: "tensors this process still references outside the model (activations, outputs, "
+    "other models); cuBLAS workspaces count here unless measured",
+    CUBLAS_WORKSPACES: "not released: offload(release_idle_memory=False), a partial offload, or a thread "
+    "that made them since (a full offload on CUDA clears them, see release_idle_memory)",
+    ALLOCATOR_CACHE: "fragmentation: free blocks in segments that still hold a live block cannot go back "
+    "to the driver (a full offload empties the cache: MemoryConfig.empty_cache)",
+    NCCL_COMMUNICATORS: "NCCL keeps a communicator's buffers while its process group lives; megatron's "
+    "groups are held by DDP and the optimizer, so destroying and re-creating them is "
+    "not transparent (NCCL 2.29's ncclCommSuspend could release them; torch does not "
+    "expose it)",
+    CUDA_CONTEXT: "the process's CUDA context lives as long as the process",
+    OUTSIDE_ALLOCATOR: "the CUDA context's growth since start (kernels loaded lazily at first use), "
+    "libraries' own allocations; without NVML, other processes on the GPU",
+}
+"""Per holder, why its bytes are still on the device after a full offload (and what could free them)."""
 
 _PRIORITY = (MANAGER_RESIDUE, GLOBAL_MEMORY_BUFFER, TRANSFORMER_ENGINE, MOE_DISPATCHER, MODEL_OTHER)
 _TOP = 5  # largest tensors listed per holder
@@ -83,6 +129,10 @@ class DeviceReport:
             the path being how the walk reached them (``root0`` is the first root).
         cuda: On CUDA the allocator's figures in bytes (``allocated``, ``reserved``,
             ``device_used``, ``device_total``); None on CPU.
+        process: On CUDA this process's view
+            (:meth:`chatlearn_mem.process_memory.ProcessMemory.to_dict`: NVML's bytes for this
+            process when it could be read, ``nvml_note`` says how or why not); None on CPU.
+        measured: The bytes the caller measured for holders the walk cannot see (:data:`MEASURED`).
     """
 
     device: str
@@ -90,6 +140,13 @@ class DeviceReport:
     by_holder: dict = field(default_factory=dict)
     largest: dict = field(default_factory=dict)
     cuda: Optional[dict] = None
+    process: Optional[dict] = None
+    measured: dict = field(default_factory=dict)
+
+    @property
+    def per_process(self) -> bool:
+        """Whether ``total_bytes`` is this process's own (NVML) rather than the device's or the walk's."""
+        return bool(self.process and self.process.get("per_process"))
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every field."""
@@ -99,17 +156,38 @@ class DeviceReport:
             "by_holder": dict(self.by_holder),
             "largest": {k: [list(x) for x in v] for k, v in self.largest.items()},
             "cuda": self.cuda,
+            "process": self.process,
+            "per_process": self.per_process,
+            "measured": dict(self.measured),
         }
 
+    def remains(self) -> list[tuple[str, int, str]]:
+        """``(holder, bytes, why it stays)`` for every holder still holding bytes, largest first."""
+        held = sorted(((h, n) for h, n in self.by_holder.items() if n), key=lambda x: -x[1])
+        return [(h, n, WHY_IT_STAYS[h]) for h, n in held]
+
     def format(self) -> str:
-        """A readable table: bytes and share per holder, the largest tensors, what each holder is."""
-        lines = [f"device memory still held on {self.device}: {_mib(self.total_bytes)}"]
+        """A readable table: bytes and share per holder, the largest tensors, what each holder is and
+        why what remains stays."""
+        whose = "this process (NVML)" if self.per_process else "the device" if self.cuda else "the walk"
+        lines = [f"device memory still held on {self.device}: {_mib(self.total_bytes)} ({whose})"]
         if self.cuda:
             lines.append(
                 "  (CUDA: allocated {}, reserved {}, device used {} of {})".format(
                     *(_mib(self.cuda[k]) for k in ("allocated", "reserved", "device_used", "device_total"))
                 )
             )
+        if self.process:
+            nvml = self.process.get("nvml_process_used")
+            lines.append(
+                f"  (process {self.process['pid']}: "
+                + (f"NVML {_mib(nvml)}" if nvml is not None else self.process["nvml_note"])
+                + f"; outside the allocator {_mib(self.process['outside_allocator'])})"
+            )
+        else:
+            lines.append(f"  (the driver's view: {process_memory.NOT_MEASURED})")
+        if self.measured:
+            lines.append("  (measured: " + ", ".join(f"{k} {_mib(v)}" for k, v in self.measured.items()) + ")")
         for holder, n in self.by_holder.items():
             share = f"{100 * n / self.total_bytes:5.1f}%" if self.total_bytes else "    -"
             lines.append(f"  {holder:<31} {_mib(n):>14} {share}")
@@ -117,6 +195,10 @@ class DeviceReport:
                 lines.append(f"      {_mib(nbytes):>14}  {path}")
         lines.append("what each holder is:")
         lines += [f"  {h}: {HOLDERS[h]}" for h in self.by_holder]
+        remains = self.remains()
+        if remains:
+            lines.append("why what remains stays:")
+            lines += [f"  {h} ({_mib(n)}): {why}" for h, n, why in remains]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -219,7 +301,10 @@ def _holder_of_path(owners: tuple) -> str:
 
 
 def device_report(
-    *roots: Any, managers: Iterable[Any] = (), device: Optional[torch.device | str] = None
+    *roots: Any,
+    managers: Iterable[Any] = (),
+    device: Optional[torch.device | str] = None,
+    measured: Optional[Mapping[str, int]] = None,
 ) -> DeviceReport:
     """Report the bytes still held on ``device`` and who holds them.
 
@@ -235,6 +320,9 @@ def device_report(
             ``InferenceMemoryManager``); storages of their parts count as ``manager_residue``.
         device: The device to report on; default the managers' device, else the first tensor's,
             else the current CUDA device or the CPU.
+        measured: Bytes of holders the walk cannot see, measured by the caller (keys of
+            :data:`MEASURED`); each is split out of the holder that contains it, at most all of it.
+            Ignored on CPU.
 
     Returns:
         A :class:`DeviceReport`; ``print(report)`` shows the table.
@@ -245,6 +333,10 @@ def device_report(
         print(device_report(trainer.model, trainer.optimizer, managers=[mm]))
     """
     managers = list(managers)
+    measured = dict(measured or {})
+    unknown = set(measured) - set(MEASURED)
+    if unknown:
+        raise ValueError(f"measured takes {', '.join(MEASURED)}; got {', '.join(sorted(unknown))}")
     device = torch.device(device) if device is not None else _default_device(managers, roots)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -280,15 +372,29 @@ def device_report(
         if entry["bytes"]:
             largest[entry["holder"]].append((entry["path"], entry["bytes"]))
     largest = {h: sorted(v, key=lambda x: -x[1])[:_TOP] for h, v in largest.items() if v}
-    cuda = None
-    if device.type == "cuda":
+    cuda = process = None
+    pm = process_memory.process_memory(device) if device.type == "cuda" else None
+    if pm is not None:
         attributed = sum(by_holder.values())
-        allocated = torch.cuda.memory_allocated(device)
-        reserved = torch.cuda.memory_reserved(device)
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        cuda = {"allocated": allocated, "reserved": reserved, "device_used": used, "device_total": total}
-        by_holder[OTHER_ALLOCATED] = max(0, allocated - attributed)
-        by_holder[ALLOCATOR_CACHE] = reserved - allocated
-        by_holder[OUTSIDE_ALLOCATOR] = max(0, used - reserved)
-    return DeviceReport(str(device), sum(by_holder.values()), by_holder, largest, cuda)
+        cuda = {
+            "allocated": pm.allocated,
+            "reserved": pm.reserved,
+            "device_used": pm.device_used,
+            "device_total": pm.device_total,
+        }
+        process = pm.to_dict()
+        other = max(0, pm.allocated - attributed)
+        if CUBLAS_WORKSPACES in measured:
+            by_holder[CUBLAS_WORKSPACES] = min(measured[CUBLAS_WORKSPACES], other)
+            other -= by_holder[CUBLAS_WORKSPACES]
+        by_holder[OTHER_ALLOCATED] = other
+        by_holder[ALLOCATOR_CACHE] = pm.cached
+        outside = pm.outside_allocator
+        for holder in (NCCL_COMMUNICATORS, CUDA_CONTEXT):
+            if holder in measured:
+                by_holder[holder] = min(measured[holder], outside)
+                outside -= by_holder[holder]
+        by_holder[OUTSIDE_ALLOCATOR] = outside
+    else:
+        measured = {}
+    return DeviceReport(str(device), sum(by_holder.values()), by_holder, largest, cuda, process, measured)

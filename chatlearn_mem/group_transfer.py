@@ -13,20 +13,18 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Iterable, Optional
+from typing import Hashable, Iterable, Optional, Protocol
 
 import torch
 
 from chatlearn_mem import device_memory
+from chatlearn_mem.config import MemoryConfig
 from chatlearn_mem.copy_engine import Batch, CopyEngine, Fence, Job
 from chatlearn_mem.device_memory import Block, DeviceSlab, Slab, SlabPlacement, storage_id
 from chatlearn_mem.errors import TransferError
 from chatlearn_mem.host_store import ALIGN, HostStore
 
-if TYPE_CHECKING:
-    from chatlearn_mem.storage import StorageGroup
-
-__all__ = ["GroupTransfer", "TransferStats", "device_of", "offload_plan", "onload_plan"]
+__all__ = ["GroupTransfer", "MovedGroup", "TransferStats", "device_of", "offload_plan", "onload_plan"]
 
 logger = logging.getLogger("chatlearn_mem")
 
@@ -393,6 +391,32 @@ def _user_steps(
     return tuple(out)
 
 
+class MovedGroup(Protocol):
+    """The group a :class:`GroupTransfer` moves, as the transfer sees it
+    (:class:`~chatlearn_mem.storage.StorageGroup`): what it reads, and what it reports back."""
+
+    name: str
+    keep_contents: bool
+    store: Optional[HostStore]
+
+    @property
+    def config(self) -> MemoryConfig: ...
+
+    # a CPU release keeps the storage's memory in the group, so that its regrow needs no allocation
+    def park(self, key: int, block: Block) -> None: ...
+    def parked(self, key: int, huge_pages: bool) -> Optional[Block]: ...
+    def regrown(self, key: int, address: Optional[int]) -> None: ...
+
+    # the group's state changes only through these, once the batch is done (or never submitted)
+    def transfer_cancelled(self, direction: str) -> None: ...
+    def transfer_succeeded(
+        self, direction: str, storages: list[torch.UntypedStorage], copied: bool, token: Optional[Hashable]
+    ) -> None: ...
+    def onload_rolled_back(self) -> None: ...
+    def offload_rolled_back(self, still_released: list[tuple[torch.UntypedStorage, int]], offloaded: bool) -> None: ...
+    def transfer_ended(self) -> None: ...
+
+
 class GroupTransfer:
     """One group's offload or onload: the batch a lane runs, and its settling on the host.
 
@@ -403,7 +427,7 @@ class GroupTransfer:
 
     def __init__(
         self,
-        group: "StorageGroup",
+        group: MovedGroup,
         direction: str,
         plan: _Plan,
         storages: list[torch.UntypedStorage],

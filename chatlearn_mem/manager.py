@@ -160,11 +160,13 @@ class MemoryManagerBase(ModelGuards):
     def _before_release(self, part: Part) -> None:
         """Drop what hangs off ``part`` just before its release is submitted (subclasses)."""
 
-    def _run(self, kind: str, started: list[tuple[Part, GroupTransfer]], blocking: bool):
-        """Submit started transitions as one job: the stats when ``blocking``, else the handle."""
+    def _run(self, kind: str, started: list[tuple[Part, GroupTransfer]], blocking: bool, after_settled=()):
+        """Submit started transitions as one job: the stats when ``blocking``, else the handle.
+        ``after_settled``: callables run once the job has settled, after the parts' own."""
         if not started:
             return [] if blocking else transitions.run(kind, [], blocking=False)
         on_settled = [self.state.after_offload_settled] if kind == "offload" else []
+        on_settled += list(after_settled)
         return transitions.run(kind, [(self, p, gt) for p, gt in started], blocking, on_settled)
 
     @serialized

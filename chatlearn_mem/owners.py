@@ -12,17 +12,31 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 
 from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.errors import ChatlearnMemError
 
-if TYPE_CHECKING:
-    from chatlearn_mem.manager import MemoryManagerBase
+__all__ = ["Manager", "ManagerState", "caller_site", "claim", "manager_of", "release"]
 
-__all__ = ["caller_site", "claim", "manager_of", "release"]
+
+class ManagerState(Protocol):
+    """What the registry reads of a manager's :class:`~chatlearn_mem.parts_state.PartsState`."""
+
+    closed: bool
+    created_at: str
+
+    def storage_keys(self) -> set[int]: ...
+
+
+class Manager(Protocol):
+    """A memory manager, as the registry sees it (:class:`~chatlearn_mem.manager.MemoryManagerBase`)."""
+
+    @property
+    def state(self) -> ManagerState: ...
+
 
 # storage key -> the live manager that releases and restores that storage. Weak: the registry
 # never keeps a manager alive (the hooks it registers on its model do, as long as the model lives).
@@ -31,7 +45,7 @@ _owners_lock = threading.Lock()
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _owner(key: int) -> Optional["MemoryManagerBase"]:
+def _owner(key: int) -> Optional[Manager]:
     """The live manager of a storage key; call with ``_owners_lock`` held."""
     ref = _owners.get(key)
     manager = ref() if ref is not None else None
@@ -58,7 +72,7 @@ def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
         raise TypeError(f"expected a torch.nn.Module, a tensor or a list of them, got {type(obj).__name__}")
 
 
-def manager_of(model: Any) -> Optional["MemoryManagerBase"]:
+def manager_of(model: Any) -> Optional[Manager]:
     """The live (not closed) memory manager of ``model``, or None.
 
     A manager stays alive as long as its model (the hooks it registers hold it), so a sleeping
@@ -87,7 +101,7 @@ def caller_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
 
 
-def claim(manager: "MemoryManagerBase", keys: set[int], what: str) -> list[int]:
+def claim(manager: Manager, keys: set[int], what: str) -> list[int]:
     """Register ``manager`` as the manager of the storages ``keys`` (every storage it moves) and
     return them; refuse when another live manager already moves one of them.
 
@@ -110,7 +124,7 @@ def claim(manager: "MemoryManagerBase", keys: set[int], what: str) -> list[int]:
     return list(keys)
 
 
-def release(manager: "MemoryManagerBase", keys: Iterable[int], blocking: bool = True) -> bool:
+def release(manager: Manager, keys: Iterable[int], blocking: bool = True) -> bool:
     """Drop ``manager``'s entries for ``keys`` from the registry; False when it did not (below).
 
     Args:

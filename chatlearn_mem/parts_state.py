@@ -23,7 +23,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -36,10 +36,14 @@ from chatlearn_mem.group_transfer import GroupTransfer
 from chatlearn_mem.parts import Part, PartsArg, parse_parts
 from chatlearn_mem.storage import StorageGroup, extent, unique_storages
 
-if TYPE_CHECKING:
-    from chatlearn_mem.transitions import Transfer
+__all__ = ["ModelHooks", "PartsState", "Pending", "weak"]
 
-__all__ = ["ModelHooks", "PartsState", "weak"]
+
+class Pending(Protocol):
+    """A transition in flight, as the state sees it (:class:`~chatlearn_mem.transitions.Transfer`)."""
+
+    def settle_unobserved(self) -> None:
+        """Settle it as the manager's next call does (raise a failure no one has seen yet)."""
 
 
 def weak(method: Callable) -> Callable:
@@ -139,7 +143,7 @@ class PartsState:
         self._dirty_epoch = 0
         self._placements: dict[Part, external.Placement] = {}  # recorded after each call, see external.py
         # transitions submitted to the copy engine and not yet settled: part -> (handle, its group's)
-        self._pending: dict[Part, tuple["Transfer", GroupTransfer]] = {}
+        self._pending: dict[Part, tuple[Pending, GroupTransfer]] = {}
         # a weights onload in flight with per-module fences: (its group transfer, {id(module): user})
         self._weights_in_flight: Optional[tuple[GroupTransfer, dict[int, int]]] = None
         self._weight_users_of: list[tuple[torch.nn.Module, int]] = []  # modules that read weights, in order
@@ -313,13 +317,13 @@ class PartsState:
             )
 
     # -- in flight and settled -------------------------------------------------------------------
-    def transfer_started(self, part: Part, transfer: "Transfer", gt: GroupTransfer) -> None:
+    def transfer_started(self, part: Part, transfer: Pending, gt: GroupTransfer) -> None:
         """``transfer`` now moves ``part`` (called by :func:`chatlearn_mem.transitions.run`)."""
         self._pending[part] = (transfer, gt)
         if part is Part.WEIGHTS and gt.direction == "onload" and self._weight_users_of:
             self._weights_in_flight = (gt, {id(m): u for m, u in self._weight_users_of})
 
-    def transfer_settled(self, part: Part, transfer: "Transfer", gt: GroupTransfer) -> None:
+    def transfer_settled(self, part: Part, transfer: Pending, gt: GroupTransfer) -> None:
         """``transfer`` finished moving ``part`` (or rolled it back)."""
         if self._pending.get(part, (None, None))[0] is transfer:
             del self._pending[part]

@@ -266,7 +266,14 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     # -- public API ----------------------------------------------------------------------------
     @serialized
-    def offload(self, parts: PartsArg = None, *, force: bool = False, blocking: bool = True):
+    def offload(
+        self,
+        parts: PartsArg = None,
+        *,
+        force: bool = False,
+        blocking: bool = True,
+        release_idle_memory: Optional[bool] = None,
+    ):
         """Offload the chosen parts (all by default) in a safe order: grads, states, main weights, weights.
 
         Everything that can refuse or fail (unconsumed grads, in-flight communication, host
@@ -280,6 +287,15 @@ class TrainerMemoryManager(MemoryManagerBase):
                 offload refuse, changing nothing).
             blocking: True (default): wait, return the stats. False: return a
                 :class:`~chatlearn_mem.Transfer` at once; the parts count as offloaded from now on.
+            release_idle_memory: On CUDA, once the offload has settled, also give back what the
+                process keeps for compute (:func:`chatlearn_mem.process_memory.release_idle_memory`:
+                the cuBLAS/cuBLASLt workspaces, then, with ``MemoryConfig.empty_cache``, the
+                allocator's free blocks). None (default): when the offload leaves every part
+                offloaded, the trainer asleep; True: after any offload; False: never. The
+                workspaces are stateless scratch the next matmul
+                allocates again (one allocation per stream), and they are the process's, not the
+                model's: pass False when another model of this process computes while this one
+                sleeps and should keep them. Ignored off CUDA.
 
         Returns:
             One :class:`TransferStats` per part that was offloaded (parts already offloaded are
@@ -290,7 +306,22 @@ class TrainerMemoryManager(MemoryManagerBase):
             Whatever a copy raises, once the parts are rolled back (with ``blocking=False``: from
             ``Transfer.wait()``).
         """
-        return self._run("offload", self.state.begin_offload(parts, force=force), blocking)
+        started = self.state.begin_offload(parts, force=force)
+        return self._run("offload", started, blocking, self._idle_release(release_idle_memory))
+
+    def _idle_release(self, wanted: Optional[bool]) -> list:
+        """The callable that releases the process's idle memory once an offload settles (see
+        :meth:`offload`), in a list; empty when there is nothing to do."""
+        if wanted is False or self.device.type != "cuda":
+            return []
+
+        def release() -> None:
+            if wanted or all(self.state.offloaded(p) for p in self.parts):
+                from chatlearn_mem.process_memory import release_idle_memory
+
+                release_idle_memory(self.device, measure=False, empty_cache=self.config.empty_cache)
+
+        return [release]
 
     @serialized
     def onload(self, parts: PartsArg = None, *, blocking: bool = True):

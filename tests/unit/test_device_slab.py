@@ -208,7 +208,6 @@ def test_a_swap_between_device_slabs_never_holds_both_models(device_slab, monkey
     outgoing one goes only with its hand-back, so the swap paces on segments: with no headroom the
     two slabs together never hold more than the larger model (paced on storages, they did)."""
     import threading
-    import time
 
     from chatlearn_mem import InferenceMemoryManager, swap
 
@@ -227,23 +226,32 @@ def test_a_swap_between_device_slabs_never_holds_both_models(device_slab, monkey
     assert all(isinstance(s, DeviceSlab) for s in slabs)
     sizes = [s.nbytes for s in slabs]
     lock, held = threading.Lock(), []
+    # with no headroom, the first regrow in (on the caller's thread) waits until this much is out
+    first_in, handed_back, grown_in = slabs[1].segment_nbytes(0), [0], threading.Event()
     real_block, real_hand_back = DeviceSlab.block, DeviceSlab.hand_back
 
     def block(self, *args):
         with lock:
             out = real_block(self, *args)
             held.append(sum(s.allocated for s in slabs))
-            return out
+        grown_in.set()
+        return out
 
     def hand_back(self, *args):
         with lock:
-            return real_hand_back(self, *args)
+            before = self.allocated
+            out = real_hand_back(self, *args)
+            handed_back[0] += before - self.allocated
+        return out
 
     real_run = gt.GroupTransfer.run
 
-    def run(self, action):  # slow copies out: the regrows in come as soon as the pacing lets them
-        if action[0] == gt.COPY_OUT:
-            time.sleep(0.002)
+    def run(self, action):
+        # Once enough is out for the first regrow in, the copies out wait for it: the caller's thread
+        # the pacing has just let go could be run late (50 ms was enough) while the copies out ran on
+        # and emptied the outgoing slab first. Copies slowed down instead (2 ms each) left that race.
+        if action[0] == gt.COPY_OUT and handed_back[0] >= first_in and not grown_in.wait(10):
+            grown_in.set()  # no regrow in after 10 s: hold the copies no longer (held[0] says so below)
         real_run(self, action)
 
     monkeypatch.setattr(DeviceSlab, "block", block)

@@ -159,7 +159,10 @@ def test_cli_unknown_preset_lists_the_presets():
 def test_cli_lists_presets():
     result = CliRunner().invoke(app, ["presets"])
     assert result.exit_code == 0
-    assert "ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu" in result.output and "bench: cpu, gpu, tiny" in result.output
+    assert (
+        "ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu" in result.output
+        and "bench: cpu, gpu, gpu_large, gpu_tms, tiny" in result.output
+    )
 
 
 def test_an_unknown_key_suggests_the_nearest_one_with_its_dotted_key(tmp_path):
@@ -196,7 +199,7 @@ def test_cli_lists_presets_with_their_summaries():
     assert result.exit_code == 0
     lines = result.output.splitlines()
     assert f"ppo: cpu_tiny, cpu_tiny_llama, cpu_vllm, gpu, gpu_vllm (default: {DEFAULT_PRESET})" in lines
-    assert f"bench: cpu, gpu, tiny (default: {BENCH_DEFAULT})" in lines
+    assert f"bench: cpu, gpu, gpu_large, gpu_tms, tiny (default: {BENCH_DEFAULT})" in lines
     for presets in (PRESETS, BENCH_PRESETS):
         for name in preset_names(presets):
             summary = preset_description(presets, name)

@@ -3,6 +3,9 @@ with the engine's log-probs, the weight update streamed tensor by tensor, and it
 
 Skipped where vLLM is not installed; CI installs it as docs/vllm.md says (`scripts/test.sh`)."""
 
+import time
+import warnings
+
 import pytest
 import torch
 from hf_checkpoints import LLAMA_FIELDS
@@ -10,7 +13,16 @@ from hf_checkpoints import LLAMA_FIELDS
 pytest.importorskip("vllm", reason="vLLM is not installed: see docs/vllm.md")
 transformers = pytest.importorskip("transformers")
 
-from chatlearn_mem.engines.vllm_rollout import EngineError, VLLMRollout  # noqa: E402
+from chatlearn_mem.engines import digest  # noqa: E402
+from chatlearn_mem.engines.vllm_rollout import (  # noqa: E402
+    EngineError,
+    EngineWarning,
+    SyncVerificationError,
+    VLLMRollout,
+    canary_tokens,
+    check_vllm_install,
+    mismatch_bound,
+)
 from chatlearn_mem.models import hf  # noqa: E402
 from chatlearn_mem.models.gpt import GPTTrainerConfig  # noqa: E402
 
@@ -29,6 +41,7 @@ CFG = GPTTrainerConfig(
     precision="fp32",
 )
 TOL = 1e-5  # fp32 log-probs, engine against transformers on the same weights
+assert TOL < mismatch_bound("fp32").mean_abs  # the tier's tolerance is tighter than the default bound
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +52,15 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    e = VLLMRollout(checkpoint, CFG, seed=0, max_num_seqs=8)
+def log_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("log") / "vllm.log"
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, log_file):
+    t0 = time.perf_counter()
+    e = VLLMRollout(checkpoint, CFG, seed=0, max_num_seqs=8, log_file=log_file)
+    e.wall_seconds = time.perf_counter() - t0  # the test's own clock around the constructor
     yield e
     e.close()
 
@@ -82,7 +102,8 @@ def test_generate_samples_reproducibly_with_the_log_probs_the_trainer_computes(e
     ref = _logprobs(reference, tokens, 0.7)[:, 4:]
     assert (logprobs - ref).abs().max().item() < TOL  # after temperature, like the trainer's
     assert engine.score(tokens).sub(_logprobs(reference, tokens, 1.0)).abs().max().item() < TOL
-    assert engine.start_seconds > 0
+    # start_seconds is the constructor's start and first generate: most of the constructor's time
+    assert 0.5 * engine.wall_seconds < engine.start_seconds <= engine.wall_seconds
 
 
 def test_a_streamed_update_takes_and_the_engine_serves_the_new_weights(engine, reference):
@@ -132,3 +153,117 @@ def test_sleep_on_a_cpu_build_is_said_once_and_keeps_the_engine_usable(engine):
     engine.sleep()  # said once
     engine.wake_up()
     assert engine.generate(_prompts(), 2, temperature=1.0)[0].shape == (4, 7)
+
+
+def _perturbed(items, target: str):
+    """The stream, with ``target`` moved by one ulp in place after it was yielded: after the
+    export's digest hashed it, before the engine copied it (vLLM copies a layer's weights once the
+    layer's last one arrived, and k is not the last of the attention's)."""
+    for name, t in items:
+        t = t.clone()
+        yield name, t
+        if name == target:
+            t.view(-1)[5] = torch.nextafter(t.view(-1)[5], torch.tensor(float("inf")))
+
+
+def test_every_update_is_verified_by_a_digest_that_both_sides_compute(engine, reference):
+    weights = sorted(_weights(reference).items())
+    stats = engine.sync_weights(weights)
+    exported = digest.StreamDigest(CFG)
+    for name, t in weights:
+        exported.update(name, t)
+    held = engine.weights_digest()
+    assert stats.digest == exported.result().hexdigest == held.hexdigest
+    assert list(held.params) == [p.name for p in digest.engine_params(CFG)]  # every engine parameter, merged ones too
+    assert 0 < stats.hash_seconds < stats.seconds and 0 < stats.verify_seconds < stats.seconds
+
+
+def test_a_perturbed_or_incomplete_update_raises_before_anything_samples(engine, reference):
+    weights = sorted(_weights(reference).items())
+    target = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(
+        SyncVerificationError, match="model.layers.1.self_attn.qkv_proj.weight is not the exported"
+    ) as e:
+        engine.sync_weights(_perturbed(weights, target))
+    assert e.value.param == "model.layers.1.self_attn.qkv_proj.weight"
+    with pytest.raises(EngineError, match="did not verify"):
+        engine.generate(_prompts(), 2, temperature=1.0)
+    with pytest.raises(EngineError, match="did not verify"):
+        engine.score(_prompts())
+    with pytest.raises(EngineError, match=r"incomplete: 1 tensor\(s\) missing \(first model.layers.0.mlp.up_proj"):
+        engine.sync_weights([p for p in weights if p[0] != "model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(EngineError, match="incomplete"):
+        engine.generate(_prompts(), 2, temperature=1.0)
+    assert engine.sync_weights(weights).digest is not None  # a complete, verified update: usable again
+    engine.generate(_prompts(), 2, temperature=1.0)
+
+
+def test_the_engine_side_digest_reads_what_the_engine_holds(engine, reference):
+    weights = sorted(_weights(reference).items())
+    before = engine.sync_weights(weights).digest
+
+    def nudge_norm(worker):
+        w = worker.model_runner.model.model.norm.weight
+        w.data[0] = torch.nextafter(w.data[0], torch.tensor(float("inf")))
+
+    engine._llm.collective_rpc(nudge_norm)  # behind the wrapper's back: only the engine's own read sees it
+    try:
+        held = engine.weights_digest()
+        assert held.hexdigest != before
+        synced = digest.StreamDigest(CFG)
+        for name, t in weights:
+            synced.update(name, t)
+        assert synced.result().first_difference(held) == "model.norm.weight"
+    finally:
+        engine.sync_weights(weights)
+
+
+def test_the_canary_agrees_with_the_trainers_log_probs_and_a_wrong_one_stops_the_engine(engine, reference):
+    weights = sorted(_weights(reference).items())
+    engine.sync_weights(weights)
+    trainer = _logprobs(reference, canary_tokens(CFG.vocab_size), 1.0)[0]
+    assert engine.check_canary(trainer).max_abs < TOL
+    with pytest.raises(
+        SyncVerificationError,
+        match=r"canary's log-probs are off the trainer's by 0.002 at most .*\(bounds 0.001 and 0.0002 for fp32\)",
+    ):
+        engine.check_canary(trainer + 2e-3)
+    with pytest.raises(EngineError, match="canary"):
+        engine.generate(_prompts(), 2, temperature=1.0)
+    engine.sync_weights(weights)
+    with pytest.raises(SyncVerificationError, match="by nan at most"):  # a non-finite mismatch is an error too
+        engine.check_canary(torch.full_like(trainer, float("nan")))
+    engine.sync_weights(weights)
+
+
+def test_the_engines_memory_is_its_weights_and_the_kv_cache_it_allocated(engine):
+    memory = engine.memory()
+    hf_bytes = 4 * sum(torch.Size(s).numel() for s in hf.hf_shapes(CFG).values())
+    if engine.cuda:
+        assert memory.device == "cuda" and memory.weights_bytes >= hf_bytes and memory.kv_cache_bytes > 0
+    else:  # the CPU build: the configured KV cache (1 GiB), and every GEMM weight packed for its kernels
+        assert memory.device == "cpu" and memory.kv_cache_bytes == 2**30
+        assert hf_bytes <= memory.weights_bytes <= 2 * hf_bytes
+    assert memory.total_bytes == memory.weights_bytes + memory.kv_cache_bytes
+
+
+def test_the_engines_own_log_goes_to_its_file_and_a_sync_says_nothing_on_the_console(
+    engine, reference, log_file, capfd
+):
+    weights = sorted(_weights(reference).items())
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine.sync_weights(weights)
+        engine.generate(_prompts(), 2, temperature=1.0)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # no "Reloading and processing weights", no benign "Failed to load weights"
+    assert not [w for w in said if issubclass(w.category, EngineWarning)]
+    text = log_file.read_text()
+    assert "Reloading and processing weights" in text and "RotaryEmbedding: Failed to load weights" in text
+    assert "Initializing a V1 LLM engine" in text  # its start-up too
+    assert engine.log_file == str(log_file)
+
+
+def test_the_install_check_passes_in_this_environment():
+    assert check_vllm_install(timeout_s=300) in ("cpu", "cuda")
