@@ -53,6 +53,38 @@ def _rss_bytes() -> Optional[int]:
         return None
 
 
+class PeakRSS:
+    """The peak growth of this process's resident set over a ``with`` block, sampled every
+    ``interval_s`` on a thread (``.bytes`` once the block ended; 0 where ``/proc`` cannot be read)."""
+
+    def __init__(self, interval_s: float = 0.002):
+        import threading
+
+        self.interval_s, self.bytes = interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="chatlearn-peak-rss", daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            rss = _rss_bytes()
+            if rss is not None and self._start is not None:
+                self.bytes = max(self.bytes, rss - self._start)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "PeakRSS":
+        self._start = _rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        rss = _rss_bytes()
+        if rss is not None and self._start is not None:
+            self.bytes = max(self.bytes, rss - self._start)
+
+
 def process_memory() -> dict:
     """What this process holds beside a model's parts: on CUDA torch's allocated and reserved
     bytes, and the process's resident set (``rss_bytes``)."""
@@ -330,23 +362,45 @@ class TrainerActor(ManagedActor):
         """This rank's own megatron weights in buckets of at most ``bucket_bytes``, read from the
         host store when asleep (:func:`chatlearn_mem.models.hf.megatron_shard_buckets`: every
         tensor-parallel rank's buckets hold the same names): a generator, called with
-        ``num_returns="streaming"`` by the vLLM rollout, which merges the ranks' buckets."""
+        ``num_returns="streaming"`` by the vLLM rollout, which merges the ranks' buckets. The peak
+        growth of this process's resident set while it streams is kept for
+        :meth:`stream_peak_rss_bytes`."""
         from chatlearn_mem.models import hf
 
-        yield from hf.megatron_shard_buckets(self.manager.weights_state_dict(), self.config, int(tp), int(bucket_bytes))
+        with PeakRSS() as peak:
+            try:
+                yield from hf.megatron_shard_buckets(
+                    self.manager.weights_state_dict(), self.config, int(tp), int(bucket_bytes)
+                )
+            finally:
+                self._stream_peak = peak
+        self._stream_peak = peak
 
-    def host_weights_copy_seconds(self) -> dict:
-        """A plain copy of this rank's weights, read where :meth:`megatron_weight_buckets` reads them (the
-        host store when asleep), into preallocated host tensors: ``{"seconds", "bytes"}`` of the
-        second of two copies (the first touches the new pages). The vLLM weight sync's baseline."""
+    def stream_peak_rss_bytes(self) -> int:
+        """How far this process's resident set grew over its last :meth:`megatron_weight_buckets`."""
+        peak = getattr(self, "_stream_peak", None)
+        return int(peak.bytes) if peak is not None else 0
+
+    def host_weights_copy_seconds(self, bucket_bytes: int) -> dict:
+        """A plain copy of this rank's weights, read where :meth:`megatron_weight_buckets` reads them
+        (the host store when asleep), through one preallocated host buffer of ``bucket_bytes`` (or
+        of the largest tensor, when larger): ``{"seconds", "bytes"}`` of the second of two passes
+        (the first touches the buffer's pages). The vLLM weight sync's baseline; it holds no second
+        copy of the weights."""
         import time
 
         tensors = [t for t in self.manager.weights_state_dict().values() if torch.is_tensor(t)]
-        copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in tensors]
+        size = max([int(bucket_bytes)] + [t.numel() * t.element_size() for t in tensors])
+        buffer = torch.empty(size, dtype=torch.uint8)
         for _ in range(2):
             t0 = time.perf_counter()
-            for dst, src in zip(copies, tensors):
-                dst.copy_(src)
+            at = 0
+            for src in tensors:
+                n = src.numel() * src.element_size()
+                if at + n > size:  # the buffer is full: the next bucket starts over it
+                    at = 0
+                buffer[at : at + n].view(src.dtype).view(src.shape).copy_(src)
+                at += n
             seconds = time.perf_counter() - t0
         return {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in tensors)}
 

@@ -212,10 +212,11 @@ class Colocation:
                 elif m.kind == "engine" and m.backend == "vllm":
                     from chatlearn_mem_ray.vllm_actor import VLLMRolloutActor
 
+                    log_file = str(Path(cfg.output_dir).absolute() / f"{name}_vllm.log")
                     handle = (
                         ray.remote(VLLMRolloutActor)
                         .options(**options(bundle))
-                        .remote(name, config, memory, m.engine_config.model_dump())
+                        .remote(name, config, memory, m.engine_config.model_dump(), log_file, cfg.memory.verify_sync)
                     )
                 else:  # a frozen model, or the megatron rollout
                     handle = Inference.options(**options(bundle)).remote(name, config, memory)
@@ -224,10 +225,16 @@ class Colocation:
         self._check_nodes()
 
     def _setup_actors(self) -> None:
-        """Every actor builds its model; a trainer's ranks join their process group."""
+        """Every actor builds its model; a trainer's ranks join their process group. On GPUs a vLLM
+        engine starts once every model built before it is asleep, so that its free-memory check
+        sees the room it will have beside them."""
         p = self.cfg.parallel
+        built: list = []
         for m in self.models:
             group = self.actors_of[m.name]
+            if m.kind == "engine" and m.backend == "vllm" and self.use_gpu and self.cfg.memory.enabled and built:
+                self.call("setup", {a: a.offload.remote() for a in built})
+            built += group
             init = self.call("setup", {group[0]: group[0].master_address.remote()})[group[0]]
             if m.kind == "trainer":
                 results = self.call(

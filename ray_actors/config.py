@@ -193,8 +193,11 @@ class MemoryPolicy(_Strict):
     audit: bool = True
     """Run the manager's audit after every onload and stop the run if it finds a problem."""
     verify_sync: bool = True
-    """Check, by a SHA-256 of every tensor, that the rollout model equals the policy after each
-    weight sync (costs a pass over the weights on both sides)."""
+    """Prove every weight sync bit for bit before the rollout samples: the megatron rollout's
+    tensors against the policy's shards (a SHA-256 of each), a vLLM engine's parameters as loaded
+    against the stream the policy exported (a digest of each, merged as the engine merges them);
+    a difference stops the run with ``WeightSyncError``. Costs a pass over the weights on both
+    sides."""
     manager: MemoryConfig = Field(default_factory=MemoryConfig)
     """Host store settings of every manager."""
     device_budget_mb: Union[None, float, Literal["auto"]] = None
@@ -296,20 +299,31 @@ class RolloutConfig(_Strict):
     engine: Literal["megatron", "vllm"] = "megatron"
     """``megatron``: an inference copy of the policy under a memory manager, sampled token by token.
     ``vllm``: a vLLM engine started from the policy's Hugging Face checkpoint (``policy.from_hf``),
-    its weights replaced from the policy's host store before every generate phase, streamed in
-    buckets of ``sync_bucket_mb`` (see docs/vllm.md; vLLM is installed apart)."""
+    its weights replaced from the policy's host store before every generate phase that follows a
+    train phase, streamed in buckets of ``sync_bucket_mb`` and verified bit for bit (see
+    docs/vllm.md; vLLM is installed apart)."""
     sync_bucket_mb: float = Field(512.0, gt=0)
-    """vllm: the most bytes of converted weights in flight between the policy and the engine."""
+    """vllm: the most bytes of converted weights in one bucket of the stream from the policy to the
+    engine (each policy rank has at most two buckets in flight)."""
     kv_cache_gib: int = Field(1, ge=1)
     """vllm on a CPU-only machine: the engine's KV cache."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vllm on CUDA: the share of the GPU the engine may take for its weights and KV cache. The
+    engine starts with every trainer asleep, so it measures the room it will have beside them."""
+    max_model_len: Optional[int] = Field(None, ge=1)
+    """vllm: the longest prompt plus response the engine serves (None: ``policy.seq_length``)."""
+    enforce_eager: bool = True
+    """vllm on CUDA: no CUDA graphs (they pin memory the engine's sleep cannot release, and take
+    seconds to capture); False lets vLLM capture them."""
     sync_baseline: bool = False
     """vllm: after each weight sync, time a plain copy of the same weights from the policy's host
-    store into preallocated host tensors, the sync's baseline (``log.json``: each iteration's
-    ``weight_sync``, and ``summary.weight_sync``). The copy holds a second copy of the policy's
-    weights on the host while it runs."""
-    mismatch_warn: float = Field(1e-2, gt=0)
+    store through one bucket-sized host buffer (no second copy of the weights is held), the sync's
+    baseline (``log.json``: each iteration's ``weight_sync``, and ``summary.weight_sync``)."""
+    mismatch_warn: Optional[float] = Field(None, gt=0)
     """vllm: warn when the policy's and the engine's log-probs of the same sampled tokens differ by
-    more than this (max absolute difference; every iteration's is in ``log.json``)."""
+    more than this (max absolute difference; every iteration's is in ``log.json``); more than 10x
+    this (or not a number) stops the run. None: by the policy's precision, a tenth of the bound
+    measured for it (``chatlearn_mem.engines.vllm_rollout.MISMATCH_BOUNDS``: fp32 1e-4, bf16 0.15)."""
 
 
 class TrainerModelConfig(GPTTrainerConfig):
@@ -575,12 +589,16 @@ class LoopConfig(_Strict):
                 problems.append(
                     "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"
                 )
-            if self.memory.device_budget_mb is not None and self.ray.use_gpu is True:
-                problems.append(
-                    "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
-                    "plan does not know the size of the engine's KV cache there (vLLM's gpu_memory_utilization share)"
-                )
         return problems
+
+    @property
+    def mismatch_warn(self) -> float:
+        """``rollout.mismatch_warn``, or a tenth of the bound measured for the policy's precision."""
+        if self.rollout.mismatch_warn is not None:
+            return self.rollout.mismatch_warn
+        from chatlearn_mem.engines.vllm_rollout import mismatch_bound
+
+        return mismatch_bound(self.policy.precision).max_abs / 10
 
     def _prompt_tokens(self) -> tuple[str, int]:
         """The longest prompt, in tokens, and the key that says so."""

@@ -95,11 +95,6 @@ class PhaseRunner:
             budget = {b: max(0, free[a] - margin) for b, a in one.items()}
         else:
             budget = int(mem.device_budget_mb * 2**20)
-        if self.cfg.rollout.engine == "vllm" and c.use_gpu:
-            raise BudgetError(
-                "rollout.engine: vllm with memory.device_budget_mb is not supported on GPUs yet: the residency "
-                "plan does not know the size of the engine's KV cache there; set memory.device_budget_mb=null"
-            )
         try:
             self.schedule = ResidencySchedule(sizes, budget, self.demands, c.bundle_of, pinned=self.pinned)
         except ValueError as e:

@@ -1,29 +1,35 @@
-"""The rollout as a vLLM engine (``rollout.engine: vllm``): :class:`VLLMRolloutActor`.
+"""A vLLM engine as a loop's rollout (``rollout.engine: vllm``): :class:`VLLMRolloutActor`.
 
 It speaks the same protocol as the other actors of a run (residency, transitions, audit, node
-information), so the PPO loop, the timeline and the supervisor treat it like the megatron rollout.
-Its weights come from the policy before every generate phase: each tensor-parallel rank of the
-policy streams its host store's shards in buckets (:meth:`TrainerActor.megatron_weight_buckets`),
-this actor merges one bucket of every rank at a time into Hugging Face tensors and the engine loads
-them one tensor at a time (:meth:`chatlearn_mem.engines.vllm_rollout.VLLMRollout.sync_weights`).
+information), so the service, the timeline and the supervisor treat it like the megatron rollout.
+Its weights come from the trainer it follows: each tensor-parallel rank of the trainer streams its
+host store's shards in buckets (:meth:`TrainerActor.megatron_weight_buckets`), this actor merges
+one bucket of every rank at a time into Hugging Face tensors and the engine loads them one tensor
+at a time and verifies them bit for bit
+(:meth:`chatlearn_mem.engines.vllm_rollout.VLLMRollout.sync_weights`). A sync that does not
+verify comes back as a record the driver turns into a ``WeightSyncError`` before the engine samples.
+
+The engine's own log goes to ``<output_dir>/<name>_vllm.log``; what matters in it is said in one
+line. Host memory during a sync is measured on both sides (:class:`PeakRSS`): each record holds the
+peak growth of this actor's and of every trainer rank's resident set over the sync.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+import time
+from typing import Any, Mapping, Optional
 
 import torch
 
 from chatlearn_mem.parts import PartsArg
-from chatlearn_mem_ray.actors import ManagedActor, process_memory
+from chatlearn_mem_ray.actors import ManagedActor, PeakRSS, process_memory
 from chatlearn_mem_ray.config import RolloutConfig, TrainerModelConfig
 
 __all__ = ["VLLMRolloutActor", "engine_bytes"]
 
 _BACKPRESSURE = 2
-"""Buckets each policy rank may have produced ahead of the engine: the host holds at most this
-many buckets per rank beside the host stores."""
+"""Buckets each trainer rank may have produced ahead of the engine (Ray's streaming generator)."""
 
 
 class VLLMRolloutActor(ManagedActor):
@@ -35,20 +41,40 @@ class VLLMRolloutActor(ManagedActor):
             ``from_hf`` checkpoint starts the engine).
         memory: A :class:`chatlearn_mem.MemoryConfig` as a dict (unused: the engine manages its own).
         rollout: The run's :class:`chatlearn_mem_ray.config.RolloutConfig` as a dict.
+        log_file: Where the engine's own log goes (None: the console, as vLLM does).
+        verify: Verify every sync bit for bit (``memory.verify_sync``).
     """
 
-    def __init__(self, name: str, model: Mapping[str, Any], memory: Mapping[str, Any], rollout: Mapping[str, Any]):
+    def __init__(
+        self,
+        name: str,
+        model: Mapping[str, Any],
+        memory: Mapping[str, Any],
+        rollout: Mapping[str, Any],
+        log_file: Optional[str] = None,
+        verify: bool = True,
+    ):
         super().__init__(name, memory)
         self.config = TrainerModelConfig(**model)
         self.rollout = RolloutConfig(**rollout)
+        self.log_file, self.verify = log_file, verify
         self.engine = None
 
     def setup(self, init_method: str = "") -> dict:
         """Start the engine from the policy's checkpoint (no process group: the engine has its own)."""
         from chatlearn_mem.engines.vllm_rollout import VLLMRollout
 
+        r = self.rollout
         self.engine = VLLMRollout(
-            self.config.from_hf, self.config, seed=self.config.seed, kv_cache_gib=self.rollout.kv_cache_gib
+            self.config.from_hf,
+            self.config,
+            seed=self.config.seed,
+            kv_cache_gib=r.kv_cache_gib,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_model_len=r.max_model_len,
+            enforce_eager=r.enforce_eager,
+            log_file=self.log_file,
+            verify=self.verify,
         )
         return {"rank": 0, "start_seconds": self.engine.start_seconds}
 
@@ -57,19 +83,20 @@ class VLLMRolloutActor(ManagedActor):
 
     # -- the work -------------------------------------------------------------------------
     def sync_from(self, policies: list, bucket_bytes: int) -> dict:
-        """Load the policy's current weights into the engine, streamed from its actors: one per
+        """Load the trainer's current weights into the engine, streamed from its actors (one per
         tensor-parallel rank, in rank order, each sending its own shards in buckets of at most
-        ``bucket_bytes``; a bucket of every rank is merged into Hugging Face tensors at a time.
+        ``bucket_bytes``; a bucket of every rank merged into Hugging Face tensors at a time), and
+        verify them.
 
         Returns:
-            ``{"tensors", "bytes", "seconds", "gb_per_s"}`` of the update.
-
-        Raises:
-            EngineError: The streams were incomplete or disagreed, or the engine failed while
-                loading (the engine then refuses to generate until a complete update).
+            ``{"tensors", "bytes", "seconds", "gb_per_s", "verified", "digest", "hash_seconds",
+            "verify_seconds", "engine_peak_rss_bytes", "policy_peak_rss_bytes"}``; when the update
+            failed or did not verify, ``verified`` is False and ``error`` (and ``param``, the first
+            parameter that differs) say why: the engine then refuses to sample until a sync verifies.
         """
         import ray
 
+        from chatlearn_mem.engines.vllm_rollout import EngineError, SyncVerificationError
         from chatlearn_mem.models import hf
 
         streams = [
@@ -83,8 +110,29 @@ class VLLMRolloutActor(ManagedActor):
             for refs in zip(*streams):
                 yield ray.get(list(refs))
 
-        stats = self.engine.sync_weights(hf.merge_shard_buckets(steps(), self.config))
-        return {"tensors": stats.tensors, "bytes": stats.nbytes, "seconds": stats.seconds, "gb_per_s": stats.gb_per_s}
+        t0 = time.perf_counter()
+        with PeakRSS() as peak:
+            try:
+                stats = self.engine.sync_weights(hf.merge_shard_buckets(steps(), self.config))
+            except (SyncVerificationError, EngineError) as e:
+                failed = {"verified": False, "error": str(e), "param": getattr(e, "param", None)}
+            else:
+                failed = None
+        policy_peaks = ray.get([p.stream_peak_rss_bytes.remote() for p in policies])
+        memory = {"engine_peak_rss_bytes": peak.bytes, "policy_peak_rss_bytes": max(policy_peaks or [0])}
+        if failed is not None:
+            return {**failed, **memory, "seconds": time.perf_counter() - t0}
+        return {
+            "tensors": stats.tensors,
+            "bytes": stats.nbytes,
+            "seconds": stats.seconds,
+            "gb_per_s": stats.gb_per_s,
+            "verified": stats.digest is not None,
+            "digest": stats.digest,
+            "hash_seconds": stats.hash_seconds,
+            "verify_seconds": stats.verify_seconds,
+            **memory,
+        }
 
     def generate(
         self, prompts: torch.Tensor, response_length: int, temperature: float, seed: int
@@ -92,11 +140,29 @@ class VLLMRolloutActor(ManagedActor):
         """As the megatron rollout's: ``(tokens (B, P+R), logprobs (B, P+R-1))``; the log-probs of
         the prompt's positions, which the engine does not compute, are NaN (PPO reads the last R).
         CUDA: the KV cache wakes here, after the weight update (:meth:`onload` woke the weights)."""
-        if "kv_cache" in self.engine.sleeping:
-            self.engine.wake_up(tags=["kv_cache"])
+        self._wake_kv_cache()
         tokens, logprobs = self.engine.generate(prompts, response_length, temperature, seed=seed)
         pad = torch.full((tokens.shape[0], prompts.shape[1] - 1), float("nan"))
         return tokens, torch.cat([pad, logprobs], dim=1)
+
+    def generate_rows(
+        self,
+        rows: list[list[int]],
+        response_length: int,
+        temperature: float,
+        seed: int,
+        eos_ids: tuple[int, ...] = (),
+        pad_id: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As the megatron rollout's :meth:`~chatlearn_mem_ray.actors.InferenceActor.generate_rows`
+        (prompts of any length, a stop at ``eos_ids``): ``(tokens, logprobs, response_lengths)``,
+        the log-probs NaN off the response."""
+        self._wake_kv_cache()
+        return self.engine.generate_rows(rows, response_length, temperature, seed, eos_ids, pad_id)
+
+    def _wake_kv_cache(self) -> None:
+        if "kv_cache" in self.engine.sleeping:
+            self.engine.wake_up(tags=["kv_cache"])
 
     # -- the actors' protocol ------------------------------------------------------------
     def offload(self, parts: PartsArg = None, blocking: bool = True) -> list[dict]:
@@ -116,15 +182,21 @@ class VLLMRolloutActor(ManagedActor):
         return {"seconds": 0.0, "stats": []}
 
     def _engine_bytes(self) -> int:
-        return engine_bytes(self.config, self.rollout, cuda=self.engine is None or self.engine.cuda)
+        """The engine's weights and KV cache as it allocated them (a running engine), else the estimate."""
+        if self.engine is not None:
+            m = self.engine.memory()
+            return int(m.weights_bytes + m.kv_cache_bytes)
+        return engine_bytes(self.config, self.rollout, cuda=torch.cuda.is_available())
 
     def part_sizes(self) -> dict[str, int]:
+        """The engine as one item of a residency plan, its ``weights`` part: weights and KV cache
+        (what a generate phase needs), the sizes the engine reports."""
         return {"weights": self._engine_bytes()}
 
     def residency(self) -> dict:
-        """What the engine holds, counted as its ``weights`` part (what a generate phase needs:
-        weights and KV cache): on the CPU build always (vLLM cannot sleep there), on CUDA while awake."""
-        awake = self.engine is not None and "weights" not in self.engine.sleeping
+        """What the engine holds, weights and KV cache, counted as its ``weights`` part: on the CPU
+        build always (vLLM cannot sleep there), on CUDA while awake."""
+        awake = self.engine is not None and not self.engine.asleep
         held = self._engine_bytes() if awake else 0
         out = {
             "device_bytes": held,
@@ -140,8 +212,10 @@ class VLLMRolloutActor(ManagedActor):
 
 
 def engine_bytes(config, rollout: RolloutConfig, cuda: bool) -> int:
-    """The engine's weights, and on the CPU build its KV cache (``rollout.kv_cache_gib``); on CUDA
-    the KV cache is the share of the GPU vLLM takes, which torch's counters show."""
+    """Before the engine starts: its weights, and on the CPU build its KV cache
+    (``rollout.kv_cache_gib``). On CUDA the KV cache is what vLLM makes of
+    ``rollout.gpu_memory_utilization`` once it sees the device, known only then (the plan made
+    after the start uses the engine's own report)."""
     return _weights_bytes(config) + (0 if cuda else rollout.kv_cache_gib * 2**30)
 
 

@@ -82,23 +82,39 @@ def sync_rollout_model(svc: "Service", phase: str, rollout, senders: list) -> No
 
 
 def sync_engine(svc: "Service", phase: str, engine, senders: list) -> dict:
-    """The engine pulls the trainer's weights from its host store, streamed in buckets; returns the
-    iteration's ``weight_sync`` record (without its share of the iteration, known at the end). A
-    stream that missed a tensor is an error there; whether the engine serves the trainer's weights
-    is checked when the trainer recomputes the rollout's log-probs (:func:`recompute_old_logprobs`)."""
+    """The engine pulls the trainer's weights from its host store, streamed in buckets, and verifies
+    them bit for bit (with ``memory.verify_sync``); returns the iteration's ``weight_sync`` record
+    (without its share of the iteration, known at the end): seconds, bytes, the verification's
+    seconds, the peak host memory growth of the engine's and the trainer's processes.
+
+    Raises:
+        WeightSyncError: The update failed, was incomplete or did not verify (the differing
+            parameter named): before the engine samples. The log-probs the trainer recomputes
+            later (:func:`engine_mismatch`) check what a digest cannot see."""
     c, rollout = svc.colo, svc.cfg.rollout
     bucket = int(rollout.sync_bucket_mb * 2**20)
     sync = c.call(phase, {engine: engine.sync_from.remote(senders, bucket)})[engine]
-    record = {"seconds": sync["seconds"], "bytes": sync["bytes"], "gb_per_s": sync["gb_per_s"]}
+    number, comparison = svc.number(svc.where[0])
+    if "error" in sync:  # the engine refuses to sample now: stop before it does
+        svc.sync_checks.append({"iteration": number, "manager_on": svc.manager_on, "engine": "vllm", **sync})
+        raise WeightSyncError(f"{iteration_label(number, comparison)}: the weight sync did not take: {sync['error']}")
+    record = {
+        "seconds": sync["seconds"],
+        "bytes": sync["bytes"],
+        "gb_per_s": sync["gb_per_s"],
+        "verify_seconds": sync["hash_seconds"] + sync["verify_seconds"],
+        "engine_peak_rss_bytes": sync["engine_peak_rss_bytes"],
+        "policy_peak_rss_bytes": sync["policy_peak_rss_bytes"],
+        "bucket_bytes": bucket,
+    }
     if rollout.sync_baseline:  # every tensor-parallel rank copies its shards at once
-        copies = c.call(phase, {a: a.host_weights_copy_seconds.remote() for a in senders})
+        copies = c.call(phase, {a: a.host_weights_copy_seconds.remote(bucket) for a in senders})
         seconds = max(x["seconds"] for x in copies.values())
         record.update(
             plain_copy_seconds=seconds,
             plain_copy_bytes=sum(x["bytes"] for x in copies.values()),
             vs_plain_copy=sync["seconds"] / seconds if seconds > 0 else None,
         )
-    number, _ = svc.number(svc.where[0])
     svc.sync_checks.append({"iteration": number, "manager_on": svc.manager_on, "engine": "vllm", **sync})
     return record
 
@@ -129,15 +145,15 @@ def engine_mismatch(
     mismatch = {"mean": diff.mean().item(), "max": diff.max().item()}
     number, comparison = svc.number(svc.where[0])
     record = next((r for r in reversed(svc.sync_checks) if r["iteration"] == number), None)
-    limit = svc.cfg.rollout.mismatch_warn
+    limit = svc.cfg.mismatch_warn
     bad = not mismatch["max"] <= 10 * limit  # a NaN is bad too
     if record is not None:
         record.update(logprob_mismatch=mismatch, equal=not bad)
     if bad:
         raise WeightSyncError(
             f"{iteration_label(number, comparison)}: the engine's log-probs differ from the policy's by "
-            f"{mismatch['max']:.3g} (more than 10x rollout.mismatch_warn={limit:g}): the engine does not "
-            "serve the policy's weights"
+            f"{mismatch['max']:.3g} (more than 10x rollout.mismatch_warn={limit:g}, or not a number): the engine "
+            "does not serve the policy's weights"
         )
     if mismatch["max"] > limit:
         warnings.warn(
@@ -191,6 +207,12 @@ def sync_summary(iterations: list[dict]) -> Optional[dict]:
         "gb_per_s": _quartiles([s["gb_per_s"] for s in syncs]),
         "share_of_iteration": _quartiles([s["share_of_iteration"] for s in syncs]),
     }
+    if all("engine_peak_rss_bytes" in s for s in syncs):  # host memory during a sync, in buckets
+        bucket = syncs[-1]["bucket_bytes"]
+        out["verify_seconds"] = _quartiles([s["verify_seconds"] for s in syncs])
+        out["bucket_bytes"] = bucket
+        for side in ("engine", "policy"):
+            out[f"{side}_peak_rss_bytes"] = max(s[f"{side}_peak_rss_bytes"] for s in syncs)
     copies = [s for s in syncs if s.get("vs_plain_copy")]
     if copies:
         out["plain_copy_seconds"] = _quartiles([s["plain_copy_seconds"] for s in copies])
@@ -206,6 +228,13 @@ def sync_summary_line(summary: dict) -> str:
         f"{summary['iterations']} iterations), {summary['bytes'] / 2**20:.1f} MiB at "
         f"{summary['gb_per_s']['median']:.2f} GB/s, {share['median'] * 100:.1f}% of the iteration"
     )
+    if "bucket_bytes" in summary:
+        b = summary["bucket_bytes"]
+        line += (
+            f"; verified in {summary['verify_seconds']['median'] * 1e3:.0f} ms; host memory grew by at most "
+            f"{summary['engine_peak_rss_bytes'] / b:.1f} bucket(s) in the engine's process and "
+            f"{summary['policy_peak_rss_bytes'] / b:.1f} in the policy's ({b / 2**20:g} MiB buckets)"
+        )
     if "vs_plain_copy" in summary:
         c, r = summary["plain_copy_seconds"], summary["vs_plain_copy"]
         line += (

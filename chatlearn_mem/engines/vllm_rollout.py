@@ -366,6 +366,58 @@ class VLLMRollout:
         self._say("while generating")
         return torch.tensor(tokens, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32)
 
+    def generate_rows(
+        self,
+        rows: Sequence[Sequence[int]],
+        response_length: int,
+        temperature: float,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        pad_id: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample up to ``response_length`` tokens after each prompt of ``rows`` (prompts of any
+        length), a row stopping after its first token of ``stop_token_ids`` (kept).
+
+        Returns:
+            ``(tokens (B, L), logprobs (B, L - 1), response_lengths (B,))``: prompt then response,
+            right-padded with ``pad_id`` to the longest; the engine's log-probability of each
+            sampled token at the position that predicts it (NaN elsewhere); each response's length.
+
+        Raises:
+            EngineError: As :meth:`generate`.
+        """
+        self._check_usable("generate")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
+        rows = [list(r) for r in rows]
+        params = [
+            self._sampling(
+                n=1,
+                temperature=temperature,
+                max_tokens=response_length,
+                ignore_eos=True,  # only the caller's stop tokens end a response, as in the trainer's loop
+                stop_token_ids=list(stop_token_ids) or None,
+                logprobs=0,
+                seed=seed + i,
+                detokenize=False,
+            )
+            for i in range(len(rows))
+        ]
+        outs = self._llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        width = max(len(r) + len(o.outputs[0].token_ids) for r, o in zip(rows, outs))
+        tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        logprobs = torch.full((len(rows), width - 1), float("nan"))
+        lengths = torch.zeros(len(rows), dtype=torch.long)
+        for i, (row, out) in enumerate(zip(rows, outs)):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            tokens[i, : len(row) + len(ids)] = torch.tensor(row + ids, dtype=torch.long)
+            lp = [step[t].logprob for step, t in zip(o.logprobs, ids)]
+            logprobs[i, len(row) - 1 : len(row) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            lengths[i] = len(ids)
+        self._say("while generating")
+        return tokens, logprobs, lengths
+
     def score(self, sequences: torch.Tensor) -> torch.Tensor:
         """Log-probability of each next token of ``sequences`` (B, T) at temperature 1: (B, T - 1).
         The check after a weight update compares it with the trainer's."""

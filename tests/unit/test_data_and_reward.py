@@ -21,7 +21,7 @@ from chatlearn_mem_ray.rewards import (
     math_answer,
     score,
 )
-from chatlearn_mem_ray.text_task import position_reward, write_reverse_task, write_tokenizer
+from chatlearn_mem_ray.text_task import position_reward, write_task, write_tokenizer
 
 pytest.importorskip("transformers")
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
@@ -117,7 +117,7 @@ def test_bad_files_and_tokenizers_are_named(tokenizer, tmp_path):
     (empty / "config.json").write_text("{}")
     with pytest.raises(DataError, match="no_tokenizer holds no tokenizer .*it has config.json"):
         load_tokenizer(empty)
-    with pytest.raises(DataError, match="43 tokens, more than policy.vocab_size=32"):
+    with pytest.raises(DataError, match="44 tokens, more than policy.vocab_size=32"):
         load_tokenizer(tokenizer.name_or_path, vocab_size=32)
 
 
@@ -146,9 +146,10 @@ def test_the_built_in_rewards():
     answers = [gsm8k, "72", "72", "1000", "72", "72"]
     assert math_answer([""] * 6, responses, answer=answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     assert math_answer([""], ["\\boxed{0.75}"], ground_truth=["3/4"]) == [1.0]
-    assert position_reward(["ab="] * 3, ["ba", "b", "bax"], answer=["ba"] * 3) == {
-        "reward": [1.0, 0.5, 2 / 3],
-        "exact": [1.0, 0.0, 0.0],
+    # matches over the answer's length, less 0.25 per character past it: a response must stop
+    assert position_reward(["ab.="] * 4, ["ba", "b", "bax", "xyzab"], answer=["ba"] * 4) == {
+        "reward": [1.0, 0.5, 0.75, -0.75],
+        "exact": [1.0, 0.0, 0.0, 0.0],
     }
 
 
