@@ -12,7 +12,7 @@ from released memory live in :mod:`chatlearn_mem.guards`, the one-manager-per-mo
 from __future__ import annotations
 
 import warnings
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Iterable, Iterator, Optional
 
 import torch
 
@@ -209,6 +209,32 @@ class MemoryManagerBase(ModelGuards):
             else:
                 out[name] = t.detach().to("cpu", copy=True)
         return out
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, named as in the model's ``state_dict()``, one at a time: what
+        :meth:`weights_state_dict` holds, without a host copy of the whole model.
+
+        While the weights are offloaded each is a view of the host store (no copy; a copy of that
+        tensor alone where its bytes span two host buffers), and the store is held for reading
+        until the iterator is exhausted or closed (an offload waits). While resident each is a
+        host copy of that tensor alone, made as the iterator reaches it. For streaming a model's
+        weights (a weight sync) with at most a bucket of them in flight. The views are the host
+        store's memory: use them before the next offload, and never write them.
+        """
+        named, group = self._weights_to_read()
+        if group.offloaded:
+            with group.reading():
+                views = [(n, group.host_view(t)) for n, t in named]  # at once: views cost nothing
+                yield from views
+        else:
+            for n, t in named:
+                yield n, t.detach().to("cpu", copy=True)
+
+    @serialized
+    def _weights_to_read(self) -> tuple[list[tuple[str, torch.Tensor]], object]:
+        """The weights in state-dict naming and their storage group, under the lock."""
+        self.state.settle()  # R5: the host copy is read only once written
+        return list(self._state_dict_tensors()), self.state.group(Part.WEIGHTS)
 
     def mark_weights_dirty(self) -> None:
         """Declare that the weights changed in a way the manager cannot see.

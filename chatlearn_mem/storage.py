@@ -159,6 +159,8 @@ class StorageGroup:
             lo, hi = max(start, off), min(start + nbytes, off + host.numel())
             if lo < hi:
                 out[lo - start : hi - start].copy_(host[lo - off : hi - off])
+        if t.is_contiguous():  # the bytes are the tensor already: no second copy
+            return out.view(t.dtype).view(t.shape)
         return out.view(t.dtype).as_strided(t.shape, t.stride()).clone()
 
     def _host_span(self, t: torch.Tensor) -> tuple[int, int, int]:

@@ -12,6 +12,7 @@ Every method returns plain Python or CPU tensors, so results cross process bound
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import warnings
@@ -53,36 +54,52 @@ def _rss_bytes() -> Optional[int]:
         return None
 
 
+def _private_and_shared_bytes() -> Optional[tuple[int, int]]:
+    """This process's resident private (anonymous) memory and shared memory (``RssAnon``,
+    ``RssShmem`` of ``/proc/self/status``); None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssShmem")))
+        return int(fields["RssAnon"].split()[0]) * 1024, int(fields["RssShmem"].split()[0]) * 1024
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 class PeakRSS:
-    """The peak growth of this process's resident set over a ``with`` block, sampled every
-    ``interval_s`` on a thread (``.bytes`` once the block ended; 0 where ``/proc`` cannot be read)."""
+    """The peak growth of this process's resident memory over a ``with`` block, sampled every
+    ``interval_s`` on a thread: ``.bytes`` of private memory (what the process itself allocated:
+    copies, merged tensors) and ``.shared_bytes`` of shared memory (Ray's object store, which maps
+    the same pages into every process that reads them); 0 where ``/proc`` cannot be read."""
 
     def __init__(self, interval_s: float = 0.002):
         import threading
 
-        self.interval_s, self.bytes = interval_s, 0
+        self.interval_s, self.bytes, self.shared_bytes = interval_s, 0, 0
+        self._start: Optional[tuple[int, int]] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="chatlearn-peak-rss", daemon=True)
 
+    def _take(self) -> None:
+        now = _private_and_shared_bytes()
+        if now is not None and self._start is not None:
+            self.bytes = max(self.bytes, now[0] - self._start[0])
+            self.shared_bytes = max(self.shared_bytes, now[1] - self._start[1])
+
     def _sample(self) -> None:
         while True:
-            rss = _rss_bytes()
-            if rss is not None and self._start is not None:
-                self.bytes = max(self.bytes, rss - self._start)
+            self._take()
             if self._stop.wait(self.interval_s):
                 return
 
     def __enter__(self) -> "PeakRSS":
-        self._start = _rss_bytes()
+        self._start = _private_and_shared_bytes()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        rss = _rss_bytes()
-        if rss is not None and self._start is not None:
-            self.bytes = max(self.bytes, rss - self._start)
+        self._take()
 
 
 def process_memory() -> dict:
@@ -103,9 +120,14 @@ class ManagedActor:
     name: str
 
     def __init__(self, name: str, memory: Mapping[str, Any]):
+        # The run's console is the run's: megatron's notices (its deprecations, "GPTModel IS DEPRECATED"
+        # on 0.19) and torch's warning when megatron's zero_grad reads .grad of an fp32 shard view
+        # say nothing a user of the run can act on; the actors' own problems come back as errors.
+        logging.getLogger("megatron").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", module="megatron")
         warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
         warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")  # torch.distributed renames
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
         self.name = name
         self.memory = MemoryConfig(**memory)
         self.manager = None
@@ -366,20 +388,23 @@ class TrainerActor(ManagedActor):
         growth of this process's resident set while it streams is kept for
         :meth:`stream_peak_rss_bytes`."""
         from chatlearn_mem.models import hf
+        from chatlearn_mem_ray.wire import to_wire
 
         with PeakRSS() as peak:
-            try:
-                yield from hf.megatron_shard_buckets(
-                    self.manager.weights_state_dict(), self.config, int(tp), int(bucket_bytes)
-                )
+            try:  # views of the host store, sent as numpy views: the object store holds the only copy
+                for bucket in hf.megatron_shard_buckets(
+                    dict(self.manager.iter_weights()), self.config, int(tp), int(bucket_bytes)
+                ):
+                    yield to_wire(bucket)
             finally:
                 self._stream_peak = peak
         self._stream_peak = peak
 
-    def stream_peak_rss_bytes(self) -> int:
-        """How far this process's resident set grew over its last :meth:`megatron_weight_buckets`."""
+    def stream_peak_rss_bytes(self) -> tuple[int, int]:
+        """How far this process's private and shared resident memory grew over its last
+        :meth:`megatron_weight_buckets` (see :class:`PeakRSS`)."""
         peak = getattr(self, "_stream_peak", None)
-        return int(peak.bytes) if peak is not None else 0
+        return (int(peak.bytes), int(peak.shared_bytes)) if peak is not None else (0, 0)
 
     def host_weights_copy_seconds(self, bucket_bytes: int) -> dict:
         """A plain copy of this rank's weights, read where :meth:`megatron_weight_buckets` reads them
@@ -389,7 +414,7 @@ class TrainerActor(ManagedActor):
         copy of the weights."""
         import time
 
-        tensors = [t for t in self.manager.weights_state_dict().values() if torch.is_tensor(t)]
+        tensors = [t for _, t in self.manager.iter_weights() if torch.is_tensor(t)]
         size = max([int(bucket_bytes)] + [t.numel() * t.element_size() for t in tensors])
         buffer = torch.empty(size, dtype=torch.uint8)
         for _ in range(2):

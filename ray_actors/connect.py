@@ -169,7 +169,8 @@ def init_kwargs(cfg: RunConfig, target: ClusterTarget) -> dict:
             "address": "local",
             "num_cpus": cfg.ray.num_cpus,
             "include_dashboard": False,
-            "logging_level": "WARNING",
+            # ERROR: Ray's notices about its own cluster (token authentication on, ...) are not the run's
+            "logging_level": "ERROR",
             "log_to_driver": True,
         }
     return {"address": target.address, "logging_level": "WARNING"}

@@ -11,7 +11,8 @@ verify comes back as a record the driver turns into a ``WeightSyncError`` before
 
 The engine's own log goes to ``<output_dir>/<name>_vllm.log``; what matters in it is said in one
 line. Host memory during a sync is measured on both sides (:class:`PeakRSS`): each record holds the
-peak growth of this actor's and of every trainer rank's resident set over the sync.
+peak growth of this actor's and of every trainer rank's private resident memory over the sync, and
+apart from it the shared memory (Ray's object store) they mapped.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class VLLMRolloutActor(ManagedActor):
 
         from chatlearn_mem.engines.vllm_rollout import EngineError, SyncVerificationError
         from chatlearn_mem.models import hf
+        from chatlearn_mem_ray.wire import from_wire
 
         streams = [
             p.megatron_weight_buckets.options(
@@ -108,7 +110,7 @@ class VLLMRolloutActor(ManagedActor):
 
         def steps():
             for refs in zip(*streams):
-                yield ray.get(list(refs))
+                yield [from_wire(b) for b in ray.get(list(refs))]
 
         t0 = time.perf_counter()
         with PeakRSS() as peak:
@@ -119,7 +121,12 @@ class VLLMRolloutActor(ManagedActor):
             else:
                 failed = None
         policy_peaks = ray.get([p.stream_peak_rss_bytes.remote() for p in policies])
-        memory = {"engine_peak_rss_bytes": peak.bytes, "policy_peak_rss_bytes": max(policy_peaks or [0])}
+        memory = {
+            "engine_peak_rss_bytes": peak.bytes,  # private memory: what the process itself holds
+            "policy_peak_rss_bytes": max(p for p, _ in policy_peaks),
+            "engine_peak_shared_bytes": peak.shared_bytes,  # Ray's object store, mapped
+            "policy_peak_shared_bytes": max(s for _, s in policy_peaks),
+        }
         if failed is not None:
             return {**failed, **memory, "seconds": time.perf_counter() - t0}
         return {

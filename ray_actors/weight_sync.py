@@ -105,6 +105,8 @@ def sync_engine(svc: "Service", phase: str, engine, senders: list) -> dict:
         "verify_seconds": sync["hash_seconds"] + sync["verify_seconds"],
         "engine_peak_rss_bytes": sync["engine_peak_rss_bytes"],
         "policy_peak_rss_bytes": sync["policy_peak_rss_bytes"],
+        "engine_peak_shared_bytes": sync["engine_peak_shared_bytes"],
+        "policy_peak_shared_bytes": sync["policy_peak_shared_bytes"],
         "bucket_bytes": bucket,
     }
     if rollout.sync_baseline:  # every tensor-parallel rank copies its shards at once
@@ -212,7 +214,9 @@ def sync_summary(iterations: list[dict]) -> Optional[dict]:
         out["verify_seconds"] = _quartiles([s["verify_seconds"] for s in syncs])
         out["bucket_bytes"] = bucket
         for side in ("engine", "policy"):
-            out[f"{side}_peak_rss_bytes"] = max(s[f"{side}_peak_rss_bytes"] for s in syncs)
+            for kind in ("rss", "shared"):
+                key = f"{side}_peak_{kind}_bytes"
+                out[key] = max(s[key] for s in syncs)
     copies = [s for s in syncs if s.get("vs_plain_copy")]
     if copies:
         out["plain_copy_seconds"] = _quartiles([s["plain_copy_seconds"] for s in copies])
@@ -231,9 +235,10 @@ def sync_summary_line(summary: dict) -> str:
     if "bucket_bytes" in summary:
         b = summary["bucket_bytes"]
         line += (
-            f"; verified in {summary['verify_seconds']['median'] * 1e3:.0f} ms; host memory grew by at most "
+            f"; verified in {summary['verify_seconds']['median'] * 1e3:.0f} ms; private host memory grew by at most "
             f"{summary['engine_peak_rss_bytes'] / b:.1f} bucket(s) in the engine's process and "
-            f"{summary['policy_peak_rss_bytes'] / b:.1f} in the policy's ({b / 2**20:g} MiB buckets)"
+            f"{summary['policy_peak_rss_bytes'] / b:.1f} in the policy's ({b / 2**20:g} MiB buckets; Ray's "
+            f"object store {max(summary['engine_peak_shared_bytes'], summary['policy_peak_shared_bytes']) / b:.1f})"
         )
     if "vs_plain_copy" in summary:
         c, r = summary["plain_copy_seconds"], summary["vs_plain_copy"]

@@ -24,6 +24,7 @@ TRAINER_CALLS = [
     ("audit", ()),
     ("mark_weights_dirty", ()),
     ("weights_state_dict", ()),
+    ("iter_weights", ()),  # a generator: it takes the lock when first read
     ("offload_weights", ()),
     ("onload_weights", ()),
     ("offload", (Part.GRADS,)),
@@ -41,6 +42,7 @@ INFERENCE_CALLS = [
     ("audit", ()),
     ("mark_weights_dirty", ()),
     ("weights_state_dict", ()),
+    ("iter_weights", ()),  # a generator: it takes the lock when first read
     ("offload_weights", ()),
     ("onload_weights", ()),
     ("offload", ()),
@@ -76,7 +78,9 @@ def test_every_public_call_waits_for_the_lock(dist1, kind):
 
         def call():
             try:
-                getattr(mm, name)(*args)
+                out = getattr(mm, name)(*args)
+                if name == "iter_weights":
+                    list(out)
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(e)
             done.set()

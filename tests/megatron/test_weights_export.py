@@ -1,4 +1,5 @@
-"""weights_state_dict(): a sleeping model hands out its weights from the host store, bit-exactly."""
+"""weights_state_dict() and iter_weights(): a sleeping model hands out its weights from the host store,
+bit-exactly (iter_weights as views of it, without a copy of the model)."""
 
 import pytest
 import torch
@@ -55,3 +56,33 @@ def test_read_host_refuses_foreign_tensors_and_resident_groups():
         group.read_host(torch.zeros(3))
     assert torch.equal(group.read_host(view), torch.tensor([2.0, 4.0, 6.0]))
     group.onload()
+
+
+def test_iter_weights_views_the_host_store_while_asleep_without_a_copy_of_the_model(dist1):
+    """The weight sync's reader: the same tensors as weights_state_dict(), asleep as views of the host
+    store (no new memory), awake as one copy at a time; an offload waits for a reader."""
+    import threading
+
+    from chatlearn_mem import Part
+
+    _, _, mm, _ = train(gpt.GPTTrainerConfig(), steps=1)
+    awake = dict(mm.iter_weights())
+    mm.offload()
+    copies = mm.weights_state_dict()
+    views = dict(mm.iter_weights())
+    assert views.keys() == copies.keys() == awake.keys()
+    assert all(torch.equal(views[k], copies[k]) and torch.equal(views[k], awake[k]) for k in views)
+    host = [b.data_ptr() for b in mm.state.group(Part.WEIGHTS).store.buckets]
+    inside = lambda t: any(0 <= t.data_ptr() - p < 2**40 for p in host)  # noqa: E731
+    assert all(inside(t) for t in views.values())  # the host store's own bytes
+    mm.onload()
+    reader = mm.iter_weights()
+    mm.offload()
+    next(reader)  # reading now: an offload that copies (the weights changed) waits for the reader
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (mm.onload(), mm.mark_weights_dirty(), mm.offload(), done.set()))
+    t.start()
+    assert not done.wait(0.3)
+    list(reader)
+    t.join(30)
+    assert done.is_set()

@@ -216,5 +216,10 @@ def test_sigterm_stops_at_the_end_of_the_iteration_saves_and_exits_143(tmp_path)
     ), err
     if done % 3:  # not a save point of checkpoint.every: the checkpoint was taken on SIGTERM
         assert f"(saved on SIGTERM, it holds all {done} iterations)" in last, err
+    # the console is the run's: no notice of Ray's own (token authentication), none of megatron's
+    # (0.19's "GPTModel IS DEPRECATED"), no library warning from an actor
+    console = "".join(out) + err
+    for noise in ("Token authentication", "IS DEPRECATED", "UserWarning", "(TrainerActor", "(InferenceActor"):
+        assert noise not in console, console
     _, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert not alive, [p.pid for p in alive]  # no Ray process of the run is left

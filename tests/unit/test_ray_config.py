@@ -206,19 +206,18 @@ def test_cli_lists_presets_with_their_summaries():
             assert summary and any(line.split() == [name, *summary.split()] for line in lines), (name, lines)
 
 
-def test_the_vllm_rollout_is_refused_where_it_cannot_run_yet():
+def test_the_vllm_rollout_needs_a_checkpoint_and_plans_a_budget_on_gpus_too():
     cfg = load_config("cpu_vllm")
     assert cfg.rollout.engine == "vllm" and cfg.policy.from_hf is not None and cfg.policy.precision == "fp32"
     with pytest.raises(ConfigError, match=r"rollout.engine: vllm starts the engine from .*set policy.from_hf"):
         load_config(None, ["rollout.engine=vllm"])
     gpu = load_config("gpu_vllm")  # one GPU, a Qwen2-0.5B shape, written at first use
     assert gpu.rollout.engine == "vllm" and gpu.ray.use_gpu is True and gpu.policy.add_qkv_bias
-    with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported on GPUs yet"):
-        load_config("gpu_vllm", ["memory.device_budget_mb=60000"])
+    # a budget with vLLM on GPUs is planned with the engine's weights and KV cache as it reports them
+    assert load_config("gpu_vllm", ["memory.device_budget_mb=60000"]).memory.device_budget_mb == 60000
     tp2 = load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
     assert tp2.parallel.tensor_model_parallel_size == 2  # the sync merges the ranks' shards (tests/vllm)
-    with pytest.raises(ConfigError, match=r"memory.device_budget_mb is not supported on GPUs yet"):
-        load_config("cpu_vllm", ["memory.device_budget_mb=100", "ray.use_gpu=true"])
+    assert load_config("cpu_vllm", ["memory.device_budget_mb=100", "ray.use_gpu=true"]).ray.use_gpu is True
     assert load_config("cpu_vllm", ["memory.device_budget_mb=100"]).memory.device_budget_mb == 100  # CPU: pinned
     with pytest.raises(ConfigError, match=r"rollout.engine"):
         load_config("cpu_vllm", ["rollout.engine=sglang"])

@@ -248,7 +248,7 @@ def test_a_local_cluster_is_started_even_with_a_ray_start_head_recorded(monkeypa
             "address": "local",
             "num_cpus": 2,
             "include_dashboard": False,
-            "logging_level": "WARNING",
+            "logging_level": "ERROR",
             "log_to_driver": True,
         }
     ]
