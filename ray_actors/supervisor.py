@@ -168,6 +168,11 @@ def run_loop(
                 f"({'GPU' if svc.colo.use_gpu else 'CPU'}) in {time.perf_counter() - t_start:.1f}s; "
                 f"memory manager {'on' if cfg.memory.enabled else 'off'}"
             )
+            for engine in sorted(a for a, _ in svc.runner.pinned):
+                progress(
+                    f"{engine}: vLLM's CPU build cannot sleep, so the engine stays resident in every phase "
+                    f"(counted there); its own log: {Path(cfg.output_dir) / f'{engine}_vllm.log'}"
+                )
             if ck.every:
                 svc.checkpointer = RunCheckpointer(
                     cfg, svc.colo, svc.saved_models, progress, saved=record["checkpoints"]
@@ -201,7 +206,11 @@ def run_loop(
                     progress(f"comparison: {extra_its} more iteration(s) with the memory manager off")
                     svc.wake_all()
                 svc.begin_iteration(it)
-                m = svc.end_iteration(recipe.step(svc, it))
+                try:
+                    m = svc.end_iteration(recipe.step(svc, it))
+                except Exception as e:
+                    _keep_the_open_save(svc, e, progress)
+                    raise
                 if svc.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
                     svc.where = (it, "checkpoint")
                     saved_so_far = {"restarts": list(record["restarts"]), "checkpoints": list(record["checkpoints"])}
@@ -610,6 +619,19 @@ def _sigterm_checkpoint(cfg: LoopConfig, run: Service, loop: Loop, record: dict,
     run.checkpointer.save(done, state)
     run.checkpointer.complete()
     return f"saved on SIGTERM, it holds all {done} iterations"
+
+
+def _keep_the_open_save(svc: Service, error: BaseException, progress: Callable[[str], None]) -> None:
+    """An iteration failed in the loop's own code (a reward function, a NaN, a bad sync), not by a
+    lost actor: commit the save still open in the background, the state after the last complete
+    iteration, before the actors go, so the newest checkpoint holds every completed iteration. A
+    failure of that commit is said, never raised over the first error."""
+    if svc.checkpointer is None or _restartable(error):
+        return
+    try:
+        svc.checkpointer.complete()
+    except Exception as e:  # noqa: BLE001 - the run's own error is what stops it
+        progress(f"warning: the checkpoint save still open could not be completed ({type(e).__name__}: {e})")
 
 
 # -- restarts ------------------------------------------------------------------------------

@@ -56,6 +56,10 @@ class VLLMRolloutActor(ManagedActor):
         verify: bool = True,
     ):
         super().__init__(name, memory)
+        import warnings
+
+        # said once by the driver in its own words (run_loop): not a warning with a file path per run
+        warnings.filterwarnings("ignore", message="vLLM's CPU build cannot sleep")
         self.config = TrainerModelConfig(**model)
         self.rollout = RolloutConfig(**rollout)
         self.log_file, self.verify = log_file, verify

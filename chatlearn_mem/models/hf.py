@@ -203,9 +203,9 @@ def _open_checkpoint(path: Union[str, os.PathLike]) -> _Checkpoint:
     if not os.path.isdir(path):
         if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path):
             raise FileNotFoundError(
-                f"{path!r} is not a local directory; it looks like a Hugging Face Hub name, and models "
-                f"are read from local paths only: download it first (huggingface-cli download {path} "
-                "--local-dir DIR) and pass DIR"
+                f"{path!r} is not a local directory (looked for {os.path.abspath(path)}); models are read from "
+                f"local paths only: put the checkpoint there, or, if {path!r} is a Hugging Face Hub name, "
+                f"download it first (huggingface-cli download {path} --local-dir DIR) and pass DIR"
             )
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist: pass a Hugging Face model directory")
     config_path = os.path.join(path, "config.json")
@@ -932,4 +932,10 @@ def save_random_hf(config: GPTTrainerConfig, path: Union[str, os.PathLike], seed
     hf_config = transformers.AutoConfig.for_model(family.model_type, **fields)
     torch.manual_seed(seed)
     model = getattr(transformers, family.architecture)(hf_config)
-    model.to(torch.bfloat16 if config.precision == "bf16" else torch.float32).save_pretrained(os.fspath(path))
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # a checkpoint of a few MB: no bar on the caller's console
+    try:
+        model.to(torch.bfloat16 if config.precision == "bf16" else torch.float32).save_pretrained(os.fspath(path))
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()

@@ -18,13 +18,25 @@ from chatlearn_mem_ray.grpo import group_advantages, grpo_loss
 CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "grpo").glob("*.yaml"))
 
 
-def test_the_grpo_presets_ship_and_validate():
-    assert {p.stem for p in CONFIGS} == {"cpu_grpo", "cpu_grpo_text", "cpu_grpo_vllm", "gpu_grpo"}
+def test_the_grpo_presets_ship_and_validate(tmp_path):
+    assert {p.stem for p in CONFIGS} == {"cpu_grpo", "cpu_grpo_text", "cpu_grpo_vllm", "gpu_grpo", "gpu_grpo_math"}
     assert preset_names(GRPO_PRESETS) == [p.stem for p in CONFIGS] and DEFAULT_GRPO_PRESET == "cpu_grpo"
+    from chatlearn_mem.models import hf
+    from chatlearn_mem.models.gpt import GPTTrainerConfig
+
+    qwen2 = GPTTrainerConfig(  # stands in for the user's checkpoint that gpu_grpo_math names (none ships)
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        vocab_size=64, seq_length=1024, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
+        add_bias_linear=False, add_qkv_bias=True, share_embeddings_and_output_weights=True,
+    )  # fmt: skip
+    hf.save_random_hf(qwen2, tmp_path / "qwen2")
+    own = {"gpu_grpo_math": [f"policy.from_hf={tmp_path / 'qwen2'}"]}
     for path in CONFIGS:
-        cfg = load_grpo_config(path)
-        assert isinstance(cfg, GRPORunConfig) and load_grpo_config(path.stem) == cfg
+        cfg = load_grpo_config(path, own.get(path.stem, []))
+        assert isinstance(cfg, GRPORunConfig) and load_grpo_config(path.stem, own.get(path.stem, [])) == cfg
         assert path.read_text().startswith("# ") and cfg.grpo.group_size >= 2
+    with pytest.raises(ConfigError, match="put the checkpoint there"):  # without it: where to put it
+        load_grpo_config("gpu_grpo_math")
 
 
 @pytest.mark.parametrize(
@@ -43,6 +55,27 @@ def test_bad_grpo_input_is_one_error_line_and_exit_code_2_before_anything_starts
     assert result.exit_code == 2, result.output
     assert said in result.output and result.output.startswith("error: ")
     assert "Traceback" not in result.output and not out.exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["data.train_files=[{out}/copy.jsonl,{missing}]"], "missing.jsonl does not exist"),  # the 2nd of 2
+        (["reward.function=no_such_module:score"], "cannot be imported: ModuleNotFoundError"),
+        (["data.prompt_key=question"], "row 1 has no field 'question'"),
+    ],
+)
+def test_bad_data_or_reward_is_one_error_line_and_exit_code_2_before_ray(tmp_path, overrides, said):
+    """What a run on text reads is checked before Ray starts (the preset writes its own data,
+    tokenizer and checkpoint first); a problem is one error line naming the file, row or function."""
+    out = tmp_path / "run"
+    args = [o.replace("{missing}", str(tmp_path / "missing.jsonl")).replace("{out}", str(out)) for o in overrides]
+    result = CliRunner().invoke(app, ["grpo", "--config", "cpu_grpo_text", f"output_dir={out}", *args])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]  # after the lines saying what the preset wrote
+    assert last.startswith("error: ") and said in last and "Traceback" not in result.output
+    assert "starting a local Ray cluster" not in result.output
+    assert not (out / "memory_timeline.png").exists()
 
 
 def test_a_reference_is_launched_only_with_a_kl_term():

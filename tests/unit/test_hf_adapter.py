@@ -95,7 +95,7 @@ def test_export_merges_tensor_parallel_shards_by_query_group(kv, tp):
 
 
 def test_checkpoint_directory_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="looks like a Hugging Face Hub name.*download it first"):
+    with pytest.raises(FileNotFoundError, match="if .* is a Hugging Face Hub name, download it first"):
         hf.config_from_hf("meta-llama/Llama-3.2-1B")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         hf.config_from_hf(str(tmp_path / "nowhere"))

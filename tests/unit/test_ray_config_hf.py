@@ -55,7 +55,7 @@ def test_a_disagreeing_key_and_a_hub_name_are_refused(ckpt):
         ConfigError, match=r"policy: the checkpoint .* says otherwise: hidden_size=64 \(config.json: 32\)"
     ):
         load_config(None, [f"policy.from_hf={ckpt}", "policy.hidden_size=64"])
-    with pytest.raises(ConfigError, match="looks like a Hugging Face Hub name.*download it first"):
+    with pytest.raises(ConfigError, match="if .* is a Hugging Face Hub name, download it first"):
         load_config(None, ["policy.from_hf=Qwen/Qwen2-0.5B"])
 
 

@@ -159,3 +159,30 @@ def test_an_engine_killed_during_a_sync_or_a_generate_is_restarted_bit_exact(und
     timing = {"weight_sync", "reward_seconds", "reward_wait_seconds"}
     strip = lambda o: {**o, "iterations": [{k: v for k, v in m.items() if k not in timing} for m in o["iterations"]]}  # noqa: E731
     assert strip(outcome(log)) == strip(outcome(undisturbed))
+
+
+def test_both_rollouts_give_the_same_tokens_stops_and_text_for_the_same_prompts(local_ray, tmp_path):
+    """cpu_grpo_text's first iteration through the megatron loop and through vLLM, both from the
+    same checkpoint and sampling near-greedily (temperature 1e-4): the same responses, cut at the
+    same EOS or stop string, decoded to the same text, scored the same."""
+    base = [
+        "grpo.iterations=1",
+        "memory.compare_iterations=0",
+        "grpo.temperature=0.0001",
+        "grpo.prompts_per_iteration=8",
+        "grpo.minibatch_size=16",
+        "tokenizer.log_samples=8",
+        "rollout.mismatch_warn=1.0",  # log-probs at 1e-4 scale every logit difference by 10^4
+    ]
+    logs = {
+        e: run_grpo(
+            load_grpo_config("cpu_grpo_text", [*base, f"rollout.engine={e}", f"output_dir={tmp_path / e}"]),
+            progress=lambda line: None,
+        )
+        for e in ("megatron", "vllm")
+    }
+    got = {e: log["iterations"][0] for e, log in logs.items()}
+    assert len(got["megatron"]["samples"]) == 8
+    assert got["megatron"]["samples"] == got["vllm"]["samples"]
+    assert got["megatron"]["response_tokens"] == got["vllm"]["response_tokens"]
+    assert got["megatron"]["reward"] == got["vllm"]["reward"]

@@ -4,7 +4,7 @@ Run from the repository root after a change that must not alter PPO's results on
 
     chatlearn-mem ppo output_dir=/tmp/ppo_golden && python tests/ray/golden/record.py /tmp/ppo_golden/log.json
 
-It writes ``tests/ray/golden/ppo_cpu_tiny.json``: every metric of every iteration but the measured
+It writes ``tests/ray/golden/ppo_cpu_tiny.json`` (compared by ``tests/ray/test_ppo_ray.py``): every metric of every iteration but the measured
 timings and process sizes, the weight-sync digests, the device bytes of every phase, the summary's
 colocation figures and the final weights' SHA-256, with the CPU capability and versions it was
 recorded on (CPU kernels of another instruction set may round differently).
