@@ -89,6 +89,7 @@ def test_a_device_budget_trains_the_same_within_it(undisturbed, tmp_path):
     assert all(p["bundle_bytes"]["0"] <= 2.5 * 2**20 for p in log["memory_timeline"]) and not log["over_budget"]
 
 
+@pytest.mark.slow  # as PPO's tensor-parallel run; the vocabulary-parallel entropy has its multirank test
 def test_a_tensor_parallel_policy_trains_with_grpo(local_ray, tmp_path):
     """TP=2: the entropy is all-reduced over the vocabulary's two halves; the run completes with
     finite figures and the rollout synced from both ranks' shards."""
