@@ -138,7 +138,11 @@ class AuditFailedError(RunError):
 
 
 class WeightSyncError(RunError):
-    """The rollout model's weights differ from the policy's after a weight sync (by SHA-256)."""
+    """A weight sync did not take: the rollout's weights differ from what the trainer exported (a
+    SHA-256 per tensor for the megatron rollout, a digest per engine parameter for vLLM; the first
+    differing one named), the update failed or was incomplete, or the engine's log-probs of the
+    sampled tokens are farther from the trainer's than its precision allows. Raised before the
+    rollout samples from weights that did not verify."""
 
 
 class NonFiniteLossError(RunError):
