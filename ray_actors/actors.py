@@ -24,6 +24,7 @@ from chatlearn_mem import InferenceMemoryManager, MemoryConfig, OffloadedError, 
 from chatlearn_mem.parts import PartsArg
 from chatlearn_mem_ray import modeling
 from chatlearn_mem_ray.config import TrainerModelConfig
+from chatlearn_mem_ray.wire import register_tensor_serializer
 
 __all__ = ["InferenceActor", "TrainerActor"]
 
@@ -124,10 +125,13 @@ class ManagedActor:
         # on 0.19) and torch's warning when megatron's zero_grad reads .grad of an fp32 shard view
         # say nothing a user of the run can act on; the actors' own problems come back as errors.
         logging.getLogger("megatron").setLevel(logging.ERROR)
+        # torch's CUDA build on a host without a CUDA runtime, when megatron imports cpp_extension
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", module="megatron")
         warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
         warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")  # torch.distributed renames
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        register_tensor_serializer()  # the driver reads what this actor returns without megatron-core
         self.name = name
         self.memory = MemoryConfig(**memory)
         self.manager = None

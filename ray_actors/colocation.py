@@ -42,6 +42,7 @@ from chatlearn_mem_ray.nodes import (
     unseen_nodes,
     version_skew,
 )
+from chatlearn_mem_ray.wire import register_tensor_serializer
 
 __all__ = ["Colocation", "actor_roster"]
 
@@ -117,6 +118,7 @@ class Colocation:
     def _start(self) -> None:
         ray = connect.import_ray()
         where, self._started_ray = connect.start_or_join(self.cfg, self.progress)
+        register_tensor_serializer()  # what the driver sends crosses as bytes too
         self.use_gpu = self._wait_for_room(ray, where)
         self._place()
 
