@@ -38,6 +38,9 @@ public API) and :mod:`chatlearn_mem.mcore` (the one place that knows megatron-co
 names).
 """
 
+from typing import Any, Optional, Union
+
+from chatlearn_mem import owners
 from chatlearn_mem.audit import AuditReport
 from chatlearn_mem.checkpoint import (
     CheckpointDamagedError,
@@ -62,7 +65,6 @@ from chatlearn_mem.errors import (
 )
 from chatlearn_mem.group_transfer import TransferStats
 from chatlearn_mem.inference import InferenceMemoryManager
-from chatlearn_mem.owners import manager_of
 from chatlearn_mem.parts import Part
 from chatlearn_mem.planner import ResidencyPlan, plan_residency
 from chatlearn_mem.residency import Residency
@@ -107,3 +109,21 @@ __all__ = [
     "CheckpointDamagedError",
 ]
 __version__ = "0.1.0"
+
+
+def manager_of(model: Any) -> Optional[Union[TrainerMemoryManager, InferenceMemoryManager]]:
+    """The live (not closed) memory manager of ``model``, or None.
+
+    A manager stays alive as long as its model (the hooks it registers hold it), so a sleeping
+    model can always be woken up: ``manager_of(model).onload()``.
+
+    Args:
+        model: What the manager was created with (a megatron DDP chunk or a list of them, an
+            ``nn.Module``), any module inside it, or one of its parameters.
+
+    Raises:
+        TypeError: ``model`` is none of those.
+    """
+    # The registry sits below the managers and knows them through a small Protocol; every
+    # manager it holds is one of these two (each claims its model's storages when created).
+    return owners.manager_of(model)  # type: ignore[return-value]

@@ -73,18 +73,8 @@ def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
 
 
 def manager_of(model: Any) -> Optional[Manager]:
-    """The live (not closed) memory manager of ``model``, or None.
-
-    A manager stays alive as long as its model (the hooks it registers hold it), so a sleeping
-    model can always be woken up: ``manager_of(model).onload()``.
-
-    Args:
-        model: What the manager was created with (a megatron DDP chunk or a list of them, an
-            ``nn.Module``), any module inside it, or one of its parameters.
-
-    Raises:
-        TypeError: ``model`` is none of those.
-    """
+    """The registry's lookup behind :func:`chatlearn_mem.manager_of` (which documents it and types
+    its result as the manager it is); raises TypeError for what is no model, chunk or tensor."""
     with _owners_lock:
         for t in _tensors_of(model):
             manager = _owner(storage_key(t))

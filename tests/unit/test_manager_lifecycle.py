@@ -40,6 +40,20 @@ def _same(model, snap):
     return all(torch.equal(model.state_dict()[k], v) for k, v in snap.items())
 
 
+def test_manager_of_is_typed_as_the_manager_a_caller_uses():
+    """A type checker sees what ``manager_of`` returns as a manager with ``onload``/``close``, not
+    as the registry's internal Protocol (which has neither): its hints name the two managers."""
+    import typing
+
+    from chatlearn_mem import TrainerMemoryManager
+
+    hint = typing.get_type_hints(manager_of)["return"]
+    assert set(typing.get_args(hint)) == {TrainerMemoryManager, InferenceMemoryManager, type(None)}, hint
+    for manager in (TrainerMemoryManager, InferenceMemoryManager):
+        for call in ("onload", "offload", "close", "residency", "audit"):
+            assert callable(getattr(manager, call, None)), (manager, call)
+
+
 def test_second_manager_is_refused_naming_the_first(model):
     mm = InferenceMemoryManager(model)
     for target in (model, model.enc, model.dec):  # the whole model, a part, a part sharing a tied weight
