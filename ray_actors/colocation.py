@@ -44,7 +44,7 @@ from chatlearn_mem_ray.nodes import (
 )
 from chatlearn_mem_ray.wire import register_tensor_serializer
 
-__all__ = ["Colocation", "actor_roster"]
+__all__ = ["Colocation", "actor_roster", "engine_log"]
 
 logger = logging.getLogger("chatlearn_mem_ray")
 
@@ -54,6 +54,11 @@ def actor_roster(models: Sequence[Model], world_size: int) -> str:
     counts = [(m.name, len(m.actor_names(world_size))) for m in models]
     roles = [f"{name} x{n}" if n > 1 else name for name, n in counts]
     return f"{sum(n for _, n in counts)} actors ({', '.join(roles)})"
+
+
+def engine_log(output_dir: str, name: str) -> Path:
+    """Where the vLLM engine of actor ``name`` writes its own log (not the run's console)."""
+    return Path(output_dir) / f"{name}_vllm.log"
 
 
 class Colocation:
@@ -214,7 +219,7 @@ class Colocation:
                 elif m.kind == "engine" and m.backend == "vllm":
                     from chatlearn_mem_ray.vllm_actor import VLLMRolloutActor
 
-                    log_file = str(Path(cfg.output_dir).absolute() / f"{name}_vllm.log")
+                    log_file = str(engine_log(cfg.output_dir, name).absolute())
                     handle = (
                         ray.remote(VLLMRolloutActor)
                         .options(**options(bundle))

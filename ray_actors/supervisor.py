@@ -42,6 +42,7 @@ from chatlearn_mem_ray.checkpoints import (
     remove_temporaries,
     write_json_atomic,
 )
+from chatlearn_mem_ray.colocation import engine_log
 from chatlearn_mem_ray.config import GRPORunConfig, LoopConfig, RunConfig
 from chatlearn_mem_ray.connect import wants_gpu
 from chatlearn_mem_ray.declare import check_declarations
@@ -171,7 +172,7 @@ def run_loop(
             for engine in sorted(a for a, _ in svc.runner.pinned):
                 progress(
                     f"{engine}: vLLM's CPU build cannot sleep, so the engine stays resident in every phase "
-                    f"(counted there); its own log: {Path(cfg.output_dir) / f'{engine}_vllm.log'}"
+                    f"(counted there); its own log: {engine_log(cfg.output_dir, engine)}"
                 )
             if ck.every:
                 svc.checkpointer = RunCheckpointer(

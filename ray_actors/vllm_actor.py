@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -56,8 +57,6 @@ class VLLMRolloutActor(ManagedActor):
         verify: bool = True,
     ):
         super().__init__(name, memory)
-        import warnings
-
         # said once by the driver in its own words (run_loop): not a warning with a file path per run
         warnings.filterwarnings("ignore", message="vLLM's CPU build cannot sleep")
         self.config = TrainerModelConfig(**model)

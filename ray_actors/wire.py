@@ -27,11 +27,14 @@ __all__ = ["from_wire", "register_tensor_serializer", "to_wire"]
 def to_wire(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], object]]:
     """``(name, dtype, shape, numpy uint8 view of the bytes)`` per tensor of ``bucket`` (host tensors;
     a non-contiguous one is copied first)."""
-    out = []
-    for name, t in bucket:
-        t = t.detach().cpu().contiguous()
-        out.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy()))
-    return out
+    return [(name, *_as_bytes(t.cpu())) for name, t in bucket]
+
+
+def _as_bytes(t: torch.Tensor) -> tuple[str, tuple[int, ...], object]:
+    """``(dtype, shape, numpy uint8 view of the elements)`` of a host tensor (a non-contiguous one
+    is copied first; a contiguous one is viewed, not copied)."""
+    t = t.detach().contiguous()
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy()
 
 
 def from_wire(bucket: Sequence[tuple[str, str, tuple[int, ...], object]]) -> list[tuple[str, torch.Tensor]]:
@@ -60,8 +63,7 @@ def _tensor_to_payload(t: torch.Tensor) -> tuple:
     )
     if not plain:
         return ("torch", t.__reduce_ex__(2))
-    flat = t.detach().contiguous().reshape(-1)
-    return ("bytes", str(t.dtype).removeprefix("torch."), tuple(t.shape), flat.view(torch.uint8).numpy())
+    return ("bytes", *_as_bytes(t))
 
 
 def _tensor_from_payload(payload: tuple) -> torch.Tensor:
