@@ -1,7 +1,16 @@
 """What a run's ``log.json`` holds that must not depend on timing: the outcome two runs of the same
 training share bit for bit (PPO's golden record, restarts, resumes)."""
 
-TIMING = ("seconds", "phase_seconds", "checkpoint_seconds", "transition_seconds", "rss_bytes")
+TIMING = (
+    "seconds",
+    "phase_seconds",
+    "checkpoint_seconds",
+    "transition_seconds",
+    "rss_bytes",
+    "reward_seconds",  # a run on text: the reward function's seconds, and the driver's wait for it
+    "reward_wait_seconds",
+    "weight_sync",  # a vLLM rollout: the sync's seconds and host memory (its digests are in sync_checks)
+)
 """Measured, not computed: they differ between two runs of the same training."""
 
 
