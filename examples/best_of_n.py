@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatlearn_mem_ray import EVERYTHING, WEIGHTS, Loop, LoopConfig, Model, Phase, load_config, run_loop
-from chatlearn_mem_ray.tasks import TASKS
+from chatlearn_mem_ray.inputs.tasks import TASKS
 
 
 class BestOfN(BaseModel):

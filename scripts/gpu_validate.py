@@ -369,7 +369,7 @@ def plan(out: Path, stem: str, steps: list[str], work: Path, revision: str) -> l
 def _resolve_configs() -> dict:
     """The benchmark presets and the PPO config the GPU run uses, validated (raises ConfigError)."""
     from chatlearn_mem_bench.config import load_config as bench_config
-    from chatlearn_mem_ray.config import load_config as ppo_config
+    from chatlearn_mem_ray import load_config as ppo_config
 
     benches = {step: bench_config(preset).model_dump(mode="json") for step, preset in BENCH_STEPS.items()}
     ppo = ppo_config("gpu", list(PPO_OVERRIDES))
@@ -488,7 +488,7 @@ IMPORTS = (
     "chatlearn_mem_bench.tms",
     "chatlearn_mem_bench.tms_worker",
     "chatlearn_mem_cli.app",
-    "chatlearn_mem_ray.supervisor",
+    "chatlearn_mem_ray.job.run",
     "ray",
 )
 """Every module the GPU run imports (Ray for the PPO step only)."""
@@ -590,7 +590,7 @@ def measure_device_report(cfg=None, batch_size: int = 4, nccl: bool = True) -> d
         torch.cuda.synchronize()
     context = process_memory()
     if cfg is None:
-        from chatlearn_mem_ray.config import load_config as ppo_config
+        from chatlearn_mem_ray import load_config as ppo_config
 
         cfg = ppo_config("gpu", list(PPO_OVERRIDES)).policy
     with warnings.catch_warnings():

@@ -100,7 +100,7 @@ def main() -> None:
     import ray
 
     from chatlearn_mem_ray import load_config, run_ppo
-    from chatlearn_mem_ray.supervisor import _versions
+    from chatlearn_mem_ray.job.output import versions as _versions
 
     base = [
         *(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL),

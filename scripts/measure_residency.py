@@ -127,10 +127,10 @@ def main() -> None:
     import ray
 
     from chatlearn_mem_ray import load_config
-    from chatlearn_mem_ray.ppo import PPO
-    from chatlearn_mem_ray.schedule import ResidencySchedule
-    from chatlearn_mem_ray.service import Service
-    from chatlearn_mem_ray.supervisor import _versions
+    from chatlearn_mem_ray.job.output import versions as _versions
+    from chatlearn_mem_ray.loops.ppo import PPO
+    from chatlearn_mem_ray.service.schedule import ResidencySchedule
+    from chatlearn_mem_ray.service.service import Service
 
     base = [
         *(f"{role}.{kv}" for role in ("policy", "critic") for kv in MODEL),

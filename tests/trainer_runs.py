@@ -607,13 +607,13 @@ def checkpoint_reshard(spec: dict) -> dict:
 
 def vocab_parallel_entropy(spec: dict) -> dict:
     """The entropy of next-token distributions whose vocabulary tensor parallelism split over the
-    ranks (``chatlearn_mem_ray.modeling``, all-reduced), against the entropy of the whole
+    ranks (``chatlearn_mem_ray.actors.modeling``, all-reduced), against the entropy of the whole
     vocabulary on one rank: ``max_abs_diff``, and the log-probs of the same split (megatron's
     vocab-parallel cross entropy) against the whole vocabulary's."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from chatlearn_mem_ray import modeling
+    from chatlearn_mem_ray.actors import modeling
 
     setup_parallel(spec)
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()

@@ -4,9 +4,9 @@ Ray): the policy, rollout and reference hold its tensors bit for bit, the critic
 import pytest
 from hf_checkpoints import bit_equal_dicts, files_state_dict
 
+from chatlearn_mem_ray import load_config
 from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
-from chatlearn_mem_ray.config import load_config
-from chatlearn_mem_ray.supervisor import _prepare_hf_checkpoint
+from chatlearn_mem_ray.job.prepare import prepare_hf_checkpoint
 
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 hf = pytest.importorskip("chatlearn_mem.models.hf")
@@ -15,7 +15,7 @@ hf = pytest.importorskip("chatlearn_mem.models.hf")
 def test_the_tiny_llama_preset_starts_every_model_from_its_checkpoint(dist1, tmp_path):
     cfg = load_config("cpu_tiny_llama", [f"output_dir={tmp_path}"])
     lines = []
-    _prepare_hf_checkpoint(cfg, lines.append)  # what the run does first
+    prepare_hf_checkpoint(cfg, lines.append)  # what the run does first
     assert lines == [f"wrote a randomly initialised LlamaForCausalLM to {tmp_path / 'hf_tiny_llama'}"]
     files = files_state_dict(cfg.policy.from_hf)
     memory = cfg.memory.manager.model_dump()

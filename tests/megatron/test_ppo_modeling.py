@@ -17,7 +17,7 @@ def model(dist1):
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_logprobs_are_those_of_the_tempered_distribution(model, temperature):
-    from chatlearn_mem_ray import modeling
+    from chatlearn_mem_ray.actors import modeling
 
     tokens = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -30,7 +30,7 @@ def test_logprobs_are_those_of_the_tempered_distribution(model, temperature):
 
 def test_generate_then_logprobs_match_the_sampling_probabilities(model):
     """What the bug got wrong: tokens sampled at T=0.5 were scored under T=1."""
-    from chatlearn_mem_ray import modeling
+    from chatlearn_mem_ray.actors import modeling
 
     prompts = torch.randint(0, 64, (4, 3), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -10,9 +10,9 @@ import pytest
 from golden_outcome import outcome
 
 from chatlearn_mem_ray import RunInterrupted, load_grpo_config, run_grpo
-from chatlearn_mem_ray.checkpoints import latest_run_checkpoint, verify_run_checkpoint
-from chatlearn_mem_ray.rewards import RewardError
-from chatlearn_mem_ray.text_task import write_task
+from chatlearn_mem_ray.inputs.rewards import RewardError
+from chatlearn_mem_ray.inputs.text_task import write_task
+from chatlearn_mem_ray.job.checkpoints import latest_run_checkpoint, verify_run_checkpoint
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")

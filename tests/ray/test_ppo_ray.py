@@ -13,7 +13,7 @@ import torch
 from golden_outcome import outcome
 
 from chatlearn_mem_ray import ActorFailedError, NonFiniteLossError, load_config, run_loop, run_ppo
-from chatlearn_mem_ray.ppo import PPO, value_loss
+from chatlearn_mem_ray.loops.ppo import PPO, value_loss
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from chatlearn_mem_ray import ActorFailedError, CheckpointSaveError, RunInterrupted, load_config, run_ppo
-from chatlearn_mem_ray.checkpoints import RUN_FILE, latest_run_checkpoint, list_run_checkpoints
+from chatlearn_mem_ray.job.checkpoints import RUN_FILE, latest_run_checkpoint, list_run_checkpoints
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")

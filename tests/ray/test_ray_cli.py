@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.ray
 pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
-from chatlearn_mem_ray.checkpoints import list_run_checkpoints, read_run_state  # noqa: E402
+from chatlearn_mem_ray.job.checkpoints import list_run_checkpoints, read_run_state  # noqa: E402
 
 RUN = [sys.executable, "-m", "chatlearn_mem_cli", "ppo", "memory.compare_iterations=0", "ray.phase_timeout_s=300"]
 
@@ -87,9 +87,9 @@ def ray_start_head():
 JOIN = """
 import sys
 import ray
-from chatlearn_mem_ray.colocation import Colocation
-from chatlearn_mem_ray.config import load_config
-from chatlearn_mem_ray.ppo import PPO
+from chatlearn_mem_ray.service.colocation import Colocation
+from chatlearn_mem_ray import load_config
+from chatlearn_mem_ray.loops.ppo import PPO
 
 cfg = load_config("cpu_tiny", sys.argv[1:])
 colo = Colocation(cfg, PPO(cfg).models(), progress=print)

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chatlearn_mem_cli.app import app
-from chatlearn_mem_ray import errors, supervisor
+from chatlearn_mem_ray import errors, loops
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,7 @@ def test_a_run_failure_is_one_error_line_and_exit_1(monkeypatch, error):
     def fail(cfg, progress):
         raise error
 
-    monkeypatch.setattr(supervisor, "run_ppo", fail)
+    monkeypatch.setattr(loops, "run_ppo", fail)
     result = CliRunner().invoke(app, ["ppo", "ppo.iterations=1"])
     assert result.exit_code == 1
     assert result.output.startswith("error: ") and str(error.args[-1]) in result.output
@@ -49,7 +49,7 @@ def test_a_missing_extra_names_what_to_install(monkeypatch):
     def fail(cfg, progress):
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
 
-    monkeypatch.setattr(supervisor, "run_ppo", fail)
+    monkeypatch.setattr(loops, "run_ppo", fail)
     result = CliRunner().invoke(app, ["ppo"])
     assert result.exit_code == 1 and "chatlearn-mem with the [ray] extra" in result.output
     assert "Traceback" not in result.output
@@ -128,7 +128,7 @@ def test_bench_help_shows_its_default_preset_and_a_bench_override_example():
 
 
 def test_ppo_help_shows_its_default_preset_and_a_ppo_override_example():
-    from chatlearn_mem_ray.config import DEFAULT_PRESET
+    from chatlearn_mem_ray.loops.ppo import DEFAULT_PRESET
 
     text = _help(["ppo"])
     assert f"[default: {DEFAULT_PRESET}]" in text and "ppo.iterations=5" in text

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from chatlearn_mem import ConfigError
-from chatlearn_mem_ray.data import DataConfig, DataError, PromptData, load_tokenizer, read_rows
-from chatlearn_mem_ray.grpo import decode_responses, response_mask
-from chatlearn_mem_ray.rewards import (
+from chatlearn_mem_ray.inputs.data import DataConfig, DataError, PromptData, load_tokenizer, read_rows
+from chatlearn_mem_ray.inputs.rewards import (
     RewardConfigError,
     RewardError,
     exact_match,
@@ -21,7 +20,8 @@ from chatlearn_mem_ray.rewards import (
     math_answer,
     score,
 )
-from chatlearn_mem_ray.text_task import position_reward, write_task, write_tokenizer
+from chatlearn_mem_ray.inputs.text_task import position_reward, write_task, write_tokenizer
+from chatlearn_mem_ray.loops.grpo.loop import decode_responses, response_mask
 
 pytest.importorskip("transformers")
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
@@ -154,7 +154,7 @@ def test_the_built_in_rewards():
 
 
 def test_a_reward_function_by_module_or_file_path(tmp_path):
-    fn = load_reward_function("chatlearn_mem_ray.text_task:position_reward", ["answer"])
+    fn = load_reward_function("chatlearn_mem_ray.inputs.text_task:position_reward", ["answer"])
     assert fn is position_reward
     f = tmp_path / "my_reward.py"
     f.write_text("def length(prompts, responses, **fields):\n    return [float(len(r)) for r in responses]\n")
@@ -166,10 +166,10 @@ def test_a_reward_function_by_module_or_file_path(tmp_path):
     "spec, said",
     [
         ("no_such_module:f", "cannot be imported: ModuleNotFoundError"),
-        ("chatlearn_mem_ray.text_task:nope", "has no function 'nope'"),
+        ("chatlearn_mem_ray.inputs.text_task:nope", "has no function 'nope'"),
         ("missing.py:f", "missing.py does not exist"),
         ("just_a_name", "give 'package.module:function'"),
-        ("chatlearn_mem_ray.text_task:write_tokenizer", "must accept (prompts, responses, **fields)"),
+        ("chatlearn_mem_ray.inputs.text_task:write_tokenizer", "must accept (prompts, responses, **fields)"),
     ],
 )
 def test_a_reward_function_that_cannot_be_used_is_named(spec, said):

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from chatlearn_mem import ConfigError
 from chatlearn_mem_cli.app import app
 from chatlearn_mem_config_files import preset_names
-from chatlearn_mem_ray.config import DEFAULT_GRPO_PRESET, GRPO_PRESETS, GRPORunConfig, load_grpo_config
-from chatlearn_mem_ray.grpo import group_advantages, grpo_loss
+from chatlearn_mem_ray.loops.grpo.config import DEFAULT_GRPO_PRESET, GRPO_PRESETS, GRPORunConfig, load_grpo_config
+from chatlearn_mem_ray.loops.grpo.loop import group_advantages, grpo_loss
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "grpo").glob("*.yaml"))
 

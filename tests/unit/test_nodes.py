@@ -1,7 +1,7 @@
 """Where a run's actors go, without Ray: TP groups packed or spread over nodes, version skew named,
 and the shared checkpoint directory check seen from a node that cannot read it."""
 
-from chatlearn_mem_ray.nodes import (
+from chatlearn_mem_ray.actors.nodes import (
     check_shared_from_node,
     group_targets,
     remove_check_files,

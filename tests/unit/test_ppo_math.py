@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from chatlearn_mem_ray import modeling
-from chatlearn_mem_ray.config import TaskConfig
-from chatlearn_mem_ray.ppo import gae, policy_loss, value_loss
-from chatlearn_mem_ray.tasks import token_range_reward
-from chatlearn_mem_ray.weight_sync import weight_sync_mismatch
+from chatlearn_mem_ray.actors import modeling
+from chatlearn_mem_ray.inputs.tasks import TaskConfig, token_range_reward
+from chatlearn_mem_ray.loops.ppo import gae, policy_loss, value_loss
+from chatlearn_mem_ray.service.weight_sync import weight_sync_mismatch
 
 
 def test_token_range_reward():

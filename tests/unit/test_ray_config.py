@@ -8,9 +8,10 @@ from typer.testing import CliRunner
 from chatlearn_mem import ConfigError
 from chatlearn_mem_cli.app import app
 from chatlearn_mem_config_files import parse_overrides, preset_description, preset_names
-from chatlearn_mem_ray.config import DEFAULT_PRESET, PRESETS, RunConfig, load_config
-from chatlearn_mem_ray.connect import check_resources
+from chatlearn_mem_ray import load_config
+from chatlearn_mem_ray.actors.connect import check_resources
 from chatlearn_mem_ray.errors import ResourceError
+from chatlearn_mem_ray.loops.ppo import DEFAULT_PRESET, PRESETS, RunConfig
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs" / "ppo"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))

@@ -8,7 +8,7 @@ from hf_checkpoints import LLAMA_FIELDS
 
 from chatlearn_mem.errors import ConfigError
 from chatlearn_mem.models.gpt import GPTTrainerConfig
-from chatlearn_mem_ray.config import load_config
+from chatlearn_mem_ray import load_config
 
 hf = pytest.importorskip("chatlearn_mem.models.hf")
 pytest.importorskip("safetensors", reason="the [hf] extra (safetensors) is not installed")

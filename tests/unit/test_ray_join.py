@@ -11,12 +11,18 @@ import types
 
 import pytest
 
-from chatlearn_mem_ray import connect
-from chatlearn_mem_ray.colocation import Colocation
-from chatlearn_mem_ray.config import load_config
-from chatlearn_mem_ray.connect import ClusterTarget, init_kwargs, join_environment, probe_address, resolve_address
+from chatlearn_mem_ray import load_config
+from chatlearn_mem_ray.actors import connect
+from chatlearn_mem_ray.actors.connect import (
+    ClusterTarget,
+    init_kwargs,
+    join_environment,
+    probe_address,
+    resolve_address,
+)
 from chatlearn_mem_ray.errors import ClusterConnectionError
-from chatlearn_mem_ray.ppo import PPO
+from chatlearn_mem_ray.loops.ppo import PPO
+from chatlearn_mem_ray.service.colocation import Colocation
 
 LIVE = "10.0.0.7:6379"
 

@@ -1,4 +1,4 @@
-"""The residency plan of a loop's declared phases (chatlearn_mem_ray.schedule), without Ray, on
+"""The residency plan of a loop's declared phases (chatlearn_mem_ray.service.schedule), without Ray, on
 PPO's declarations: the items, needs and writes of its five phases, the optimum at the issue's
 budgets, one plan per device, prefetch room, re-planning, and the budget checks; GRPO's phases
 without a reference."""
@@ -7,13 +7,13 @@ import pytest
 from planner_oracle import optimum_bytes
 
 from chatlearn_mem import Part
-from chatlearn_mem_ray.config import GRPORunConfig, load_config
-from chatlearn_mem_ray.declare import phase_demands
+from chatlearn_mem_ray import GRPORunConfig, load_config
 from chatlearn_mem_ray.errors import BudgetConfigError, BudgetError
-from chatlearn_mem_ray.grpo import GRPO
-from chatlearn_mem_ray.ppo import PPO
-from chatlearn_mem_ray.schedule import ResidencySchedule
-from chatlearn_mem_ray.service import check_budget, estimate_sizes, pinned_items
+from chatlearn_mem_ray.loops.grpo.loop import GRPO
+from chatlearn_mem_ray.loops.ppo import PPO
+from chatlearn_mem_ray.service.budget import check_budget, estimate_sizes, pinned_items
+from chatlearn_mem_ray.service.declare import phase_demands
+from chatlearn_mem_ray.service.schedule import ResidencySchedule
 
 MiB = 2**20
 PHASES = ["generate", "reference", "values", "train_critic", "train_policy"]

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from chatlearn_mem_cli.app import app
-from chatlearn_mem_ray import checkpoints as ck
-from chatlearn_mem_ray.config import load_config
+from chatlearn_mem_ray import load_config
 from chatlearn_mem_ray.errors import CheckpointDirError, ResumeError
-from chatlearn_mem_ray.supervisor import _prepare_checkpoints, find_resume_point, prepare_output_dir
+from chatlearn_mem_ray.job import checkpoints as ck
+from chatlearn_mem_ray.job.prepare import find_resume_point, prepare_checkpoints, prepare_output_dir
 
 
 def _cfg(tmp_path, *overrides):
@@ -161,9 +161,9 @@ def test_a_fresh_start_refuses_an_earlier_runs_checkpoints_unless_overwrite(tmp_
         match=r"holds checkpoints of an earlier run \(newest: iter_00000002\); "
         r"resume it \(--resume or checkpoint.resume=auto\)",
     ):
-        _prepare_checkpoints(cfg, None, lambda line: None)
+        prepare_checkpoints(cfg, None, lambda line: None)
     lines = []
-    _prepare_checkpoints(_cfg(tmp_path, "checkpoint.every=1", "output_dir_exists=overwrite"), None, lines.append)
+    prepare_checkpoints(_cfg(tmp_path, "checkpoint.every=1", "output_dir_exists=overwrite"), None, lines.append)
     assert list(cfg.checkpoint_dir.iterdir()) == []
     assert (
         lines[-1]
@@ -179,8 +179,8 @@ def test_an_unwritable_checkpoint_directory_fails_before_anything_starts(tmp_pat
         match=r"cannot write checkpoints to .*a-file/ckpt: .*set "
         r"checkpoint.directory to a writable directory",
     ):
-        _prepare_checkpoints(cfg, None, lambda line: None)
-    _prepare_checkpoints(_cfg(tmp_path / "out"), None, lambda line: None)  # no checkpoints: not checked
+        prepare_checkpoints(cfg, None, lambda line: None)
+    prepare_checkpoints(_cfg(tmp_path / "out"), None, lambda line: None)  # no checkpoints: not checked
 
 
 def test_room_for_keep_last_plus_one_checkpoints_is_checked(tmp_path):

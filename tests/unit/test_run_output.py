@@ -15,9 +15,7 @@ from typer.testing import CliRunner
 
 from chatlearn_mem import ConfigError
 from chatlearn_mem_cli.app import app
-from chatlearn_mem_ray import service, supervisor
-from chatlearn_mem_ray.checkpoints import write_json_atomic
-from chatlearn_mem_ray.config import load_config
+from chatlearn_mem_ray import load_config
 from chatlearn_mem_ray.errors import (
     ActorFailedError,
     NonFiniteLossError,
@@ -26,8 +24,12 @@ from chatlearn_mem_ray.errors import (
     RunInterrupted,
     check_finite,
 )
-from chatlearn_mem_ray.ppo import PPO
-from chatlearn_mem_ray.supervisor import prepare_output_dir, run_ppo
+from chatlearn_mem_ray.job import prepare, stops
+from chatlearn_mem_ray.job import run as job_run
+from chatlearn_mem_ray.job.checkpoints import write_json_atomic
+from chatlearn_mem_ray.job.prepare import prepare_output_dir
+from chatlearn_mem_ray.loops.ppo import PPO, run_ppo
+from chatlearn_mem_ray.service import service
 
 
 class FakeColocation:
@@ -72,7 +74,7 @@ def fake_run(monkeypatch):
     monkeypatch.setattr(service, "Colocation", FakeColocation)
     monkeypatch.setattr(PPO, "step", step)
     monkeypatch.setattr(
-        supervisor, "plot_timeline", lambda timeline, path, title, mismatch=None: path.write_bytes(b"\x89PNG fake")
+        job_run, "plot_timeline", lambda timeline, path, title, mismatch=None: path.write_bytes(b"\x89PNG fake")
     )
     return script
 
@@ -243,7 +245,7 @@ def test_an_output_dir_that_cannot_be_written_fails_before_ray(tmp_path, monkeyp
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(supervisor, "write_json_atomic", read_only)  # root ignores chmod: fail the write itself
+    monkeypatch.setattr(prepare, "write_json_atomic", read_only)  # root ignores chmod: fail the write itself
     with pytest.raises(
         OutputDirError, match="cannot write .*log.json: Permission denied; choose a writable output_dir"
     ):
@@ -366,7 +368,7 @@ def test_after_a_lost_node_the_restart_waits_for_room_then_goes_on_smaller_when_
             return self
 
     monkeypatch.setattr(service, "Colocation", ShrunkCluster)
-    monkeypatch.setattr(supervisor, "_cluster_resources", lambda: {"CPU": 1.0})
+    monkeypatch.setattr(stops, "cluster_resources", lambda: {"CPU": 1.0})
 
     def lose_a_node(run, it):
         if len(FakeColocation.made) == 1:  # the first attempt only

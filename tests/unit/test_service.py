@@ -23,10 +23,10 @@ from chatlearn_mem_ray import (
     RunInterrupted,
     load_config,
     run_loop,
-    service,
 )
 from chatlearn_mem_ray.config import TrainerModelConfig
-from chatlearn_mem_ray.declare import check_declarations, phase_demands
+from chatlearn_mem_ray.service import service
+from chatlearn_mem_ray.service.declare import check_declarations, phase_demands
 
 POLICY = TrainerModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=16, seq_length=8)
 
@@ -110,7 +110,7 @@ def fake(monkeypatch):
     RecordingColocation.made = []
     monkeypatch.setattr(service, "Colocation", RecordingColocation)
     monkeypatch.setattr(
-        "chatlearn_mem_ray.supervisor.plot_timeline", lambda timeline, path, title, mismatch=None: path.write_bytes(b"")
+        "chatlearn_mem_ray.job.run.plot_timeline", lambda timeline, path, title, mismatch=None: path.write_bytes(b"")
     )
     return RecordingColocation
 

@@ -5,14 +5,8 @@ import json
 import matplotlib.image
 import pytest
 
-from chatlearn_mem_ray.timeline import (
-    TRAIN_PARTS,
-    MemoryTimeline,
-    PhaseRecord,
-    _holders,
-    _iteration_stats,
-    plot_timeline,
-)
+from chatlearn_mem_ray.service.timeline import TRAIN_PARTS, MemoryTimeline, PhaseRecord
+from chatlearn_mem_ray.service.timeline_plot import _holders, _iteration_stats, plot_timeline
 
 MiB = 2**20
 # Per actor, the device bytes of each part when fully resident (a tiny policy/critic, bf16 weights).
@@ -239,7 +233,7 @@ def test_the_mismatch_goes_on_panel_two_on_a_log_scale(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from chatlearn_mem_ray.timeline import _iteration_stats, _plot_mismatch
+    from chatlearn_mem_ray.service.timeline_plot import _iteration_stats, _plot_mismatch
 
     timeline = make_timeline(3, 1)
     stats = _iteration_stats(timeline)

@@ -91,7 +91,7 @@ def test_the_cpu_build_cannot_sleep_and_says_so_once():
 
 
 def test_the_actor_runs_a_generate_phase_in_the_order_that_never_holds_the_kv_cache_during_the_update():
-    from chatlearn_mem_ray.vllm_actor import VLLMRolloutActor
+    from chatlearn_mem_ray.actors.vllm import VLLMRolloutActor
 
     actor = object.__new__(VLLMRolloutActor)
     actor.engine = engine = cuda_engine()

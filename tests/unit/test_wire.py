@@ -1,7 +1,7 @@
-"""Tensors across Ray processes as their bytes (:mod:`chatlearn_mem_ray.wire`).
+"""Tensors across Ray processes as their bytes (:mod:`chatlearn_mem_ray.actors.wire`).
 
 Ray pickles with cloudpickle and pickle protocol 5; the actors and the driver add one reducer for
-``torch.Tensor`` (:func:`~chatlearn_mem_ray.wire.register_tensor_serializer`). Here the same reducer
+``torch.Tensor`` (:func:`~chatlearn_mem_ray.actors.wire.register_tensor_serializer`). Here the same reducer
 goes into a cloudpickle pickler of this process, with the numpy views sent out of band as Ray sends
 them, so the payload and the round trip are checked without starting Ray.
 """
@@ -12,13 +12,13 @@ import pickle
 import pytest
 import torch
 
-from chatlearn_mem_ray.wire import _tensor_from_payload, _tensor_to_payload
+from chatlearn_mem_ray.actors.wire import _tensor_from_payload, _tensor_to_payload
 
 cloudpickle = pytest.importorskip("ray.cloudpickle")
 
 
 def _pickler(f, buffers: list, registered: bool):
-    """Ray's pickler with the reducer :func:`~chatlearn_mem_ray.wire.register_tensor_serializer`
+    """Ray's pickler with the reducer :func:`~chatlearn_mem_ray.actors.wire.register_tensor_serializer`
     installs (in ``CloudPickler.dispatch``, the class's dispatch table), or without it (as torch
     pickles a tensor), whatever this process registered before."""
     table = {k: v for k, v in cloudpickle.CloudPickler.dispatch_table.items() if k is not torch.Tensor}
