@@ -1,10 +1,15 @@
-"""Checkpoints of a megatron-core trainer, written straight from the host store while it sleeps.
+"""Checkpoints of a trainer, written straight from the host store while it sleeps.
 
 A checkpoint holds the trainer's whole state: the model weights, the optimizers' fp32 main
-weights, their states and step counts (megatron's ``sharded_state_dict`` of the model and the
-optimizer, in megatron-core's own ``dist_checkpointing`` format, so it loads under another
-tensor- or data-parallel split), and the random number generators (torch CPU and CUDA, megatron's
-tensor-parallel RNG tracker). ::
+weights, their states and step counts, and the random number generators. A megatron-core
+trainer's is megatron's ``sharded_state_dict`` of the model and the optimizer, in megatron-core's
+own ``dist_checkpointing`` format, so it loads under another tensor- or data-parallel split, with
+torch's CPU and CUDA generators and megatron's tensor-parallel RNG tracker. A plain PyTorch
+trainer's is in ``torch.distributed.checkpoint``'s format (the weights and optimizer state by
+parameter name, FSDP2's shards as DTensors, ZeroRedundancyOptimizer's partitions by their
+owners), so it loads under another data-parallel size (see
+:mod:`chatlearn_mem.torchnative.checkpointing`). Which one is the trainer backend's choice
+(``manager.backend.checkpoint_io()``); a checkpoint of one is refused by the other. ::
 
     from chatlearn_mem.checkpoint import save_checkpoint, load_checkpoint, latest_checkpoint
     mm.offload()                                           # the trainer sleeps ...
@@ -42,12 +47,13 @@ deep inside megatron's reader. Checkpoints written before the manifest load unve
 Where it lives: the directory format and the manifest in :mod:`chatlearn_mem.checkpoint_format`,
 the atomic writes in :mod:`chatlearn_mem.atomic_files`, the trainer's host copies in
 :mod:`chatlearn_mem.checkpoint_serving`, megatron's calls in :mod:`chatlearn_mem.mcore.checkpointing`,
+torch's in :mod:`chatlearn_mem.torchnative.checkpointing`,
 the guard against orphaned writer processes in :mod:`chatlearn_mem.writer_processes`; this module
 saves (plan, snapshot from the host copies, write, commit) and loads, and re-exports the names
 users import from here.
 
-Format choice: megatron-core's ``dist_checkpointing`` (``torch_dist`` backend) works on the CPU
-backend (gloo, CPU-only torch); ``torch.distributed.checkpoint`` is not needed. The distributed
+Format choice for megatron-core: its own ``dist_checkpointing`` (``torch_dist`` backend) works on
+the CPU backend (gloo, CPU-only torch), and megatron's sharded state dicts need it. The distributed
 optimizer is saved in a format that reshards across tensor- and data-parallel sizes by default
 (``resharding=False``: a cheaper one that reshards data parallel only; see
 ``checkpointing.distrib_optimizer_sharding``).
@@ -62,9 +68,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-import torch
+from typing import Any, Optional
 
 from chatlearn_mem.atomic_files import commit_directory, fsync_dir, write_json_atomic
 from chatlearn_mem.checkpoint_format import (
@@ -82,8 +86,7 @@ from chatlearn_mem.checkpoint_format import (
     step_dirname,
     verify_checkpoint,
 )
-from chatlearn_mem.checkpoint_serving import after_load, prepare_load, trainer_parts, with_host_copies
-from chatlearn_mem.mcore import checkpointing
+from chatlearn_mem.checkpoint_serving import HostCopies, after_load, checkpoint_io, prepare_load, with_host_copies
 from chatlearn_mem.writer_processes import install_parent_death_signal, writers_die_with_this_thread
 
 __all__ = [
@@ -138,19 +141,7 @@ def estimate_checkpoint_nbytes(manager: Any, resharding: bool = True) -> int:
         UnsupportedLayoutError: ``resharding=False`` and this megatron-core cannot save that format
             (what :func:`save_checkpoint` would raise, found before anything runs).
     """
-    chunks, _, leaves = trainer_parts(manager)
-    checkpointing.distrib_optimizer_sharding(leaves, resharding)
-    params = [p for c in chunks for p in c.parameters()]
-    weights = sum(p.numel() * p.element_size() for p in params)
-    owned = sum(p.numel() for p in params if p.requires_grad)
-    if any(checkpointing.is_distributed_optimizer(leaf) for leaf in leaves):
-        owned = -(-owned // max(1, checkpointing.parallel_split()["dp"]))
-    return weights + owned * 4 * 3
-
-
-def _split_sizes() -> dict[str, int]:
-    """The parallel split's sizes (no ranks): what a checkpoint records and a load compares."""
-    return {k: v for k, v in checkpointing.parallel_split().items() if not k.endswith("_rank")}
+    return checkpoint_io(manager).estimate_nbytes(resharding)
 
 
 # -- saving: plan, snapshot (host copies served), write, commit ------------------------------------------
@@ -158,12 +149,13 @@ def _split_sizes() -> dict[str, int]:
 class _SavePlan:
     """Where and how a save writes, fixed before anything is written."""
 
+    io: Any  # the backend's checkpoint calls
     root: str
     step: int
     final: str  # the checkpoint's directory once committed
     tmp: str  # where every rank writes until the commit
     rank: int
-    sharding: str  # the distributed optimizer's format (checkpointing.distrib_optimizer_sharding)
+    sharding: Optional[str]  # the distributed optimizer's format (megatron; None: torch's)
     metadata: Optional[dict]
     keep_last: Optional[int]
     started: float  # time.perf_counter() when the save was called
@@ -180,7 +172,7 @@ class SaveHandle:
     nbytes: int
     """Tensor bytes this rank writes."""
     _plan: _SavePlan = field(repr=False)
-    _request: Any = field(repr=False)  # megatron's; it holds what it writes
+    _request: Any = field(repr=False)  # the writer's; it holds what it writes
     _readers: contextlib.ExitStack = field(repr=False)  # the host stores the write reads
     _shapes: dict = field(repr=False)  # the model's tensors, for the metadata file
     seconds: float = 0.0
@@ -224,7 +216,7 @@ class SaveHandle:
         with writers_die_with_this_thread():
             try:
                 with self._readers:  # the host stores are read until the tensors are written
-                    checkpointing.write_save(self._request)
+                    self._plan.io.write_save(self._request)
                 t = time.perf_counter()
                 self._manifest = own_files(self._plan.tmp, self._plan.rank)
                 self.manifest_seconds = time.perf_counter() - t
@@ -236,7 +228,7 @@ class SaveHandle:
         file last, renames the directory into place and drops checkpoints beyond ``keep_last``."""
         plan = self._plan
         _barrier()
-        checkpointing.finalize_save(self._request)
+        plan.io.finalize_save(self._request)
         manifests = _gather(self._manifest)
         if plan.rank == 0:
             t = time.perf_counter()
@@ -245,8 +237,9 @@ class SaveHandle:
             meta = {
                 "format": FORMAT,
                 "step": plan.step,
-                "megatron_core": checkpointing.megatron_core_version(),
-                "parallel": _split_sizes(),
+                "backend": plan.io.name,
+                **plan.io.versions(),
+                "parallel": plan.io.split_sizes(),
                 "tensors": self._shapes,
                 "distrib_optimizer_sharding": plan.sharding,
                 "metadata": plan.metadata,
@@ -300,7 +293,7 @@ def save_checkpoint(
         ValueError: ``step`` < 0 or ``keep_last`` < 1.
     """
     plan = _plan_save(manager, root, step, metadata, keep_last, resharding)
-    state, readers = with_host_copies(manager, lambda is_live: _snapshot(manager, plan.sharding, is_live))
+    state, readers = with_host_copies(manager, lambda host: _snapshot(plan, host))
     handle = _start_write(plan, state, readers)
     del state  # the request holds what it writes
     if async_:
@@ -331,28 +324,24 @@ def _plan_save(
     install_parent_death_signal()
     root = os.path.abspath(root)
     check_writable(root)
-    sharding = checkpointing.distrib_optimizer_sharding(trainer_parts(manager)[2], resharding)
+    io = checkpoint_io(manager)
+    sharding = io.sharding(resharding)
     final = os.path.join(root, step_dirname(step))
     tmp = os.path.join(root, ".tmp." + step_dirname(step))
-    return _SavePlan(root, step, final, tmp, _rank(), sharding, metadata, keep_last, started)
+    return _SavePlan(io, root, step, final, tmp, _rank(), sharding, metadata, keep_last, started)
 
 
-def _snapshot(manager: Any, sharding: str, is_live: Callable[[torch.Tensor], bool]) -> dict:
+def _snapshot(plan: _SavePlan, host: HostCopies) -> dict:
     """The state to save, independent of the trainer; :func:`with_host_copies` runs it while the
-    offloaded tensors view their host copies (``is_live``: a tensor still training on the device).
+    offloaded tensors can be read from their host copies.
 
     Raises:
-        CheckpointError: The optimizer has not taken a step yet.
+        CheckpointError: The trainer cannot be saved yet (megatron: before the optimizer's first step).
     """
-    chunks, optimizer, leaves = trainer_parts(manager)
-    if None in checkpointing.optimizer_steps(leaves):  # read here: the states may be offloaded
-        raise CheckpointError(
-            "the optimizer has not taken a step yet, so it has no state to save (megatron's "
-            "optimizers cannot write a checkpoint before their first step); save after "
-            "optimizer.step()"
-        )
-    state = checkpointing.trainer_sharded_state(chunks, optimizer, leaves, is_loading=False, sharding=sharding)
-    return checkpointing.detached_for_save(state, is_live)
+    try:
+        return plan.io.snapshot(plan.sharding, host)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _start_write(plan: _SavePlan, state: dict, readers: contextlib.ExitStack) -> SaveHandle:
@@ -363,9 +352,9 @@ def _start_write(plan: _SavePlan, state: dict, readers: contextlib.ExitStack) ->
             shutil.rmtree(plan.tmp, ignore_errors=True)  # left by a save that was killed
             os.makedirs(plan.tmp)
         _barrier()
-        shapes = checkpointing.model_tensor_shapes(state)
-        nbytes = checkpointing.tensor_nbytes(state)
-        request = checkpointing.start_save(state, plan.tmp)
+        shapes = plan.io.tensor_shapes(state)
+        nbytes = plan.io.tensor_nbytes(state)
+        request = plan.io.start_save(state, plan.tmp)
     except BaseException:
         readers.close()
         raise
@@ -412,9 +401,14 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
             dtype from the model's (the message lists each difference).
         OffloadedError: A part of the trainer is offloaded (call ``onload()`` first).
     """
-    from megatron.core import dist_checkpointing
-
     meta = read_metadata(path)
+    io = checkpoint_io(manager)
+    written_by = meta.get("backend", "megatron-core")  # checkpoints before torch's have no "backend"
+    if written_by != io.name:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds a {written_by} trainer, and this manager's trainer is a {io.name} one; "
+            f"load it into a {written_by} trainer (each writes its own format)"
+        )
     if verify and meta.get("files") is not None:
         import torch.distributed as dist
 
@@ -423,28 +417,16 @@ def load_checkpoint(manager: Any, path: str, verify: bool = True) -> dict:
         found = [e for e in _gather(None if mine is None else (mine.file, mine.problem)) if e is not None]
         if found:
             raise CheckpointDamagedError(path, *found[0])
-    chunks, optimizer, leaves = trainer_parts(manager)
     prepare_load(manager)
-    same_split = _split_sizes() == meta["parallel"]
-    state = checkpointing.trainer_sharded_state(
-        chunks, optimizer, leaves, is_loading=True, sharding=meta["distrib_optimizer_sharding"]
-    )
-    problems = _shape_differences(meta["tensors"], checkpointing.model_tensor_shapes(state))
+    same_split = io.split_sizes() == meta["parallel"]
+    state = io.loading_state(meta)
+    problems = _shape_differences(meta["tensors"], io.tensor_shapes(state))
     if problems:
         raise CheckpointError(
             f"checkpoint {path!r} does not fit this model: "
             + "; ".join(problems)
             + ". Build the trainer with the model shape the checkpoint was saved with"
         )
-    if not same_split:
-        del state["rng"]
-    loaded = dist_checkpointing.load(state, path)
-    checkpointing.clear_optimizer_states(leaves)
-    checkpointing.load_model_state(chunks, loaded)
-    with checkpointing.loading_optimizer_steps_compat(leaves):
-        optimizer.load_state_dict(loaded["optimizer"])
-    checkpointing.set_optimizer_steps(leaves, loaded["optimizer_steps"])
-    if same_split:
-        checkpointing.set_rng_state(loaded["rng"])
+    io.load(state, path, same_split)
     after_load(manager)
     return meta

@@ -32,6 +32,7 @@ import torch
 from chatlearn_mem import process_memory
 from chatlearn_mem.device_memory import storage_key
 from chatlearn_mem.mcore import transient
+from chatlearn_mem.torchnative import layout
 
 __all__ = ["DeviceReport", "HOLDERS", "MEASURED", "WHY_IT_STAYS", "device_report", "reachable_tensors"]
 
@@ -216,7 +217,8 @@ def reachable_tensors(
 
     Yields ``(path, tensor, owners)`` where ``path`` names how it was reached (``root0.module...``,
     or starting with ``names[i]`` when names are given) and ``owners`` are the objects on that path, outermost first (so a caller can tell who holds
-    it). A tensor's ``main_grad`` and (leaf) ``.grad`` are followed too. Objects of the ``skip``
+    it). A tensor's ``main_grad`` and (leaf) ``.grad`` are followed too; a DTensor is reached as its
+    local shard (the memory it holds). Objects of the ``skip``
     types are not entered, and neither are memory managers (reached through the hooks they
     register; what they hold is their host store), nor their parts' state.
     """
@@ -254,7 +256,11 @@ def reachable_tensors(
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            yield path, obj, owners
+            local = layout.local_tensor(obj)
+            if local is not obj:  # a DTensor: its memory is its local shard's
+                stack.append((f"{path}.to_local()", local, owners))
+            else:
+                yield path, obj, owners
             for attr in ("main_grad", "grad"):
                 t = getattr(obj, attr, None) if attr != "grad" or obj.is_leaf else None
                 if isinstance(t, torch.Tensor):

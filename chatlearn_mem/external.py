@@ -22,7 +22,20 @@ import torch
 from chatlearn_mem.device_memory import storage_id
 from chatlearn_mem.errors import ExternalChangeError
 
-__all__ = ["ExternalChangeError", "Placement", "changes"]
+__all__ = ["ExternalChangeError", "ExternalHints", "MEGATRON_HINTS", "Placement", "changes"]
+
+
+@dataclass(frozen=True)
+class ExternalHints:
+    """How a framework's own calls change the memory a manager manages, and what to do: the rest of
+    each sentence :func:`changes` writes (regrown while offloaded; released, moved to another
+    device, or given new memory while resident)."""
+
+    regrown: str
+    short: str
+    moved: str
+    rebound: str
+
 
 _BUILT_IN_RELEASE = (
     "megatron-core's own offload released it (DistributedDataParallel.offload_grad_buffers() "
@@ -40,6 +53,19 @@ _READOPT = (
     "close() this manager and create a new one for the trainer (it takes the tensors as they are "
     "now), and use one offload mechanism per trainer"
 )
+
+MEGATRON_HINTS = ExternalHints(
+    regrown=f"{_BUILT_IN_RELOAD}. The manager's host copy is the current one: release them again the same way "
+    "(offload_grad_buffers() / offload_to_cpu()) and call onload(), and use one offload mechanism per trainer",
+    short=f"{_BUILT_IN_RELEASE}. Bring them back with the matching megatron call (restore_grad_buffers() / "
+    "reload_from_cpu()) before using the manager, and use one offload mechanism per trainer",
+    moved=f"(p.data or an optimizer state rebound to the host); {_BUILT_IN_MOVE}, which breaks the views the "
+    "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), then " + _READOPT,
+    rebound="(p.data or an optimizer state replaced since the manager's last call; megatron-core's "
+    "MegatronOptimizer.restore_from_cpu() and optimizer.load_state_dict() do this), so an offload would free "
+    "the manager's stale copies and leave them on the device; " + _READOPT,
+)
+"""The words for megatron-core's own offload calls (the default); a backend may give its own."""
 
 
 @dataclass
@@ -60,6 +86,15 @@ class Placement:
         return cls({slot: storage_id(t.untyped_storage()) for slot, t in slots if t.device == device})
 
 
+def _named(slots: list) -> str:
+    """`` (param a, param b and 3 more)`` for the slots that are names (a backend's), else ``""``."""
+    names = [s for s in slots if isinstance(s, str)]
+    if not names:
+        return ""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f" ({', '.join(names[:3])}{more})"
+
+
 def changes(
     part: str,
     offloaded: bool,
@@ -67,6 +102,7 @@ def changes(
     slots: Iterable[tuple[Hashable, torch.Tensor]],
     device: torch.device,
     before: Optional[Placement],
+    hints: Optional[ExternalHints] = None,
 ) -> list[str]:
     """One sentence per kind of change made to ``part`` since the manager last touched it.
 
@@ -74,10 +110,13 @@ def changes(
         part: The part's name, for the messages.
         offloaded: Whether the manager holds the part offloaded.
         released: The storages the manager released when it offloaded the part.
-        slots: ``(slot, tensor)`` for every tensor of the part now.
+        slots: ``(slot, tensor)`` for every tensor of the part now; slots that are strings name
+            the tensor in the messages.
         device: The manager's device.
         before: What :meth:`Placement.of` recorded after the manager's last call on the part.
+        hints: The rest of each sentence (default: megatron-core's own offload calls).
     """
+    h = hints or MEGATRON_HINTS
     out = []
     if offloaded:
         regrown = [(s, n) for s, n in released if s.nbytes() != 0]
@@ -85,12 +124,10 @@ def changes(
             nbytes = sum(s.nbytes() for s, _ in regrown)
             out.append(
                 f"{part}: {len(regrown)} storage(s) the manager released hold {nbytes} bytes on the "
-                f"device again although the part is offloaded; {_BUILT_IN_RELOAD}. The manager's host "
-                "copy is the current one: release them again the same way (offload_grad_buffers() / "
-                "offload_to_cpu()) and call onload(), and use one offload mechanism per trainer"
+                f"device again although the part is offloaded; {h.regrown}"
             )
         return out
-    short = moved = rebound = 0
+    short, moved, rebound = [], [], []
     on_device = before.on_device if before is not None else {}
     for slot, t in slots:  # every tensor of the part, before every call: one storage lookup each
         seen = on_device.get(slot)
@@ -99,29 +136,23 @@ def changes(
             if s.nbytes() == 0 and t.numel() > 0:
                 # released (resize_(0), what megatron's offload calls do) although it has elements
                 # (the audit's residency check also catches partial shrinks)
-                short += 1
+                short.append(slot)
             elif seen is not None and storage_id(s) != seen:  # another storage than before
-                rebound += 1
+                rebound.append(slot)
         elif seen is not None:
-            moved += 1
+            moved.append(slot)
     if short:
         out.append(
-            f"{part}: {short} tensor(s) have no device memory although the manager did not offload "
-            f"the part; {_BUILT_IN_RELEASE}. Bring them back with the matching megatron call "
-            "(restore_grad_buffers() / reload_from_cpu()) before using the manager, and use one "
-            "offload mechanism per trainer"
+            f"{part}: {len(short)} tensor(s){_named(short)} have no device memory although the manager did not "
+            f"offload the part; {h.short}"
         )
     if moved:
         out.append(
-            f"{part}: {moved} tensor(s) the manager saw on {device} now live elsewhere (p.data or an "
-            f"optimizer state rebound to the host); {_BUILT_IN_MOVE}, which breaks the views the "
-            "distributed optimizer keeps into the parameters. Call optimizer.restore_from_cpu(), then " + _READOPT
+            f"{part}: {len(moved)} tensor(s){_named(moved)} the manager saw on {device} now live elsewhere {h.moved}"
         )
     if rebound:
         out.append(
-            f"{part}: {rebound} tensor(s) on {device} use new memory the manager does not manage "
-            "(p.data or an optimizer state replaced since the manager's last call; megatron-core's "
-            "MegatronOptimizer.restore_from_cpu() and optimizer.load_state_dict() do this), so an "
-            "offload would free the manager's stale copies and leave them on the device; " + _READOPT
+            f"{part}: {len(rebound)} tensor(s){_named(rebound)} on {device} use new memory the manager does not "
+            f"manage {h.rebound}"
         )
     return out

@@ -67,6 +67,7 @@ class MemoryManagerBase(ModelGuards):
             self._ONLOAD_ORDER,
             owners.caller_site(),
             self._CONTIGUOUS,
+            self._HINTS,
         )
         self._debug_guard = ReleasedTensorGuard(self._released_message) if self.config.resolved_debug_guard() else None
 
@@ -76,6 +77,8 @@ class MemoryManagerBase(ModelGuards):
     # device with MemoryConfig.cpu_contiguous, on CUDA with cuda_contiguous): those nothing but
     # the manager resizes
     _CONTIGUOUS: frozenset = frozenset()
+    # how changes made behind the manager's back are explained (None: megatron-core's own calls)
+    _HINTS = None
 
     # -- to be provided by subclasses -------------------------------------------------------
     def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
@@ -96,6 +99,10 @@ class MemoryManagerBase(ModelGuards):
         """``(slot, tensor)`` for each tensor of ``part``: a slot names where the tensor is held,
         so that a tensor rebound or replaced in place is recognised (default: the tensor itself)."""
         return ((id(t), t) for t in self._part_tensors(part) if t is not None)
+
+    def _follow_layout(self) -> None:
+        """Take the model's tensors as they are now when its framework itself rebuilt them since
+        the last call (subclasses; see the trainer's)."""
 
     # -- shared mechanics --------------------------------------------------------------------
     @property
@@ -177,6 +184,7 @@ class MemoryManagerBase(ModelGuards):
             blocking: Wait and return the :class:`TransferStats` (None when already offloaded), or
                 return a :class:`~chatlearn_mem.Transfer` at once.
         """
+        self._follow_layout()
         out = self._run("offload", self.state.begin_offload([Part.WEIGHTS]), blocking)
         return (out[0] if out else None) if blocking else out
 
@@ -189,6 +197,7 @@ class MemoryManagerBase(ModelGuards):
                 return a :class:`~chatlearn_mem.Transfer` at once; a forward pass may start right
                 away and each module waits for its own weights only.
         """
+        self._follow_layout()
         out = self._run("onload", self.state.begin_onload([Part.WEIGHTS], use_order=not blocking), blocking)
         return (out[0] if out else None) if blocking else out
 

@@ -108,6 +108,8 @@ class PartsState:
         offload_order: Order in which parts are offloaded.
         onload_order: Order in which parts are onloaded.
         created_at: ``file:line`` where the manager was created (messages).
+        contiguous: Parts whose storages may be laid out in a slab (nothing else resizes them).
+        hints: How changes made behind the manager's back are explained (default: megatron-core's calls).
 
     Attributes:
         lock: The manager's lock: its public calls run one at a time under it.
@@ -126,6 +128,7 @@ class PartsState:
         onload_order: tuple[Part, ...],
         created_at: str,
         contiguous: frozenset = frozenset(),
+        hints: Optional[external.ExternalHints] = None,
     ):
         self.owner = owner
         self.device = device
@@ -134,6 +137,7 @@ class PartsState:
         self.offload_order = offload_order
         self.onload_order = onload_order
         self.created_at = created_at
+        self.hints = hints
         self.lock = threading.RLock()
         self.closed = False
         self._groups = {
@@ -214,6 +218,7 @@ class PartsState:
                 self.hooks.part_slots(part),
                 self.device,
                 self._placements.get(part),
+                self.hints,
             )
         return out
 

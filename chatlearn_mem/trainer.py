@@ -1,4 +1,9 @@
-"""Offload and onload of a megatron-core trainer: weights, grads, fp32 main weights, optimizer state."""
+"""Offload and onload of a trainer: weights, grads, fp32 main weights, optimizer state.
+
+The manager knows no framework: what the trainer's parts are made of, which aliases the audit
+checks and which calls are guarded it asks the trainer's backend (:mod:`chatlearn_mem.backend`:
+megatron-core in :mod:`chatlearn_mem.mcore`, plain PyTorch in :mod:`chatlearn_mem.torchnative`).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +13,55 @@ import torch
 
 from chatlearn_mem import guards
 from chatlearn_mem.audit import AuditReport
+from chatlearn_mem.backend import SUPPORTED_TRAINERS, TrainerBackend, is_megatron_chunk, unsupported_wrapper
 from chatlearn_mem.config import MemoryConfig
-from chatlearn_mem.device_memory import parks_cpu_memory, storage_key
+from chatlearn_mem.device_memory import parks_cpu_memory
 from chatlearn_mem.errors import ChatlearnMemError, OffloadedError, UnsupportedLayoutError
 from chatlearn_mem.guards import serialized
 from chatlearn_mem.manager import MemoryManagerBase
-from chatlearn_mem.mcore import checks, layout, transient
 from chatlearn_mem.parts import OTHER, Part, PartsArg
 from chatlearn_mem.residency import Residency, measure
 
-__all__ = ["TrainerMemoryManager"]
+__all__ = ["TrainerMemoryManager", "trainer_backend"]
+
+
+def trainer_backend(model: Any, optimizer: Any) -> TrainerBackend:
+    """The backend for ``(model, optimizer)``, chosen by the model's type: megatron-core's DDP
+    chunks (:mod:`chatlearn_mem.mcore`), any other ``nn.Module`` (:mod:`chatlearn_mem.torchnative`).
+
+    Raises:
+        UnsupportedLayoutError: A wrapper the manager does not support (FSDP1, a DeepSpeed engine),
+            or a megatron-core outside the supported range.
+        TypeError: ``model`` is none of the supported kinds (the message lists them).
+    """
+    unsupported_wrapper(model)
+    first = model[0] if isinstance(model, (list, tuple)) and model else model
+    if isinstance(model, (list, tuple)) or is_megatron_chunk(first):
+        from chatlearn_mem.mcore.backend import MegatronTrainer
+
+        return MegatronTrainer(model, optimizer)
+    if isinstance(model, torch.nn.Module):
+        from chatlearn_mem.torchnative.backend import TorchTrainer
+
+        return TorchTrainer(model, optimizer)
+    raise TypeError(
+        f"model is a {type(model).__name__}, not a model the trainer manager supports. Supported: {SUPPORTED_TRAINERS}"
+    )
 
 
 class TrainerMemoryManager(MemoryManagerBase):
-    """Puts a megatron-core trainer to sleep and wakes it up, bit-exactly.
+    """Puts a trainer to sleep and wakes it up, bit-exactly: megatron-core, or plain PyTorch.
 
     The manager never replaces a tensor. It frees a part by resizing the part's storages to 0
     bytes (after copying them into a bucketed host store when their contents must survive) and
-    restores it by growing the same storages back and copying the bytes in. Every alias megatron
-    built (``param.data`` and ``main_grad`` views into the DDP buffers, bucket views, cached
-    shards, the distributed optimizer's shard groups, ``param_groups`` and ``state`` keys, the
-    grad-accumulator hooks) therefore survives untouched; :meth:`audit` proves it.
+    restores it by growing the same storages back and copying the bytes in. Every alias the
+    framework built therefore survives untouched, and :meth:`audit` proves it: megatron's
+    ``param.data`` and ``main_grad`` views into the DDP buffers, bucket views, cached shards, the
+    distributed optimizer's shard groups and the grad-accumulator hooks; torch DDP's gradient
+    bucket views and hooked accumulators, ``ZeroRedundancyOptimizer``'s bucket views and
+    partition, FSDP2's sharded parameters; the optimizers' ``param_groups`` and ``state`` keys.
 
-    Parts:
+    Parts (megatron-core; plain PyTorch in ``docs/torch-native.md``):
         weights: every DDP param buffer, parameters outside the buffers (frozen ones) and module
             buffers on the device. Copied to the host.
         grads: the DDP grad buffers (and a param buffer sharing their storage, and the separate
@@ -47,137 +78,76 @@ class TrainerMemoryManager(MemoryManagerBase):
     ``param.data`` are invisible to the version counter: call :meth:`mark_weights_dirty`.
 
     Args:
-        model: A megatron ``DistributedDataParallel`` chunk or a list of them (virtual pipeline).
-        optimizer: What ``megatron.core.optimizer.get_megatron_optimizer`` returned.
+        model: A megatron ``DistributedDataParallel`` chunk or a list of them (virtual pipeline);
+            or a torch ``nn.Module``: plain, in ``torch.nn.parallel.DistributedDataParallel``, or
+            sharded by FSDP2's ``fully_shard``.
+        optimizer: What ``megatron.core.optimizer.get_megatron_optimizer`` returned, for a
+            megatron model; a ``torch.optim.Optimizer`` or a ``ZeroRedundancyOptimizer`` for a
+            torch one.
         config: Host store settings; defaults to ``MemoryConfig()``.
 
     Raises:
-        UnsupportedLayoutError: megatron-core outside the supported range, or a layout whose
-            model weights share storage with gradients.
-        TypeError: ``model`` or ``optimizer`` are not megatron-core objects.
+        UnsupportedLayoutError: megatron-core outside the supported range, a layout whose model
+            weights share storage with gradients, or an unsupported wrapper (FSDP1, DeepSpeed).
+        TypeError: ``model`` or ``optimizer`` are not objects of one supported framework.
+        ValueError: A torch trainer that cannot be managed as it is (parameters on two devices, an
+            optimizer holding parameters the model does not); the message says which.
     """
 
     # grads first: dropped for free, and a training step zeroes them before its forward; the
     # weights then come in the order the forward reads them, the optimizer's parts behind them
     _OFFLOAD_ORDER = (Part.GRADS, Part.OPTIMIZER_STATES, Part.MAIN_WEIGHTS, Part.WEIGHTS)
     _ONLOAD_ORDER = (Part.GRADS, Part.WEIGHTS, Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES)
-    # not the weights: megatron-core's own offload calls resize its param buffers' storages
-    _CONTIGUOUS = frozenset({Part.MAIN_WEIGHTS, Part.OPTIMIZER_STATES})
 
     def __init__(self, model: Any, optimizer: Any, config: Optional[MemoryConfig] = None):
-        layout.check_supported_version()
-        self._chunks = layout.ddp_chunks(model)
-        self._optimizer = optimizer
-        self._leaves = layout.leaf_optimizers(optimizer)
-        first = next((p for c in self._chunks for p in c.parameters()), None)
-        if first is None:
-            raise ValueError("the model has no parameters; nothing to manage")
-        super().__init__(
-            {Part.WEIGHTS: True, Part.GRADS: False, Part.MAIN_WEIGHTS: True, Part.OPTIMIZER_STATES: True},
-            first.device,
-            config,
-        )
-        self._chunk_buffers = [layout.ddp_buffers(c, i) for i, c in enumerate(self._chunks)]
-        self._buffers = [b for bufs in self._chunk_buffers for b in bufs]
-        self._names = {p: f"chunk{i}.{n}" for i, c in enumerate(self._chunks) for n, p in c.named_parameters()}
-        # the module tree is walked once: walking it again on every call cost ~1 ms per walk and
-        # several walks per offload on a 12-layer model (parameters are fixed objects once DDP
-        # wraps the model, see _check_rebinds; buffers are read through their module each time)
-        self._buffer_slots = [slot for c in self._chunks for slot in layout.module_buffer_slots(c)]
-        self._input_modules = [transient.pipeline_input_modules(c) for c in self._chunks]
+        self.backend: TrainerBackend = trainer_backend(model, optimizer)
+        backend = self.backend
+        self._CONTIGUOUS = backend.contiguous  # this trainer's: before the state is made
+        self._HINTS = backend.hints
+        super().__init__(backend.parts, backend.device, config)
         self._steps = 0
         self._forward_since_step = False
+        self._in_backward = False
         self._check_layout()
+        self._layout_epoch = backend.layout_epoch()
         self._remember_weight_storages()
-        self._claim("this model" if len(self._chunks) == 1 else "this list of model chunks")
-        if not any(layout.overlaps_param_gather(c) for c in self._chunks):
-            # megatron's overlapped param all-gather reads whole buckets from a module's pre-hook:
-            # with it, a forward waits for all the weights instead (the outer pre-hook's guard)
-            self._hook_handles += self.state.register_weight_users(m for c in self._chunks for m in c.module.modules())
-        for c in self._chunks:
-            self._guard_module(c, c.module)
-            self._hook_handles += guards.guard_methods(c, layout.DDP_METHOD_PARTS, self._require)
-            self._hook_handles += guards.guard_methods(
-                c.module, {"sharded_state_dict": layout.DDP_METHOD_PARTS["sharded_state_dict"]}, self._require
-            )
-        for opt in dict.fromkeys([optimizer] + self._leaves):  # the outer optimizer first
-            self._hook_handles += guards.guard_methods(opt, layout.OPTIMIZER_METHOD_PARTS, self._require)
-        for leaf in self._leaves:
-            opt = layout.torch_optimizer(leaf)
+        self._claim(backend.what)
+        plan = backend.guard_plan()
+        self._guards = plan
+        if plan.weight_users is not None:
+            self._hook_handles += self.state.register_weight_users(plan.weight_users)
+        for outer, inner in plan.modules:
+            self._guard_module(outer, inner)
+        for obj, table in plan.methods:
+            self._hook_handles += guards.guard_methods(obj, table, self._require)
+        for opt in plan.optimizers:
             self._hook_handles.append(opt.register_step_pre_hook(self._before_step))
             self._hook_handles.append(opt.register_step_post_hook(self._after_step))
+        self._hook_handles += backend.install()
         self.state.record_placement()
 
     @property
     def checkpoint_parts(self) -> tuple[list, Any, list]:
-        """``(model chunks, optimizer, leaf optimizers)``: what a checkpoint of this model reads
-        (see :mod:`chatlearn_mem.checkpoint`)."""
-        return self._chunks, self._optimizer, self._leaves
+        """megatron-core: ``(model chunks, optimizer, leaf optimizers)``, what a checkpoint of
+        this model reads (see :mod:`chatlearn_mem.checkpoint`)."""
+        return self.backend.checkpoint_parts
 
-    # -- which tensors make up each part ----------------------------------------------------
-    def _grad_storage_keys(self) -> set[int]:
-        return {storage_key(b.grad_data) for b in self._buffers}
-
+    # -- which tensors make up each part: the backend's answers ---------------------------------
     def _part_tensors(self, part: Part) -> Iterable[torch.Tensor]:
-        if part is Part.WEIGHTS:
-            grads = self._grad_storage_keys()
-            for b in self._buffers:
-                if b.param_data is not None and storage_key(b.param_data) not in grads:
-                    yield b.param_data
-            yield from self._names  # every parameter of every chunk, each once
-            for module, name in self._buffer_slots:
-                t = getattr(module, name, None)
-                if isinstance(t, torch.Tensor):
-                    yield t
-        elif part is Part.GRADS:
-            grads = self._grad_storage_keys()
-            for b in self._buffers:
-                yield b.grad_data
-                yield from b.extra_main_grads
-                if b.param_data is not None and storage_key(b.param_data) in grads:
-                    yield b.param_data
-        elif part is Part.MAIN_WEIGHTS:
-            for leaf in self._leaves:
-                yield from layout.main_weights(leaf)
-        elif part is Part.OPTIMIZER_STATES:
-            for leaf in self._leaves:
-                for state in layout.torch_optimizer(leaf).state.values():
-                    yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.numel())
-        else:
-            raise AssertionError(f"not a trainer part: {part!r}")
+        return self.backend.part_tensors(part)
 
     def _named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((f"param {name}", p) for p, name in self._names.items())
+        return self.backend.named_weights()
 
     def _part_slots(self, part: Part) -> Iterable[tuple[Hashable, torch.Tensor]]:
-        if part is not Part.OPTIMIZER_STATES:
-            return super()._part_slots(part)
-        # a state entry is replaced (state[k] = v.cpu()), not rebound: name it by where it is held
-        return (
-            ((li, id(key), k), v)
-            for li, leaf in enumerate(self._leaves)
-            for key, state in layout.torch_optimizer(leaf).state.items()
-            for k, v in state.items()
-            if isinstance(v, torch.Tensor) and v.numel()
-        )
+        slots = self.backend.part_slots(part)
+        return super()._part_slots(part) if slots is None else slots
 
     def _state_dict_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        many = len(self._chunks) > 1
-        for i, c in enumerate(self._chunks):
-            for name, t in c.module.state_dict(keep_vars=True).items():
-                if isinstance(t, torch.Tensor):
-                    yield (f"chunk{i}.{name}" if many else name), t
+        return self.backend.state_dict_tensors()
 
     def _stale_grads(self) -> Iterable[torch.Tensor]:
-        """``.grad`` tensors the optimizers derived from ``main_grad`` (recreated every step) and
-        the activations the pipeline schedule left on the chunks (reset before every forward)."""
-        for leaf in self._leaves:
-            yield from layout.derived_grads(leaf)
-        for p in self._names:
-            if p.grad is not None:
-                yield p.grad
-        for modules in self._input_modules:
-            yield from transient.pipeline_input_tensors(modules)
+        return self.backend.transient_tensors()
 
     def _part_token(self, part: Part) -> Optional[Hashable]:
         if part is Part.GRADS:
@@ -186,15 +156,8 @@ class TrainerMemoryManager(MemoryManagerBase):
         return (self._steps, self.state.dirty_epoch, versions)
 
     def _check_layout(self) -> None:
-        grads = self._grad_storage_keys()
-        for p, name in self._names.items():
-            if storage_key(p) in grads:
-                raise UnsupportedLayoutError(
-                    f"parameter {name} lives in a gradient buffer's storage (megatron's "
-                    "reuse_grad_buf_for_mxfp8_param_ag layout); freeing grads would destroy the "
-                    "weights. Disable that option to use the memory manager."
-                )
-        for part in Part:
+        self.backend.check_layout()
+        for part in self.parts:
             for s in self.state.storages(part):
                 # a CPU storage's memory is moved out and back (device_memory), never resized:
                 # one in a slab of an earlier manager (MemoryConfig.cpu_contiguous) is fine
@@ -203,6 +166,16 @@ class TrainerMemoryManager(MemoryManagerBase):
                         f"a {part} storage of {s.nbytes()} bytes cannot be resized "
                         "(created from external memory), so it cannot be released"
                     )
+
+    def _follow_layout(self) -> None:
+        """Take the trainer's tensors as they are now when the framework itself rebuilt them since
+        the manager's last call (ZeroRedundancyOptimizer's buckets for DDP's overlap, built after
+        DDP's first iterations): not a change behind the manager's back."""
+        epoch = self.backend.layout_epoch()
+        if epoch != self._layout_epoch:
+            assert not self.state.offloaded_parts(), "the layout changed while a part was offloaded"
+            self._layout_epoch = epoch
+            self.state.retake()
 
     # -- guards --------------------------------------------------------------------------------
     def _before_forward(self, module, args) -> None:
@@ -218,28 +191,27 @@ class TrainerMemoryManager(MemoryManagerBase):
             self._forward_since_step = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        # The torch step inside megatron's; megatron's own step() is guarded before it starts
-        # (layout.OPTIMIZER_METHOD_PARTS). This one catches a torch step called directly.
-        self._require("optimizer step", layout.OPTIMIZER_METHOD_PARTS["step"])
+        # megatron's own step() is guarded before it starts (its method table); this pre-hook of
+        # the torch step catches a torch step called directly (and is a torch trainer's guard)
+        self._require("optimizer step", self.backend.step_parts())
 
     def _backward_parts(self) -> tuple[Part, ...]:
-        return (Part.WEIGHTS, Part.GRADS)  # weights saved for backward; DDP's hooks add into main_grad
+        return self._guards.backward_parts
+
+    def _before_backward(self, grad) -> None:
+        super()._before_backward(grad)
+        if self._guards.step_in_backward and not self._in_backward:
+            # the optimizer steps inside this backward (ZeRO overlapped with DDP): count it as a
+            # step once the backward is done
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._in_backward = False
+        self._after_step(None, (), {})
 
     def _guard_names(self) -> Iterable[tuple[str, torch.Tensor]]:
-        yield from self._named_weights()
-        yield from (
-            (f"main_grad of param {name}", layout.main_grad(p))
-            for p, name in self._names.items()
-            if layout.main_grad(p) is not None
-        )
-        for i, leaf in enumerate(self._leaves):
-            yield from ((f"main weight {j} of optimizer {i}", t) for j, t in enumerate(layout.main_weights(leaf)))
-            for j, state in enumerate(layout.torch_optimizer(leaf).state.values()):
-                yield from (
-                    (f"optimizer state {k!r} #{j} of optimizer {i}", v)
-                    for k, v in state.items()
-                    if isinstance(v, torch.Tensor)
-                )
+        return self.backend.guard_names()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._steps += 1
@@ -253,16 +225,13 @@ class TrainerMemoryManager(MemoryManagerBase):
 
     def _before_release(self, part: Part) -> None:
         if part is Part.GRADS:
-            self._drop_stale_grads()
+            self.backend.drop_transient()
+        self.backend.before_release(part)
 
     def _check_no_pending_communication(self, what: str) -> None:
-        for g in layout.bucket_groups(self._chunks, self._optimizer):
-            pending = layout.pending_communication(g)
-            if pending:
-                raise ChatlearnMemError(
-                    f"cannot {what}: a bucket group still has {', '.join(pending)} in flight; call "
-                    "model.finish_grad_sync() (and let the param all-gather finish) first"
-                )
+        pending = self.backend.pending_work()
+        if pending:
+            raise ChatlearnMemError(self.backend.pending_message(what, pending))
 
     # -- public API ----------------------------------------------------------------------------
     @serialized
@@ -306,6 +275,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             Whatever a copy raises, once the parts are rolled back (with ``blocking=False``: from
             ``Transfer.wait()``).
         """
+        self._follow_layout()
         started = self.state.begin_offload(parts, force=force)
         return self._run("offload", started, blocking, self._idle_release(release_idle_memory))
 
@@ -343,6 +313,7 @@ class TrainerMemoryManager(MemoryManagerBase):
             Whatever a device allocation or copy raises, once the failed part is rolled back (with
             ``blocking=False``: from ``Transfer.wait()``).
         """
+        self._follow_layout()
         return self._run("onload", self.state.begin_onload(parts, use_order=not blocking), blocking)
 
     @serialized
@@ -351,7 +322,7 @@ class TrainerMemoryManager(MemoryManagerBase):
         in flight have finished."""
         self.state.settle()
         return measure(
-            {p.value: self._part_tensors(p) for p in Part} | {OTHER: self._stale_grads()},
+            {p.value: (self._part_tensors(p) if p in self.parts else ()) for p in Part} | {OTHER: self._stale_grads()},
             self.device,
             self.state.host_bytes(),
             self.state.released_bytes(),
@@ -361,22 +332,24 @@ class TrainerMemoryManager(MemoryManagerBase):
     def audit(self) -> AuditReport:
         """Check every alias and residency invariant; see :class:`AuditReport`.
 
-        Checks: each param ``.data`` and ``main_grad`` is a view of its DDP buffer at the offset
-        in megatron's ``param_index_map``; bucket views and cached bucket-group shards view their
-        buffers; the distributed optimizer's shard groups view the params; each torch
-        ``param_group`` holds exactly the live shard / main tensors and ``state`` is keyed by
-        them; each trainable parameter has exactly one grad-accumulator hook and one entry in
-        DDP's ``grad_accs``; offloaded parts hold no device memory and resident parts all of it;
-        nothing else (megatron-core's own offload calls, say) released, regrew or moved the
-        manager's memory since its last call (see :mod:`chatlearn_mem.external`).
+        Checks, for every trainer: each weight's ``.data`` still lives in the storage the manager
+        restores; offloaded parts hold no device memory and resident parts all of it; nothing
+        else (megatron-core's own offload calls, ``model.cpu()``, ``param.data = ...``) released,
+        regrew, moved or replaced the manager's memory since its last call (see
+        :mod:`chatlearn_mem.external`). Then the backend's aliases. megatron-core: each param
+        ``.data`` and ``main_grad`` is a view of its DDP buffer at the offset in megatron's
+        ``param_index_map``; bucket views and cached bucket-group shards view their buffers; the
+        distributed optimizer's shard groups view the params; each torch ``param_group`` holds
+        exactly the live shard / main tensors and ``state`` is keyed by them; each trainable
+        parameter has exactly one grad-accumulator hook and one entry in DDP's ``grad_accs``.
+        Plain PyTorch: see :mod:`chatlearn_mem.torchnative.checks`.
         """
         self.state.settle()
+        self._follow_layout()
         report = AuditReport()
         self._check_rebinds(report)
-        checks.check_buffers(report, self._buffers, self._names, self._chunks, self._optimizer)
-        checks.check_optimizers(report, self._leaves, self._names)
-        checks.check_hooks(report, self._chunks, self._chunk_buffers, self._names)
-        for part in Part:
+        self.backend.audit(report)
+        for part in self.parts:
             self.state.check_storage_state(report, part)
         report.checked += 1
         for sentence in self.state.external_changes():
@@ -387,27 +360,6 @@ class TrainerMemoryManager(MemoryManagerBase):
     def _check_grads_consumed(self) -> None:
         if not self._forward_since_step:
             return
-        dirty = [
-            b.label
-            for b in self._buffers
-            if any(g.numel() and bool(g.any()) for g in (b.grad_data, *b.extra_main_grads))
-        ]
+        dirty = self.backend.unconsumed_grads()
         if dirty:
-            raise ChatlearnMemError(
-                f"refusing to free grad buffers {', '.join(dirty)}: they hold gradients that no "
-                "optimizer step has consumed. Run optimizer.step() or model.zero_grad_buffer() "
-                "first, or call offload(force=True) to drop them"
-            )
-
-    def _drop_stale_grads(self) -> None:
-        # The same as megatron's optimizer.zero_grad(set_to_none=True): these are derived from
-        # main_grad (or alias it) and are recreated by the next step's prepare_grads(). The
-        # pipeline schedule's last received activation (and its grad) is set afresh before
-        # every forward, so holding it only pins device memory.
-        for leaf in self._leaves:
-            layout.clear_derived_grads(leaf)
-        for p in self._names:  # every parameter of every chunk
-            if p.grad is not None:
-                p.grad = None
-        for modules in self._input_modules:
-            transient.clear_pipeline_input_tensors(modules)
+            raise ChatlearnMemError(self.backend.unconsumed_message(dirty))

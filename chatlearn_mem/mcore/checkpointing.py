@@ -20,6 +20,7 @@ from chatlearn_mem.errors import UnsupportedLayoutError
 from chatlearn_mem.mcore.layout import main_weights, megatron_core_version, module_buffers, shard_views, torch_optimizer
 
 __all__ = [
+    "MegatronCheckpointIO",
     "checkpoint_read_tensors",
     "clear_optimizer_states",
     "detached_for_save",
@@ -440,3 +441,92 @@ def finalize_save(request: Any) -> None:
     """Finish a written save: megatron's finalisation (its metadata; a collective, every rank)."""
     for fn in request.finalize_fns:
         fn()
+
+
+class MegatronCheckpointIO:
+    """megatron-core's ``dist_checkpointing`` as :mod:`chatlearn_mem.checkpoint` uses it, for one
+    trainer: what a checkpoint holds, how it is written and loaded (the functions above).
+
+    Args:
+        chunks, optimizer, leaves: The trainer's model chunks, optimizer and leaf optimizers.
+    """
+
+    name = "megatron-core"
+    format_key = "distrib_optimizer_sharding"
+
+    def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, leaves: list[Any]):
+        self.chunks, self.optimizer, self.leaves = chunks, optimizer, leaves
+
+    def versions(self) -> dict:
+        """What the metadata records of the software that wrote the checkpoint."""
+        return {"megatron_core": megatron_core_version()}
+
+    def split_sizes(self) -> dict[str, int]:
+        """The parallel split's sizes (no ranks): what a checkpoint records and a load compares."""
+        return {k: v for k, v in parallel_split().items() if not k.endswith("_rank")}
+
+    def sharding(self, resharding: bool) -> str:
+        """The distributed optimizer's format (:func:`distrib_optimizer_sharding`)."""
+        return distrib_optimizer_sharding(self.leaves, resharding)
+
+    def estimate_nbytes(self, resharding: bool) -> int:
+        """About how many bytes a save writes for this rank (see ``estimate_checkpoint_nbytes``)."""
+        distrib_optimizer_sharding(self.leaves, resharding)
+        params = [p for c in self.chunks for p in c.parameters()]
+        weights = sum(p.numel() * p.element_size() for p in params)
+        owned = sum(p.numel() for p in params if p.requires_grad)
+        if any(is_distributed_optimizer(leaf) for leaf in self.leaves):
+            owned = -(-owned // max(1, parallel_split()["dp"]))
+        return weights + owned * 4 * 3
+
+    def swapped_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.data`` point at their host copies while the save's state is built."""
+        return checkpoint_read_tensors(self.chunks, self.leaves)
+
+    def snapshot(self, sharding: str, host: Any) -> dict:
+        """The state to save, independent of the trainer, built while the offloaded tensors view
+        their host copies (``host.is_live(t)``: a tensor still training on the device).
+
+        Raises:
+            ValueError: The optimizer has not taken a step yet (``CheckpointError`` by the caller).
+        """
+        if None in optimizer_steps(self.leaves):  # read here: the states may be offloaded
+            raise ValueError(
+                "the optimizer has not taken a step yet, so it has no state to save (megatron's "
+                "optimizers cannot write a checkpoint before their first step); save after "
+                "optimizer.step()"
+            )
+        state = trainer_sharded_state(self.chunks, self.optimizer, self.leaves, is_loading=False, sharding=sharding)
+        return detached_for_save(state, host.is_live)
+
+    tensor_shapes = staticmethod(model_tensor_shapes)
+    tensor_nbytes = staticmethod(tensor_nbytes)
+    start_save = staticmethod(start_save)
+    write_save = staticmethod(write_save)
+    finalize_save = staticmethod(finalize_save)
+
+    def prepare_load(self) -> None:
+        """Before a load: create the optimizer states a load reads the layout of."""
+        init_optimizer_states(self.leaves)
+
+    def loading_state(self, meta: dict) -> dict:
+        """The state a load of the checkpoint ``meta`` describes fills."""
+        return trainer_sharded_state(
+            self.chunks, self.optimizer, self.leaves, is_loading=True, sharding=meta["distrib_optimizer_sharding"]
+        )
+
+    def load(self, state: dict, path: str, same_split: bool) -> None:
+        """Load ``state`` (from :meth:`loading_state`) from ``path`` into the trainer; the RNG
+        states only when the split is the one saved."""
+        from megatron.core import dist_checkpointing
+
+        if not same_split:
+            del state["rng"]
+        loaded = dist_checkpointing.load(state, path)
+        clear_optimizer_states(self.leaves)
+        load_model_state(self.chunks, loaded)
+        with loading_optimizer_steps_compat(self.leaves):
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        set_optimizer_steps(self.leaves, loaded["optimizer_steps"])
+        if same_split:
+            set_rng_state(loaded["rng"])

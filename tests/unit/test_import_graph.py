@@ -73,7 +73,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read():
     graph = _import_graph()
     assert "chatlearn_mem.storage" in graph["chatlearn_mem.parts_state"]
-    assert "chatlearn_mem.mcore.checkpointing" in graph["chatlearn_mem.checkpoint"]  # ``from pkg import sub``
+    assert "chatlearn_mem.mcore.checks" in graph["chatlearn_mem.mcore.backend"]  # ``from pkg import sub``
     assert "chatlearn_mem.trainer" in graph["chatlearn_mem.checkpoint_serving"]  # inside a function
 
 
