@@ -1,6 +1,8 @@
-"""chatlearn-mem: put megatron-core trainers and inference models to sleep and wake them exactly.
+"""chatlearn-mem: put trainers and inference models to sleep and wake them exactly.
 
-A :class:`TrainerMemoryManager` wraps a megatron-core model (DDP chunks) and its optimizer. It
+A :class:`TrainerMemoryManager` wraps a megatron-core model (DDP chunks) and its optimizer, or a
+plain PyTorch one (an ``nn.Module``, torch DDP, ZeroRedundancyOptimizer, FSDP2; see
+``docs/torch-native.md``). It
 offloads the weights into flat host buckets, releases the grad buffers, the fp32 main weights and
 the optimizer states, and brings all of it back, in place, so that training continues
 bit-identically; :meth:`~TrainerMemoryManager.audit` proves it. An
@@ -34,8 +36,8 @@ which parts to keep resident under a memory budget (:func:`plan_residency`), and
 transitions (``blocking=False`` returns a :class:`Transfer`; :func:`swap` overlaps one model's
 offload with another's onload). Beside it: :mod:`chatlearn_mem.cpu_backend` (megatron-core on a
 machine without a GPU), :mod:`chatlearn_mem.models` (GPT trainers built from megatron-core's
-public API) and :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
-names).
+public API), :mod:`chatlearn_mem.mcore` (the one place that knows megatron-core's private
+names) and :mod:`chatlearn_mem.torchnative` (the same for plain PyTorch's).
 """
 
 from typing import Any, Optional, Union
