@@ -382,11 +382,11 @@ def bench_outlook(preset: str = "gpu"):
     offload calls), torch_memory_saver installed (the wheelhouse carries it)."""
     from chatlearn_mem import MemoryConfig
     from chatlearn_mem_bench.config import load_config
+    from chatlearn_mem_bench.estimate import estimate_seconds
     from chatlearn_mem_bench.overlap import plan_args as overlap_plan_args
     from chatlearn_mem_bench.plan import (
         activation_bytes,
         estimate_part_sizes,
-        estimate_seconds,
         plan_device_memory,
         plan_host_memory,
     )

@@ -181,7 +181,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     # The GPU branches of the targets and the tables, on the same figures relabelled as CUDA ones
     # (no GPU here: this checks the bookkeeping, not CUDA).
     from chatlearn_mem_bench.report import markdown
-    from chatlearn_mem_bench.run import check_targets
+    from chatlearn_mem_bench.targets import check_targets
 
     gpu = json.loads(json.dumps(res))
     gpu["hardware"].update(device="cuda:0", gpu_name="fake")
@@ -210,7 +210,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
 def test_the_integrity_row_names_the_method_and_part_whose_bytes_changed(dist1, tmp_path, monkeypatch):
     """The integrity row once said only that the bytes differed after all methods (two GPU runs);
     each method's last round is now checked against the bytes before the part's rounds."""
-    from chatlearn_mem_bench import methods
+    from chatlearn_mem_bench import alternatives as methods
 
     restore = methods.ReplaceRebuild.restore
 
@@ -247,13 +247,13 @@ def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_
     child = (
         "import sys, threading\n"
         "import chatlearn_mem_bench.run as run\n"
-        "timed, parts = run._time_part, []\n"
+        "timed, parts = run.time_part, []\n"
         "def first_part_only(*args, **kwargs):\n"
         "    parts.append(args[0])\n"
         "    if len(parts) > 1:\n"
         "        threading.Event().wait()  # held here until killed\n"
         "    return timed(*args, **kwargs)\n"
-        "run._time_part = first_part_only\n"
+        "run.time_part = first_part_only\n"
         "from chatlearn_mem_cli.__main__ import main\n"
         "sys.argv = ['chatlearn-mem', *sys.argv[1:]]\n"
         "main()\n"
@@ -328,7 +328,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_is_measured(dist1, 
         host_memory, "usable_host_memory", lambda: host_memory.HostMemory(usable, (("MemAvailable", usable),))
     )
     timed = []
-    monkeypatch.setattr(run, "_time_part", lambda *args: timed.append(args[0]) or [])
+    monkeypatch.setattr(run, "time_part", lambda *args: timed.append(args[0]) or [])
     result = CliRunner().invoke(
         app,
         [
@@ -392,7 +392,8 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
     after the onload. Before: both went through torch's caching pinned allocator, whose cached
     blocks fresh_host_alloc reused (never allocating) and whose power-of-two blocks the ceiling
     took again for every part."""
-    from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, logical_tensors, part_storages
+    from chatlearn_mem_bench.alternatives import FreshHostAlloc
+    from chatlearn_mem_bench.methods import CeilingMethod, logical_tensors, part_storages
 
     with trained_manager() as (trainer, mm):
         ceiling = CeilingMethod(mm, trainer, pin=True)
@@ -430,7 +431,8 @@ def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, 
     AdamW's step counters, which live on the host; its restore moves every tensor not on the device
     there, the step counters too (on an H100 they came back as CUDA tensors, and the integrity
     checksum differed)."""
-    from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors, part_storages
+    from chatlearn_mem_bench.alternatives import MegatronBuiltin
+    from chatlearn_mem_bench.methods import logical_tensors, part_storages
 
     with trained_manager() as (trainer, mm):
         method = MegatronBuiltin(mm, trainer, pin=False)
