@@ -58,6 +58,7 @@ def bench_outlook(preset: str = "gpu"):
         bucket_size=MemoryConfig(bucket_size_mb=cfg.bucket_size_mb).bucket_size_bytes,
         release_bound=cfg.release_bound,
         tms_retain_cpu_backup=cfg.tms_retain_cpu_backup,
+        checkpoint=cfg.checkpoint,
     )
     time_s = estimate_seconds(
         sizes,
