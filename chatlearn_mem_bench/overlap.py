@@ -188,22 +188,19 @@ def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, l
     return nbytes, samples[cfg.warmup :]
 
 
-def _plain_onload_beside_forward(weights_bytes: int, first_bytes: int, threads: int, forward, copy=None):
+def _plain_onload_beside_forward(weights_bytes: int, first_bytes: int, threads: int, forward):
     """CPU only: the schedule ``onload(blocking=False)`` aims at, with plain copies. A copy of the
     first module's bytes, then the forward while a thread copies the rest of the weights' bytes (with
     ``threads`` intra-op threads, as a lane copies); returns the function to time. On a CPU
     "device" the forward and the copy share the memory bus: this is the row's bound counting that
-    contention, as ``copy_bound_ratio`` is the swap's. ``copy``: that thread's target, called as
-    :func:`_copy_with_threads` is (scripts/measure_overlap_sync.py wraps it to time the thread)."""
+    contention, as ``copy_bound_ratio`` is the swap's."""
     src = torch.ones(weights_bytes, dtype=torch.uint8)
     dst = torch.zeros(weights_bytes, dtype=torch.uint8)
 
     def run():
         with _intra_op_threads(threads):
             dst[:first_bytes].copy_(src[:first_bytes])
-        other = threading.Thread(
-            target=copy or _copy_with_threads, args=(threads, dst[first_bytes:], src[first_bytes:])
-        )
+        other = threading.Thread(target=_copy_with_threads, args=(threads, dst[first_bytes:], src[first_bytes:]))
         other.start()
         forward()
         other.join()

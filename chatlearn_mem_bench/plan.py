@@ -234,6 +234,7 @@ def plan_host_memory(
     overlap_bytes: Optional[Mapping[str, int]] = None,
     release_bound: bool = True,
     tms_retain_cpu_backup: bool = False,
+    checkpoint: bool = False,
 ) -> HostMemoryPlan:
     """The host memory a run with these parts and methods holds (sizes in, bytes out).
 
@@ -252,6 +253,8 @@ def plan_host_memory(
         release_bound: The release bound is timed (``BenchConfig.release_bound``).
         tms_retain_cpu_backup: ``torch_memory_saver`` keeps its pinned backups between pauses
             (held for the run, not only while it runs).
+        checkpoint: The ``checkpoint`` report runs: while it does, its plain write's buffer (the
+            checkpoint's bytes) and the default format's copy of the optimizer state.
     """
     b = part_bytes(sizes)
     copy_max = max(b[str(p)] for p in COPY_PARTS)
@@ -305,6 +308,12 @@ def plan_host_memory(
             items.append(
                 PlanItem("overlap rows: plain-copy bound buffers", 2 * n_weights, False, "overlap onload_then_forward")
             )
+    if checkpoint:
+        optimizer = b[Part.MAIN_WEIGHTS.value] + b[Part.OPTIMIZER_STATES.value]
+        items += [
+            PlanItem("checkpoint report: plain-write buffer", b[FULL], False, "checkpoint"),
+            PlanItem("checkpoint report: fully_reshardable optimizer copy", optimizer, False, "checkpoint"),
+        ]
     return HostMemoryPlan(tuple(items))
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 from chatlearn_mem.atomic_files import write_json_atomic
+from chatlearn_mem_bench.checkpoint_saves import checkpoint_lines
 from chatlearn_mem_bench.config import PARTS
 from chatlearn_mem_bench.plan import format_bytes
+from chatlearn_mem_bench.planner_speed import planner_lines
 from chatlearn_mem_bench.plot import plot as draw
 
 __all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "print_targets", "rebuild", "write_outputs"]
@@ -119,6 +121,8 @@ def markdown(res: dict) -> str:
     lines += _cycle_lines(res.get("cycles"))
     lines += _overlap_lines(res.get("overlap"))
     lines += _tail_lines(res.get("onload_tail"))
+    lines += checkpoint_lines(res.get("checkpoint"))
+    lines += planner_lines(res.get("planner"))
     lines += _soak_lines(res.get("soak"))
     lines += ["", "## Targets", ""]
     if not res.get("complete", True):

@@ -14,6 +14,7 @@ import torch
 from chatlearn_mem import Part
 from chatlearn_mem_bench import tms as tms_mod
 from chatlearn_mem_bench.alternatives import ALTERNATIVES
+from chatlearn_mem_bench.checkpoint_saves import measure_checkpoint
 from chatlearn_mem_bench.config import FULL, PARTS, PRESETS, BenchConfig
 from chatlearn_mem_bench.estimate import estimate_seconds
 from chatlearn_mem_bench.measure import (
@@ -44,6 +45,7 @@ from chatlearn_mem_bench.plan import (
     plan_host_memory,
     refuse_unless_fits,
 )
+from chatlearn_mem_bench.planner_speed import measure_planner
 from chatlearn_mem_bench.repeated import measure_onload_tail, measure_soak
 from chatlearn_mem_bench.targets import check_targets
 from chatlearn_mem_bench.timing import peak_rss, time_part, tms_results
@@ -173,6 +175,7 @@ def run_benchmark(
         overlap_bytes=overlap.get("overlap_bytes"),
         release_bound=cfg.release_bound,
         tms_retain_cpu_backup=cfg.tms_retain_cpu_backup,
+        checkpoint=cfg.checkpoint,
         **plan_args,
     )
     host_gbps = host_bandwidths()
@@ -192,11 +195,20 @@ def run_benchmark(
     )
     echo(plan.summary())
     echo(estimate.summary())
-    if cfg.tail_onloads or cfg.soak_cycles:
-        echo(
-            f"then, not in that estimate: the onload tail ({cfg.tail_onloads} weights onloads) and the soak "
-            f"({cfg.soak_cycles} full cycles with {cfg.soak_cycles // cfg.soak_train_every} train steps, last)"
-        )
+    later = [
+        *([f"the onload tail ({cfg.tail_onloads} weights onloads)"] if cfg.tail_onloads else []),
+        *([f"the checkpoint report ({6 * cfg.checkpoint_repeats} saves)"] if cfg.checkpoint else []),
+        *([f"the planner report ({8 * cfg.planner_seeds} plans)"] if cfg.planner else []),
+        *(
+            [
+                f"the soak ({cfg.soak_cycles} full cycles with {cfg.soak_cycles // cfg.soak_train_every} train steps, last)"
+            ]
+            if cfg.soak_cycles
+            else []
+        ),
+    ]
+    if later:
+        echo(f"then, not in that estimate: {', '.join(later[:-1]) + ' and ' if len(later) > 1 else ''}{later[-1]}")
     usable = host_memory.usable_host_memory()
     margin = mm.config.host_memory_margin_bytes
     try:
@@ -285,6 +297,31 @@ def run_benchmark(
         t_overlap = time.perf_counter()
         res["overlap"] = measure_overlap(cfg, trainer, mm, device, threads=cfg.overlap_threads, pin=pin)
         res["overlap_seconds"] = time.perf_counter() - t_overlap
+        publish(res)
+    if cfg.checkpoint:  # before the integrity check: the saves' sleeps and wakes are checked too
+        t_ck = time.perf_counter()
+        res["checkpoint"] = measure_checkpoint(mm, cfg.checkpoint_repeats, cfg.checkpoint_dir)
+        ck = res["checkpoint"]
+        log.info(
+            "checkpoint: %.2f GB saved asleep at %.2f GB/s (resharding=False %.2f GB/s) against a plain write at "
+            "%.2f GB/s; done in %.1f s",
+            ck["tensor_bytes"] / 1e9,
+            ck["gb_per_s"]["save_asleep"],
+            ck["gb_per_s"]["save_asleep_dp"],
+            ck["gb_per_s"]["plain_write"],
+            time.perf_counter() - t_ck,
+        )
+        publish(res)
+    if cfg.planner:
+        res["planner"] = measure_planner(cfg.planner_repeats, cfg.planner_seeds)
+        pl = res["planner"]
+        log.info(
+            "residency planner: %d plans, median %.1f ms, slowest median %.1f ms (target < %.0f ms)",
+            len(pl["rows"]),
+            pl["median_of_medians_ms"],
+            pl["slowest_median_ms"],
+            pl["target_ms"],
+        )
         publish(res)
     checksum_after = checksum(mm, trainer)
     audit = mm.audit()

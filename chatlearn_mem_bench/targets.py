@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from chatlearn_mem import Part
 from chatlearn_mem_bench import tms as tms_mod
+from chatlearn_mem_bench.checkpoint_saves import checkpoint_targets
 from chatlearn_mem_bench.config import COPY_PARTS, FULL
 from chatlearn_mem_bench.overlap import TARGETS
+from chatlearn_mem_bench.planner_speed import planner_targets
 from chatlearn_mem_bench.repeated import repeated_targets
 
 __all__ = ["TMS_SPEEDUP", "check_targets", "overlap_targets"]
@@ -87,6 +89,8 @@ def check_targets(res: dict) -> list[dict]:
     if res.get("overlap"):
         out += overlap_targets(res["overlap"], gpu)
     out += repeated_targets(res, gpu, res["config"]["rss_tolerance_mb"] * 2**20)
+    out += checkpoint_targets(res.get("checkpoint"))
+    out += planner_targets(res.get("planner"))
     tms = res.get(TMS)
     if tms and "bye" in tms:
         changed = tms["parts_changed"]

@@ -67,6 +67,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert res["command"].startswith("chatlearn-mem bench --config tiny")
     assert res["config"]["trainer"]["hidden_size"] == 64 and res["config"]["preset"] == "tiny"
+    assert "checkpoint" not in res and "planner" not in res  # opt-in reports: off by default
     for key in ("torch", "megatron-core", "python"):
         assert res["versions"][key]
     for key in ("cpu_model", "cpu_count", "memory_total_bytes", "device", "torch_num_threads"):
@@ -204,6 +205,51 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert "CUDA reserved MiB" in markdown(gpu)
     assert "## The manager's host work" in md and "the host time includes the copies" in md
     assert "On CUDA the host only issues the copies" in markdown(gpu)
+
+
+def test_the_checkpoint_and_planner_reports_run_when_asked_for(dist1, tmp_path):
+    """``checkpoint: true`` and ``planner: true`` (what scripts/measure_checkpoint.py and
+    measure_planner.py measured): rows in the JSON, a section in the markdown, a target each, the
+    checkpoint's buffers in the host memory plan; the saves' sleeps and wakes leave the trainer exact.
+    Figures are not asserted (wall clock on a shared machine)."""
+    from chatlearn_mem.checkpoint import list_checkpoints
+    from chatlearn_mem_bench.checkpoint_saves import KINDS
+    from chatlearn_mem_bench.planner_speed import FACTORS
+
+    ckpt = tmp_path / "ckpt"
+    quick = ["repeats=3", "cycles=2", "plot=false", "overlap=false", "soak_cycles=0", "tail_onloads=0", "methods=[]"]
+    reports = ["checkpoint=true", "checkpoint_repeats=1", f"checkpoint_dir={ckpt}"]
+    reports += ["planner=true", "planner_seeds=1", "planner_repeats=1"]
+    result = CliRunner().invoke(
+        app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=r", *quick, *reports]
+    )
+    assert result.exit_code == 0, result.output
+    assert "then, not in that estimate: the checkpoint report (6 saves) and the planner report (8 plans)" in (
+        result.output
+    )
+    res = json.loads((tmp_path / "r.json").read_text())
+    ck = res["checkpoint"]
+    assert sorted(ck["seconds"]) == sorted(KINDS) and all(len(v) == 1 for v in ck["samples_s"].values())
+    # the checkpoint holds the copied parts' bytes (the weights, main weights and optimizer states;
+    # the parts' buffers have some padding besides)
+    full = res["model"]["bytes_per_part"]["full"]
+    assert 0.99 * full <= ck["tensor_bytes"] <= full
+    assert ck["asleep_device_bytes_max"] == 0 and ck["dir"] == str(ckpt)
+    assert all(0 <= share < 1 for share in ck["manifest_share_of_save"].values())
+    assert list_checkpoints(str(ckpt)) == [str(ckpt / "step_00000006")]  # keep_last=1: the last save stays
+    plan = {i["what"]: i for i in res["host_memory_plan"]["items"]}
+    assert plan["checkpoint report: plain-write buffer"]["held_by"] == "checkpoint"
+    pl = res["planner"]
+    assert [(r["kind"], r["factor"]) for r in pl["rows"]] == [(k, f) for k in ("models", "random") for f in FACTORS]
+    assert all(r["bytes_moved"] <= r["all_or_nothing_bytes"] for r in pl["rows"])
+    assert pl["slowest_median_ms"] == max(r["median_ms"] for r in pl["rows"])
+    names = {t["name"]: t for t in res["targets"]}
+    assert names["checkpoint: a sleeping trainer is saved holding 0 device bytes"]["passed"]
+    assert "residency planner: every plan of 64 x 8 under 100 ms" in names
+    assert names["integrity: tensors bit-identical after every method, audit ok"]["passed"]
+    md = (tmp_path / "r.md").read_text()
+    assert "## Checkpoint saves against a plain write" in md and "| save, default, trainer asleep |" in md
+    assert "## The residency planner on 8 schedules of 64 items x 8 phases" in md
 
 
 # -- a run cut short ---------------------------------------------------------------------------
