@@ -66,7 +66,7 @@ __all__ = ["BoundaryMoves", "ResidencyPlan", "plan_residency", "residency_bytes_
 _MAX_WORK = 40_000
 """Search work (one per node plus one per item bounded at it) before the planner settles for the
 best plan found: about 40 ms of one core on the largest schedule it is sized for, 64 items x 8
-phases (``scripts/measure_planner.py``). A quarter goes to the whole branch and bound, which
+phases (the benchmark's ``planner`` report: ``chatlearn-mem bench --config tiny planner=true``). A quarter goes to the whole branch and bound, which
 needs under 100 on the PPO schedule and on random ones up to 6 items x 6 phases."""
 
 _MAX_GAPS = 10

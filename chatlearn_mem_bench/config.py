@@ -117,6 +117,22 @@ class BenchConfig(BaseModel):
     """Memory sampled (after ``gc.collect()``) every this many soak cycles."""
     rss_tolerance_mb: float = Field(64.0, ge=0)
     """Process RSS may move this much across cycles without counting as growth (allocator noise)."""
+    checkpoint: bool = False
+    """The ``checkpoint`` report: ``save_checkpoint`` of the trainer awake, asleep and asynchronous,
+    in both optimizer formats, against a plain write of the same bytes, and the manifest's share
+    (see ``chatlearn_mem_bench.checkpoint_saves``). Writes about the trainer's state per save."""
+    checkpoint_repeats: int = Field(3, ge=1)
+    """Repeats of the ``checkpoint`` report's saves (six per repeat); medians over these."""
+    checkpoint_dir: Optional[str] = None
+    """Where the ``checkpoint`` report writes (its disk is what is measured); None: a temporary
+    directory, removed after."""
+    planner: bool = False
+    """The ``planner`` report: the residency planner's time on 64-item x 8-phase schedules against
+    its 100 ms target (see ``chatlearn_mem_bench.planner_speed``); needs no trainer."""
+    planner_repeats: int = Field(20, ge=1)
+    """Timed runs of each plan in the ``planner`` report."""
+    planner_seeds: int = Field(3, ge=1)
+    """Schedules of each kind in the ``planner`` report (each at 4 budgets)."""
     output_dir: str = "runs/bench"
     """Where the JSON, markdown and PNG go (relative to the working directory). The committed
     results under ``benchmarks/results`` are written only when asked for explicitly."""

@@ -43,7 +43,7 @@ from chatlearn_mem import Part, TrainerMemoryManager, swap
 from chatlearn_mem_bench.measure import stats, timed
 from chatlearn_mem_bench.plan import COPY_BOUND_BYTES, copy_bound_sizes
 
-__all__ = ["OVERLAP_ROWS", "TARGETS", "critic_config", "measure_overlap", "overlap_targets", "plan_args"]
+__all__ = ["OVERLAP_ROWS", "TARGETS", "critic_config", "measure_overlap", "plan_args"]
 
 log = logging.getLogger("benchmarks")
 
@@ -188,22 +188,19 @@ def _first_module_copy(cfg, mm, device, threads: int, pin: bool) -> tuple[int, l
     return nbytes, samples[cfg.warmup :]
 
 
-def _plain_onload_beside_forward(weights_bytes: int, first_bytes: int, threads: int, forward, copy=None):
+def _plain_onload_beside_forward(weights_bytes: int, first_bytes: int, threads: int, forward):
     """CPU only: the schedule ``onload(blocking=False)`` aims at, with plain copies. A copy of the
     first module's bytes, then the forward while a thread copies the rest of the weights' bytes (with
     ``threads`` intra-op threads, as a lane copies); returns the function to time. On a CPU
     "device" the forward and the copy share the memory bus: this is the row's bound counting that
-    contention, as ``copy_bound_ratio`` is the swap's. ``copy``: that thread's target, called as
-    :func:`_copy_with_threads` is (scripts/measure_overlap_sync.py wraps it to time the thread)."""
+    contention, as ``copy_bound_ratio`` is the swap's."""
     src = torch.ones(weights_bytes, dtype=torch.uint8)
     dst = torch.zeros(weights_bytes, dtype=torch.uint8)
 
     def run():
         with _intra_op_threads(threads):
             dst[:first_bytes].copy_(src[:first_bytes])
-        other = threading.Thread(
-            target=copy or _copy_with_threads, args=(threads, dst[first_bytes:], src[first_bytes:])
-        )
+        other = threading.Thread(target=_copy_with_threads, args=(threads, dst[first_bytes:], src[first_bytes:]))
         other.start()
         forward()
         other.join()
@@ -355,18 +352,6 @@ def onload_timeline(trainer, mm: TrainerMemoryManager, device: torch.device, for
     }
 
 
-def _timeline_note(r: dict) -> str:
-    t = r.get("timeline") or {}
-    if not t.get("first_start_ms") or t.get("end_ms") is None:
-        return ""
-    return (
-        f"; one timed run: onload returned in {t['submit_ms']:.1f} ms, the first module started at "
-        f"{t['first_start_ms']:.1f} ms, the last bytes landed at {t['last_arrival_ms']:.1f} ms, the last "
-        f"module started at {t['last_start_ms']:.1f} ms, the forward ended at {t['end_ms']:.1f} ms "
-        f"({t['end_ms'] - t['first_start_ms']:.1f} ms after its start, {r['forward_alone_s'] * 1e3:.1f} ms alone)"
-    )
-
-
 def critic_config(trainer_cfg):
     """The swap row's incoming trainer: the benchmark's with half the layers (a value head on top)."""
     return trainer_cfg.model_copy(
@@ -489,85 +474,3 @@ def plan_args(cfg) -> dict:
         "forward_tokens": _forward_tokens(cfg),
         "overlap_repeats": cfg.overlap_repeats or cfg.repeats,
     }
-
-
-_OTF_BOUND = "the longer of the onload alone and the first module's copy then the forward"
-_OTF_CONTENDED = "the same schedule with plain copies, the forward beside the copy"
-
-
-def _contended_note(r: dict) -> str:
-    if r["name"] != "onload_then_forward" or r.get("contended_best_ratio") is None:
-        return ""
-    return (
-        f"; plain copies in the same schedule take {r['plain_overlap_s'] * 1e3:.1f} ms (the first module's "
-        f"copy, then the forward beside the rest of the copy), against {r['forward_alone_s'] * 1e3:.1f} ms "
-        f"for the forward alone; the bound without that contention would be {r['best_possible_ratio']:.2f}"
-    )
-
-
-def _first_module_note(r: dict) -> str:
-    if r["name"] != "onload_then_forward" or "first_module_copy_s" not in r:
-        return ""
-    loose = max(r["forward_alone_s"], r["onload_alone_s"]) / r["serial_s"]
-    return (
-        f"; the first module's {r['first_module_bytes'] / 2**20:.0f} MiB copy in "
-        f"{r['first_module_copy_s'] * 1e3:.1f} ms; without it the bound would be {loose:.2f}"
-    )
-
-
-def overlap_targets(rows: list[dict], gpu: bool) -> list[dict]:
-    """The issue's targets for the overlap rows, each ``{"name", "passed", "detail"}``."""
-    out = []
-    for r in rows:
-        spread = r.get("ratio_spread") or [r["ratio"], r["ratio"]]
-        limit = TARGETS[r["name"]][1 if gpu else 0]
-        if limit is not None:
-            detail = (
-                f"{r['ratio']:.2f} (IQR {spread[0]:.2f}-{spread[1]:.2f}; {r['overlapped_s']:.3f} s "
-                f"vs {r['serial_s']:.3f} s serial, {r['threads']} compute thread(s))"
-            )
-            bound = r.get("copy_bound_ratio")
-            if bound is not None and bound > limit:
-                detail += (
-                    f"; out of reach on this machine: two host copies at once take {bound:.2f} of their "
-                    f"serial time (one memory bus for both directions)"
-                )
-            out.append(
-                {
-                    "name": f"overlap {r['name']}: overlapped <= {limit} of serial",
-                    "passed": r["ratio"] <= limit,
-                    "detail": detail,
-                }
-            )
-        if r["name"] == "swap":
-            bound, what = r.get("copy_bound_ratio"), "two copies at once"
-        elif r.get("contended_best_ratio") is not None:
-            bound, what = r["contended_best_ratio"], _OTF_CONTENDED
-        else:  # results from before the contended bound
-            bound, what = r.get("best_possible_ratio"), _OTF_BOUND
-        if not gpu and bound is not None:  # what the machine allows, measured in the same run
-            out.append(
-                {
-                    "name": f"overlap {r['name']}: within 0.05 of its bound ({what})",
-                    "passed": r["ratio"] <= bound + 0.05,
-                    "detail": f"{r['ratio']:.2f} of serial against a bound of {bound:.2f}"
-                    + _contended_note(r)
-                    + _first_module_note(r)
-                    + _timeline_note(r),
-                }
-            )
-        if r["name"] == "onload_then_forward" and gpu:
-            # older results have no onload-alone timing: their bound is the forward alone
-            best = r.get("best_possible_s", r["forward_alone_s"])
-            ratio = r["overlapped_s"] / best
-            out.append(
-                {
-                    "name": f"overlap onload_then_forward: <= 1.1x {_OTF_BOUND}",
-                    "passed": ratio <= 1.1,
-                    "detail": f"{ratio:.2f}x ({r['overlapped_s']:.4f} s vs forward {r['forward_alone_s']:.4f} s, "
-                    f"onload {r.get('onload_alone_s', float('nan')):.4f} s)"
-                    + _first_module_note(r)
-                    + _timeline_note(r),
-                }
-            )
-    return out

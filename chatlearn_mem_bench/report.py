@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Callable
 
 from chatlearn_mem.atomic_files import write_json_atomic
+from chatlearn_mem_bench.checkpoint_saves import checkpoint_lines
 from chatlearn_mem_bench.config import PARTS
 from chatlearn_mem_bench.plan import format_bytes
+from chatlearn_mem_bench.planner_speed import planner_lines
+from chatlearn_mem_bench.plot import plot as draw
 
-__all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "plot", "print_targets", "rebuild", "write_outputs"]
+__all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "print_targets", "rebuild", "write_outputs"]
 
 MiB = 2**20
 
@@ -118,6 +121,8 @@ def markdown(res: dict) -> str:
     lines += _cycle_lines(res.get("cycles"))
     lines += _overlap_lines(res.get("overlap"))
     lines += _tail_lines(res.get("onload_tail"))
+    lines += checkpoint_lines(res.get("checkpoint"))
+    lines += planner_lines(res.get("planner"))
     lines += _soak_lines(res.get("soak"))
     lines += ["", "## Targets", ""]
     if not res.get("complete", True):
@@ -398,63 +403,6 @@ def _plan_lines(res: dict) -> list[str]:
     return out
 
 
-def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = list(res["methods"])
-    groups = [(p, d) for p in PARTS for d in ("offload", "onload")]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 9))
-    width = 0.8 / len(methods)
-    for i, meth in enumerate(methods):
-        xs, ys, lo, hi = [], [], [], []
-        for g, (p, d) in enumerate(groups):
-            r = next(
-                (r for r in res["timings"] if r["part"] == p and r["direction"] == d and r["method"] == meth), None
-            )
-            if r is None:
-                continue
-            s = r["seconds"]
-            xs.append(g + (i - (len(methods) - 1) / 2) * width)
-            ys.append(s["median"] * 1e3)
-            lo.append((s["median"] - s["q25"]) * 1e3)
-            hi.append((s["q75"] - s["median"]) * 1e3)
-        ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=meth)
-    ax1.set_xticks(range(len(groups)), [f"{p}\n{d}" for p, d in groups], fontsize=8)
-    ax1.set_ylabel("wall time, ms (median, IQR bars)")
-    ax1.set_yscale("log")
-    ax1.set_title(
-        f"Time per part per method ({res['hardware'].get('gpu_name') or res['hardware']['cpu_model']})"
-        + ("" if res.get("complete", True) else f"; missing: {', '.join(res.get('missing_parts', []))}")
-    )
-    ax1.legend(fontsize=8)
-
-    cuda = any("cuda_allocated_bytes" in x for x in res["memory"])
-    stages = ("before", "after_offload", "after_onload")
-    parts = [p for p in PARTS if any(x["part"] == p and x["method"] == "manager" for x in res["memory"])]
-    key = "cuda_reserved_bytes" if cuda else "device_bytes"
-    width = 0.8 / len(stages)
-    for i, stage in enumerate(stages):
-        ys = [
-            next(x for x in res["memory"] if x["part"] == p and x["method"] == "manager" and x["stage"] == stage)[key]
-            / MiB
-            for p in parts
-        ]
-        ax2.bar([j + (i - 1) * width for j in range(len(parts))], ys, width, label=f"device, {stage}")
-    mem = {(x["part"], x["method"], x["stage"]): x for x in res["memory"]}
-    rss = [mem[(p, "manager", "after_offload")]["rss_bytes"] / MiB for p in parts]
-    ax2.plot(range(len(parts)), rss, "k.--", label="process RSS after offload")
-    ax2.set_xticks(range(len(parts)), parts)
-    ax2.set_ylabel("MiB")
-    ax2.set_title("Manager: memory per stage (" + ("CUDA reserved" if cuda else "residency() device bytes") + ")")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 SUFFIXES = (".json", ".md", ".png")
 """The files one run writes: ``<stem>.json``, ``<stem>.md``, ``<stem>.png``."""
 
@@ -483,7 +431,7 @@ def write_outputs(res: dict, out_dir: Path, stem: str, plot: bool = True, quiet:
     tmp.replace(paths[1])
     if plot:
         paths.append(out_dir / f"{stem}.png")
-        globals()["plot"](res, paths[-1])
+        draw(res, paths[-1])
     if not quiet:
         print(md.split("## Targets")[0])
     return paths
@@ -500,7 +448,7 @@ def rebuild(json_path: Path, plot: bool = True) -> tuple[dict, list[Path]]:
         FileNotFoundError / ValueError: No such file, or not a benchmark's results (the command
             prints either as one ``error:`` line).
     """
-    from chatlearn_mem_bench.run import check_targets
+    from chatlearn_mem_bench.targets import check_targets
 
     json_path = Path(json_path)
     try:
@@ -519,7 +467,7 @@ def rebuild(json_path: Path, plot: bool = True) -> tuple[dict, list[Path]]:
     paths[0].write_text(markdown(res))
     if plot:
         paths.append(out_dir / f"{stem}.png")
-        globals()["plot"](res, paths[-1])
+        draw(res, paths[-1])
     return res, paths
 
 

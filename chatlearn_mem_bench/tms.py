@@ -51,6 +51,7 @@ import torch
 
 from chatlearn_mem_bench.config import FULL
 from chatlearn_mem_bench.methods import Method
+from chatlearn_mem_bench.plan import TMS_IN_GBPS, TMS_OUT_GBPS
 
 __all__ = [
     "NAME",
@@ -66,11 +67,6 @@ __all__ = [
 NAME = "torch_memory_saver"
 TAGS = {"weights": "model", "main_weights": "main_weights", "optimizer_states": "optimizer_states", FULL: None}
 """The TMS tag each part is paused by (None: ``pause()`` of every tag)."""
-TMS_OUT_GBPS = 2.41 * 2**30 / 1e9
-"""TMS's CPU-backup pause, GB/s, as measured by its users (2.41 GiB/s where a pinned copy did
-24.4 GiB/s on the same card, torch_memory_saver issue #111): the time estimate's figure."""
-TMS_IN_GBPS = 5.32 * 2**30 / 1e9
-"""TMS's resume from the CPU backup, GB/s (5.32 GiB/s, the same issue)."""
 READY_TIMEOUT_S = 600.0
 """How long :meth:`_Pending.ready` waits for the worker by default."""
 READY_MIN_S = 60.0

@@ -106,13 +106,13 @@ class Worker:
         from chatlearn_mem import MemoryConfig, Part, TrainerMemoryManager
         from chatlearn_mem.models import gpt
         from chatlearn_mem_bench.plan import measured_part_sizes, part_bytes
-        from chatlearn_mem_bench.run import _init_distributed
+        from chatlearn_mem_bench.trainer import init_distributed
 
         t0 = time.perf_counter()
         cfg, saver = self.cfg, self.saver
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _init_distributed(tmp)
+            init_distributed(tmp)
             with saver.region(tag="model", enable_cpu_backup=True):
                 with _optimizer_tagged(saver):
                     trainer = gpt.build_gpt_trainer(cfg.trainer)
@@ -197,12 +197,12 @@ class Worker:
         return self._fake_released
 
     def round(self, part: str, check: bool, snap: bool) -> dict:
-        from chatlearn_mem_bench.run import _checksum
         from chatlearn_mem_bench.tms import TAGS
+        from chatlearn_mem_bench.trainer import checksum
 
         tag = TAGS[part]
         checked = CHECKED[part]
-        ref = _checksum(self.mm, self.trainer, checked) if check else None
+        ref = checksum(self.mm, self.trainer, checked) if check else None
         memory = {"before": self._snap()} if snap else {}
         _sync(self.cuda)
         free0 = self._free()
@@ -225,7 +225,7 @@ class Worker:
         free2 = self._free()
         if snap:
             memory["after_onload"] = self._snap()
-        equal = None if ref is None else _checksum(self.mm, self.trainer, checked) == ref
+        equal = None if ref is None else checksum(self.mm, self.trainer, checked) == ref
         return {
             "offload_s": offload_s,
             "onload_s": onload_s,

@@ -46,6 +46,7 @@ from chatlearn_mem_ray.errors import (
     RunTerminated,
     WeightSyncError,
 )
+from chatlearn_mem_ray.inputs.tasks import TASKS
 from chatlearn_mem_ray.job import run_loop
 from chatlearn_mem_ray.loops import GRPORunConfig, RunConfig, load_config, load_grpo_config, run_grpo, run_ppo
 from chatlearn_mem_ray.service import EVERYTHING, WEIGHTS, DeclarationError, Loop, Model, Phase, Service
@@ -71,6 +72,7 @@ __all__ = [
     "load_grpo_config",
     "run_grpo",
     "run_ppo",
+    "TASKS",
     # the actors (plain classes; the service makes them Ray actors)
     "InferenceActor",
     "TrainerActor",

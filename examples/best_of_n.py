@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatlearn_mem_ray import EVERYTHING, WEIGHTS, Loop, LoopConfig, Model, Phase, load_config, run_loop
-from chatlearn_mem_ray.inputs.tasks import TASKS
+from chatlearn_mem_ray import EVERYTHING, TASKS, WEIGHTS, Loop, LoopConfig, Model, Phase, load_config, run_loop
 
 
 class BestOfN(BaseModel):

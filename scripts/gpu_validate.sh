@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the wheelhouse copied along with the repository (.whl/, made by
-# scripts/gpu_wheelhouse.sh) into /tmp/site, then run scripts/gpu_validate.py with the given arguments.
+# scripts/gpu_wheelhouse.sh) into /tmp/site, then run the validation (python -m
+# chatlearn_mem_bench.gpu_validate, under chatlearn_mem_bench/gpu_validate/) with the given arguments.
 # From the repository root, in one command of at most 10 minutes (the default steps take at most
 # 560 s: tms 165, report 45, handoff 70, large 180, tests 100, most important first):
 #   bash scripts/gpu_validate.sh --out "$OUT"
@@ -23,4 +24,4 @@ for archive in "$WH"/ray-*-pruned.tar.xz; do
 done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 echo "[gpu-validate] installed $WH into $SITE in $(( $(date +%s) - t0 )) s"
-exec "$PY" scripts/gpu_validate.py --wheelhouse "$WH" "$@"
+exec "$PY" -m chatlearn_mem_bench.gpu_validate --wheelhouse "$WH" "$@"

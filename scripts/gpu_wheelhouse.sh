@@ -11,10 +11,10 @@
 # device report's per-process view), this checkout's own wheel, and Ray repacked: its cp312 wheel is 79 MB,
 # so the Java jars, RLlib, Data, Serve, Train, Tune, LLM and the dashboard's web client (none used
 # by the PPO run) are left out and the rest compressed with xz (26 MB); about 35 MiB in all, under the
-# 60 MiB gpu_validate.py allows (the rest of a call's 64 MiB is the repository). Records the source revision
-# the wheel is built from in .whl/REVISION (the copy of the repository on the GPU machine has no
-# .git; gpu_validate.py records it from there). Ends with `gpu_validate.py --dry-run --wheelhouse .whl`,
-# which checks the result.
+# 60 MiB the validation allows (the rest of a call's 64 MiB is the repository). Records the source
+# revision the wheel is built from in .whl/REVISION (the copy of the repository on the GPU machine has
+# no .git; the validation records it from there). Ends with
+# `python -m chatlearn_mem_bench.gpu_validate --dry-run --wheelhouse .whl`, which checks the result.
 #
 # Then, on the GPU machine with .whl/ copied along (one command, at most 10 minutes):
 #   bash scripts/gpu_validate.sh --out "$OUT"
@@ -64,4 +64,4 @@ sys.exit("error: not a git checkout: the wheelhouse records the revision its whe
   > "$WH/REVISION"
 ls -l "$WH"
 du -sh "$WH"
-python3 scripts/gpu_validate.py --dry-run --wheelhouse "$WH"
+python3 -m chatlearn_mem_bench.gpu_validate --dry-run --wheelhouse "$WH"

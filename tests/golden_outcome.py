@@ -19,7 +19,7 @@ def outcome(log: dict) -> dict:
     device bytes, the colocation figures and the final weights of every trainer rank."""
     return {
         "iterations": [{k: v for k, v in m.items() if k not in TIMING} for m in log["iterations"]],
-        "syncs": [(c["iteration"], c.get("policy"), c.get("rollout")) for c in log["sync_checks"]],
+        "syncs": [_sync(c) for c in log["sync_checks"]],
         "phase_bytes": [
             (p["iteration"], p["manager_on"], p["phase"], p["device_bytes"], p["need_bytes"])
             for p in log["memory_timeline"]
@@ -33,3 +33,12 @@ def outcome(log: dict) -> dict:
         },
         "final_weights": log["final_weights"],
     }
+
+
+def _sync(check: dict) -> tuple:
+    """What a weight sync's check shows of the weights: the megatron rollout's digests on both sides
+    per tensor-parallel shard, or a vLLM engine's digest of the parameters it loaded and whether it
+    verified them against the policy's stream (its seconds and memory are timing)."""
+    if check.get("engine") == "vllm":
+        return (check["iteration"], "vllm", check.get("digest"), check.get("verified"), check.get("param"))
+    return (check["iteration"], check.get("policy"), check.get("rollout"))

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
+from chatlearn_mem_ray.config import LoopConfig
 from chatlearn_mem_ray.errors import WeightSyncError, iteration_label
-
-if TYPE_CHECKING:
-    from chatlearn_mem_ray.service.service import PhaseContext, Service
 
 __all__ = [
     "engine_mismatch",
@@ -43,6 +41,27 @@ __all__ = [
 ]
 
 
+class SyncRecords(Protocol):
+    """What a sync needs of the service (:class:`~chatlearn_mem_ray.service.service.Service`): its
+    actors, its config, where the run is, and the list its checks go to."""
+
+    colo: Any
+    cfg: LoopConfig
+    where: tuple
+    manager_on: bool
+    sync_checks: list[dict]
+
+    def number(self, index: int) -> tuple[int, bool]: ...
+
+
+class RunningPhase(Protocol):
+    """What the mismatch needs of a running phase (:class:`~chatlearn_mem_ray.service.service.PhaseContext`)."""
+
+    svc: SyncRecords
+
+    def forward(self, model: str, tokens: torch.Tensor, *args) -> torch.Tensor: ...
+
+
 def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) -> Optional[str]:
     """None when the rollout's weights equal the policy's shard for shard, else what differs."""
     bad = [i for i, (a, b) in enumerate(zip(policy_digests, rollout_digests)) if a != b]
@@ -51,7 +70,7 @@ def weight_sync_mismatch(policy_digests: list[str], rollout_digests: list[str]) 
     return None
 
 
-def sync_rollout_model(svc: "Service", phase: str, rollout, senders: list) -> None:
+def sync_rollout_model(svc: SyncRecords, phase: str, rollout, senders: list) -> None:
     """megatron: the rollout model takes every tensor-parallel shard of the trainer's weights from
     ``senders`` (its tensor-parallel ranks, in order); with ``memory.verify_sync`` their digests
     must match on both sides."""
@@ -81,7 +100,7 @@ def sync_rollout_model(svc: "Service", phase: str, rollout, senders: list) -> No
             raise WeightSyncError(f"{iteration_label(number, comparison)}: {mismatch}")
 
 
-def sync_engine(svc: "Service", phase: str, engine, senders: list) -> dict:
+def sync_engine(svc: SyncRecords, phase: str, engine, senders: list) -> dict:
     """The engine pulls the trainer's weights from its host store, streamed in buckets, and verifies
     them bit for bit (with ``memory.verify_sync``); returns the iteration's ``weight_sync`` record
     (without its share of the iteration, known at the end): seconds, bytes, the verification's
@@ -122,7 +141,7 @@ def sync_engine(svc: "Service", phase: str, engine, senders: list) -> dict:
 
 
 def engine_mismatch(
-    p: "PhaseContext",
+    p: RunningPhase,
     model: str,
     tokens: torch.Tensor,
     engine_logprobs: torch.Tensor,
@@ -167,7 +186,7 @@ def engine_mismatch(
 
 
 def recompute_old_logprobs(
-    p: "PhaseContext",
+    p: RunningPhase,
     model: str,
     tokens: torch.Tensor,
     engine_old: torch.Tensor,

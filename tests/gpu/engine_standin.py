@@ -12,7 +12,7 @@ memory until a line ``release`` arrives on stdin (or stdin closes), free it, pri
 ``{"released": true}`` and exit.
 
 ``--device cpu`` allocates host memory instead (``--bytes`` required): the protocol on any
-machine, no GPU involved.
+machine, no GPU involved; there is no free device memory to read then (``free_seen_bytes`` null).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ STEP = 256 * 2**20
 PATTERN = 0xA5
 
 
-def _allocate(device: str, nbytes: int | None, margin: int) -> tuple[torch.Tensor, int]:
+def _allocate(device: str, nbytes: int | None, margin: int) -> tuple[torch.Tensor, int | None]:
     """The largest uint8 buffer of ``nbytes`` (or all free but ``margin``) the device grants, and
-    the free bytes seen before allocating."""
+    the free bytes seen before allocating (None on the CPU: nothing reports them)."""
     if device == "cpu":
         if nbytes is None:
             raise SystemExit("--device cpu needs --bytes")
-        return torch.empty(nbytes, dtype=torch.uint8), nbytes
+        return torch.empty(nbytes, dtype=torch.uint8), None
     torch.cuda.init()
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()

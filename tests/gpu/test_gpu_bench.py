@@ -20,7 +20,8 @@ def _host_cache_bytes() -> int:
 
 
 def test_release_bound_frees_for_real_and_fresh_host_alloc_pins_anew(dist1):
-    from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, ReleaseBound, logical_tensors
+    from chatlearn_mem_bench.alternatives import FreshHostAlloc
+    from chatlearn_mem_bench.methods import CeilingMethod, ReleaseBound, logical_tensors
 
     trainer = gpt.build_gpt_trainer(CFG)
     mm = TrainerMemoryManager(trainer.model, trainer.optimizer, MemoryConfig(skip_unchanged_weights=False))
@@ -60,8 +61,9 @@ def test_megatron_builtin_full_cycle_hands_the_manager_back_its_storages(dist1):
     """megatron's MegatronOptimizer.offload_to_cpu / restore_from_cpu bring main weights and states
     back as new device tensors. The benchmark's restore copies them into the manager's storages:
     before, the manager's later full offloads left 7.3 GB of 18.4 GB allocated on an H200."""
+    from chatlearn_mem_bench.alternatives import MegatronBuiltin
     from chatlearn_mem_bench.config import FULL
-    from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors
+    from chatlearn_mem_bench.methods import logical_tensors
 
     trainer = gpt.build_gpt_trainer(CFG)
     trainer.train_step(gpt.synthetic_batch(CFG, 0, batch_size=BATCH))

@@ -67,6 +67,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert res["command"].startswith("chatlearn-mem bench --config tiny")
     assert res["config"]["trainer"]["hidden_size"] == 64 and res["config"]["preset"] == "tiny"
+    assert "checkpoint" not in res and "planner" not in res  # opt-in reports: off by default
     for key in ("torch", "megatron-core", "python"):
         assert res["versions"][key]
     for key in ("cpu_model", "cpu_count", "memory_total_bytes", "device", "torch_num_threads"):
@@ -181,7 +182,7 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     # The GPU branches of the targets and the tables, on the same figures relabelled as CUDA ones
     # (no GPU here: this checks the bookkeeping, not CUDA).
     from chatlearn_mem_bench.report import markdown
-    from chatlearn_mem_bench.run import check_targets
+    from chatlearn_mem_bench.targets import check_targets
 
     gpu = json.loads(json.dumps(res))
     gpu["hardware"].update(device="cuda:0", gpu_name="fake")
@@ -206,11 +207,56 @@ def test_benchmark_end_to_end(dist1, tmp_path):
     assert "On CUDA the host only issues the copies" in markdown(gpu)
 
 
+def test_the_checkpoint_and_planner_reports_run_when_asked_for(dist1, tmp_path):
+    """``checkpoint: true`` and ``planner: true`` (what scripts/measure_checkpoint.py and
+    measure_planner.py measured): rows in the JSON, a section in the markdown, a target each, the
+    checkpoint's buffers in the host memory plan; the saves' sleeps and wakes leave the trainer exact.
+    Figures are not asserted (wall clock on a shared machine)."""
+    from chatlearn_mem.checkpoint import list_checkpoints
+    from chatlearn_mem_bench.checkpoint_saves import KINDS
+    from chatlearn_mem_bench.planner_speed import FACTORS
+
+    ckpt = tmp_path / "ckpt"
+    quick = ["repeats=3", "cycles=2", "plot=false", "overlap=false", "soak_cycles=0", "tail_onloads=0", "methods=[]"]
+    reports = ["checkpoint=true", "checkpoint_repeats=1", f"checkpoint_dir={ckpt}"]
+    reports += ["planner=true", "planner_seeds=1", "planner_repeats=1"]
+    result = CliRunner().invoke(
+        app, ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=r", *quick, *reports]
+    )
+    assert result.exit_code == 0, result.output
+    assert "then, not in that estimate: the checkpoint report (6 saves) and the planner report (8 plans)" in (
+        result.output
+    )
+    res = json.loads((tmp_path / "r.json").read_text())
+    ck = res["checkpoint"]
+    assert sorted(ck["seconds"]) == sorted(KINDS) and all(len(v) == 1 for v in ck["samples_s"].values())
+    # the checkpoint holds the copied parts' bytes (the weights, main weights and optimizer states;
+    # the parts' buffers have some padding besides)
+    full = res["model"]["bytes_per_part"]["full"]
+    assert 0.99 * full <= ck["tensor_bytes"] <= full
+    assert ck["asleep_device_bytes_max"] == 0 and ck["dir"] == str(ckpt)
+    assert all(0 <= share < 1 for share in ck["manifest_share_of_save"].values())
+    assert list_checkpoints(str(ckpt)) == [str(ckpt / "step_00000006")]  # keep_last=1: the last save stays
+    plan = {i["what"]: i for i in res["host_memory_plan"]["items"]}
+    assert plan["checkpoint report: plain-write buffer"]["held_by"] == "checkpoint"
+    pl = res["planner"]
+    assert [(r["kind"], r["factor"]) for r in pl["rows"]] == [(k, f) for k in ("models", "random") for f in FACTORS]
+    assert all(r["bytes_moved"] <= r["all_or_nothing_bytes"] for r in pl["rows"])
+    assert pl["slowest_median_ms"] == max(r["median_ms"] for r in pl["rows"])
+    names = {t["name"]: t for t in res["targets"]}
+    assert names["checkpoint: a sleeping trainer is saved holding 0 device bytes"]["passed"]
+    assert "residency planner: every plan of 64 x 8 under 100 ms" in names
+    assert names["integrity: tensors bit-identical after every method, audit ok"]["passed"]
+    md = (tmp_path / "r.md").read_text()
+    assert "## Checkpoint saves against a plain write" in md and "| save, default, trainer asleep |" in md
+    assert "## The residency planner on 8 schedules of 64 items x 8 phases" in md
+
+
 # -- a run cut short ---------------------------------------------------------------------------
 def test_the_integrity_row_names_the_method_and_part_whose_bytes_changed(dist1, tmp_path, monkeypatch):
     """The integrity row once said only that the bytes differed after all methods (two GPU runs);
     each method's last round is now checked against the bytes before the part's rounds."""
-    from chatlearn_mem_bench import methods
+    from chatlearn_mem_bench import alternatives as methods
 
     restore = methods.ReplaceRebuild.restore
 
@@ -247,13 +293,13 @@ def test_a_killed_run_keeps_its_finished_parts_and_the_report_names_the_missing_
     child = (
         "import sys, threading\n"
         "import chatlearn_mem_bench.run as run\n"
-        "timed, parts = run._time_part, []\n"
+        "timed, parts = run.time_part, []\n"
         "def first_part_only(*args, **kwargs):\n"
         "    parts.append(args[0])\n"
         "    if len(parts) > 1:\n"
         "        threading.Event().wait()  # held here until killed\n"
         "    return timed(*args, **kwargs)\n"
-        "run._time_part = first_part_only\n"
+        "run.time_part = first_part_only\n"
         "from chatlearn_mem_cli.__main__ import main\n"
         "sys.argv = ['chatlearn-mem', *sys.argv[1:]]\n"
         "main()\n"
@@ -328,7 +374,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_is_measured(dist1, 
         host_memory, "usable_host_memory", lambda: host_memory.HostMemory(usable, (("MemAvailable", usable),))
     )
     timed = []
-    monkeypatch.setattr(run, "_time_part", lambda *args: timed.append(args[0]) or [])
+    monkeypatch.setattr(run, "time_part", lambda *args: timed.append(args[0]) or [])
     result = CliRunner().invoke(
         app,
         [
@@ -392,7 +438,8 @@ def test_gpu_methods_pin_once_or_every_cycle_as_documented(dist1, fake_cuda_pinn
     after the onload. Before: both went through torch's caching pinned allocator, whose cached
     blocks fresh_host_alloc reused (never allocating) and whose power-of-two blocks the ceiling
     took again for every part."""
-    from chatlearn_mem_bench.methods import CeilingMethod, FreshHostAlloc, logical_tensors, part_storages
+    from chatlearn_mem_bench.alternatives import FreshHostAlloc
+    from chatlearn_mem_bench.methods import CeilingMethod, logical_tensors, part_storages
 
     with trained_manager() as (trainer, mm):
         ceiling = CeilingMethod(mm, trainer, pin=True)
@@ -430,7 +477,8 @@ def test_megatron_builtin_full_cycle_leaves_the_manager_its_own_storages(dist1, 
     AdamW's step counters, which live on the host; its restore moves every tensor not on the device
     there, the step counters too (on an H100 they came back as CUDA tensors, and the integrity
     checksum differed)."""
-    from chatlearn_mem_bench.methods import MegatronBuiltin, logical_tensors, part_storages
+    from chatlearn_mem_bench.alternatives import MegatronBuiltin
+    from chatlearn_mem_bench.methods import logical_tensors, part_storages
 
     with trained_manager() as (trainer, mm):
         method = MegatronBuiltin(mm, trainer, pin=False)

@@ -1,10 +1,10 @@
-"""The one-command GPU validation (scripts/gpu_validate.py) on CPU: its dry run, executed as CI would,
+"""The one-command GPU validation (``python -m chatlearn_mem_bench.gpu_validate``, which
+scripts/gpu_validate.sh runs) on CPU: its dry run, executed as CI would,
 stops before the first CUDA call after checking the wheelhouse, the revision, the configs, the
 benchmark's host memory plan and time estimate against their bounds, the imports and the GPU
 tier; its summary writers work on real results (the tiny benchmark, the device report), a
 benchmark cut short included."""
 
-import importlib.util
 import io
 import json
 import re
@@ -16,18 +16,17 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "gpu_validate.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gv = _module()
+from chatlearn_mem_bench.gpu_validate import (
+    benches,
+    bounds,
+    checkout,
+    device_report,
+    main,
+    ppo,
+    steps,
+    summary,
+    wheelhouse,
+)
 
 
 def _wheel(path: Path, files: dict = None) -> None:
@@ -40,9 +39,9 @@ def _wheelhouse(tmp_path: Path) -> Path:
     """A wheelhouse with the names and layout scripts/gpu_wheelhouse.sh makes (tiny placeholder files)."""
     wh = tmp_path / "whl"
     wh.mkdir()
-    version = gv._repo_version()
+    version = checkout.repo_version()
     names = {
-        "megatron_core": f"megatron_core-{gv.MEGATRON_VERSION}-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+        "megatron_core": f"megatron_core-{wheelhouse.MEGATRON_VERSION}-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
         "pydantic": "pydantic-2.14.3-py3-none-any.whl",
         "pydantic_core": "pydantic_core-2.50.4-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
         "annotated_types": "annotated_types-0.8.0-py3-none-any.whl",
@@ -54,17 +53,17 @@ def _wheelhouse(tmp_path: Path) -> Path:
         "torch_memory_saver": "torch_memory_saver-0.0.10-cp39-abi3-manylinux2014_x86_64.whl",
         "nvidia_ml_py": "nvidia_ml_py-13.615.71-py3-none-any.whl",
     }
-    assert set(names) | {"chatlearn_mem"} == set(gv.WHEELS)
+    assert set(names) | {"chatlearn_mem"} == set(wheelhouse.WHEELS)
     for name in names.values():
         _wheel(wh / name)
-    presets = {f"chatlearn_mem_bench/presets/{p}.yaml": "" for p in gv.BENCH_STEPS.values()}
+    presets = {f"chatlearn_mem_bench/presets/{p}.yaml": "" for p in benches.BENCH_STEPS.values()}
     _wheel(wh / f"chatlearn_mem-{version}-py3-none-any.whl", {**presets, "chatlearn_mem_ray/presets/gpu.yaml": ""})
     with tarfile.open(wh / "ray-2.60.0-cp312-pruned.tar.xz", "w:xz") as tf:
         data = b"__version__ = '2.60.0'\n"
         info = tarfile.TarInfo("ray/_version.py")
         info.size = len(data)
         tf.addfile(info, io.BytesIO(data))
-    (wh / "REVISION").write_text((gv._checkout_revision() or "f" * 40) + "\n")
+    (wh / "REVISION").write_text((checkout.checkout_revision() or "f" * 40) + "\n")
     return wh
 
 
@@ -73,7 +72,8 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
     out = subprocess.run(
         [
             sys.executable,
-            str(SCRIPT),
+            "-m",
+            "chatlearn_mem_bench.gpu_validate",
             "--dry-run",
             "--wheelhouse",
             str(wh),
@@ -106,13 +106,13 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
             rf"{step} \({preset}\) host memory plan: peak ([\d.]+) GiB = ([\d.]+) GiB pinned \+ ([\d.]+) \w+ pageable",
             text,
         )
-        assert plan and float(plan[1]) <= gv.HOST_BOUND_BYTES / 2**30, text
+        assert plan and float(plan[1]) <= bounds.HOST_BOUND_BYTES / 2**30, text
         estimate = re.search(rf"{step} \({preset}\) time estimate: (\d+) s = setup \d+ s \+ parts \(weights", text)
-        assert estimate and int(estimate[1]) <= gv.ESTIMATE_SHARE * gv.BUDGET_S[step], text
+        assert estimate and int(estimate[1]) <= bounds.ESTIMATE_SHARE * steps.BUDGET_S[step], text
         device = re.search(rf"{step} \({preset}\) device memory plan: peak ([\d.]+) GiB", text)
-        assert device and float(device[1]) <= gv.DEVICE_SHARE * gv.GPU_DEVICE_BYTES / 2**30, text
-    for step in gv.DEFAULT_STEPS:
-        assert f"  {step} (budget {gv.BUDGET_S[step]} s" in text
+        assert device and float(device[1]) <= bounds.DEVICE_SHARE * bounds.GPU_DEVICE_BYTES / 2**30, text
+    for step in steps.DEFAULT_STEPS:
+        assert f"  {step} (budget {steps.BUDGET_S[step]} s" in text
     assert "  ppo (budget" not in text and "  bench (budget" not in text  # not by default
     assert "chatlearn_mem_cli bench --config gpu_tms output_dir=" in text and "revision=abc1234 -q" in text
     assert "chatlearn_mem_cli bench --config gpu_large output_dir=" in text
@@ -127,16 +127,16 @@ def test_dry_run_checks_everything_and_stops_before_the_first_cuda_call(tmp_path
 
 
 def test_the_budgets_fit_one_call_and_the_ppo_step_is_last_and_optional():
-    assert sum(gv.BUDGET_S[s] for s in gv.DEFAULT_STEPS) <= gv.TOTAL_BUDGET_S <= 570
-    assert set(gv.BUDGET_S) == set(gv.STEPS) and set(gv.DEFAULT_STEPS) <= set(gv.STEPS)
+    assert sum(steps.BUDGET_S[s] for s in steps.DEFAULT_STEPS) <= steps.TOTAL_BUDGET_S <= 570
+    assert set(steps.BUDGET_S) == set(steps.STEPS) and set(steps.DEFAULT_STEPS) <= set(steps.STEPS)
     # the issue's figures first: the manager against torch_memory_saver, then what stays on the device
-    assert gv.DEFAULT_STEPS[:2] == ("tms", "report") and list(gv.DEFAULT_STEPS) == [
-        s for s in gv.STEPS if s in gv.DEFAULT_STEPS
+    assert steps.DEFAULT_STEPS[:2] == ("tms", "report") and list(steps.DEFAULT_STEPS) == [
+        s for s in steps.STEPS if s in steps.DEFAULT_STEPS
     ]
-    assert gv.STEPS[-1] == "ppo" and gv.OPTIONAL == ("ppo",)
-    entries = gv.plan(Path("/o"), "s", ["ppo", "tests"], Path("/w"), "r")  # given out of order
+    assert steps.STEPS[-1] == "ppo" and steps.OPTIONAL == ("ppo",)
+    entries = steps.plan(Path("/o"), "s", ["ppo", "tests"], Path("/w"), "r")  # given out of order
     assert [e["step"] for e in entries] == ["tests", "ppo"] and [e["optional"] for e in entries] == [False, True]
-    lines, problems = gv.check_bounds(["bench", "ppo", "tms", "large"])
+    lines, problems = bounds.check_bounds(["bench", "ppo", "tms", "large"])
     assert problems == ["the steps' budgets add up to 775 s, over 560 s: run fewer steps per call"], problems
 
 
@@ -152,10 +152,10 @@ def test_the_budgets_fit_one_call_and_the_ppo_step_is_last_and_optional():
 )
 def test_dry_run_fails_when_the_bench_exceeds_its_bounds(monkeypatch, capsys, bound, expected):
     if bound == "HOST_BOUND_BYTES":
-        monkeypatch.setattr(gv, "HOST_BOUND_BYTES", 2**30)
+        monkeypatch.setattr(bounds, "HOST_BOUND_BYTES", 2**30)
     else:
-        monkeypatch.setattr(gv, "BUDGET_S", {**gv.BUDGET_S, "bench": 10})
-    assert gv.main(["--dry-run", "--steps", "bench", "--revision", "r"]) == 2
+        monkeypatch.setattr(bounds, "BUDGET_S", {**steps.BUDGET_S, "bench": 10})
+    assert main(["--dry-run", "--steps", "bench", "--revision", "r"]) == 2
     out = capsys.readouterr().out
     assert "[gpu-validate] error: the bench " in out and expected in out, out
     assert "dry run failed: 1 problem(s)" in out
@@ -166,69 +166,88 @@ def test_the_revision_comes_from_the_wheelhouse_when_the_copy_has_no_git(tmp_pat
     "unknown" (git ran in the installed package's folder)."""
     wh = _wheelhouse(tmp_path)
     (wh / "REVISION").write_text("0123abcd\n")
-    assert gv.source_revision("given", str(wh)) == ("given", "--revision")
-    monkeypatch.setattr(gv, "_checkout_revision", lambda: None)
-    assert gv.source_revision(None, str(wh)) == ("0123abcd", str(wh / "REVISION"))
+    assert checkout.source_revision("given", str(wh)) == ("given", "--revision")
+    monkeypatch.setattr(checkout, "checkout_revision", lambda: None)
+    assert checkout.source_revision(None, str(wh)) == ("0123abcd", str(wh / "REVISION"))
     # a copy whose .git is an older commit, the newer one's changes dirty on it: the run recorded
     # that older commit, while the library it ran was the wheel's
-    monkeypatch.setattr(gv, "_checkout_revision", lambda: "9d15a7e+dirty")
-    revision, source = gv.source_revision(None, str(wh))
-    assert revision == "0123abcd" and source.endswith("the wheel's; git in " + str(gv.REPO) + " says 9d15a7e+dirty")
-    monkeypatch.setattr(gv, "_checkout_revision", lambda: "0123abcd")
-    assert gv.source_revision(None, str(wh)) == ("0123abcd", f"git in {gv.REPO}")
+    monkeypatch.setattr(checkout, "checkout_revision", lambda: "9d15a7e+dirty")
+    revision, source = checkout.source_revision(None, str(wh))
+    assert revision == "0123abcd" and source.endswith(
+        "the wheel's; git in " + str(checkout.REPO) + " says 9d15a7e+dirty"
+    )
+    monkeypatch.setattr(checkout, "checkout_revision", lambda: "0123abcd")
+    assert checkout.source_revision(None, str(wh)) == ("0123abcd", f"git in {checkout.REPO}")
     # the same commit with changes in the checkout: its "+dirty" stays on the record
-    monkeypatch.setattr(gv, "_checkout_revision", lambda: "0123abcd+dirty")
-    assert gv.source_revision(None, str(wh)) == ("0123abcd+dirty", f"git in {gv.REPO}")
+    monkeypatch.setattr(checkout, "checkout_revision", lambda: "0123abcd+dirty")
+    assert checkout.source_revision(None, str(wh)) == ("0123abcd+dirty", f"git in {checkout.REPO}")
     # no --wheelhouse: the library is the checkout's own, whatever a leftover .whl/REVISION says
-    monkeypatch.setattr(gv, "_checkout_revision", lambda: "9d15a7e")
-    assert gv.source_revision(None, None) == ("9d15a7e", f"git in {gv.REPO}")
-    monkeypatch.setattr(gv, "_checkout_revision", lambda: None)
-    assert gv.source_revision(None, str(tmp_path / "none")) == (None, "")
-    bench = next(e for e in gv.plan(tmp_path, "s", ["bench"], tmp_path, "0123abcd") if e["step"] == "bench")
+    monkeypatch.setattr(checkout, "checkout_revision", lambda: "9d15a7e")
+    assert checkout.source_revision(None, None) == ("9d15a7e", f"git in {checkout.REPO}")
+    monkeypatch.setattr(checkout, "checkout_revision", lambda: None)
+    assert checkout.source_revision(None, str(tmp_path / "none")) == (None, "")
+    bench = next(e for e in steps.plan(tmp_path, "s", ["bench"], tmp_path, "0123abcd") if e["step"] == "bench")
     assert "revision=0123abcd" in bench["command"]
-    assert gv.main(["--dry-run", "--steps", "bench", "--wheelhouse", str(tmp_path / "none")]) == 2
+    assert main(["--dry-run", "--steps", "bench", "--wheelhouse", str(tmp_path / "none")]) == 2
     assert "error: no source revision: pass --revision, run from a git checkout" in capsys.readouterr().out
+
+
+def test_the_ppo_config_is_the_command_lines(monkeypatch):
+    """The benchmark does not import the app: the ppo step's config, and the trainer the report step
+    measures, are what `chatlearn-mem ppo --config gpu ... --print-config` resolves; a config the
+    command refuses is a ConfigError quoting it."""
+    from chatlearn_mem.errors import ConfigError
+
+    cfg = ppo.ppo_config()
+    assert (cfg["parallel"]["world_size"], cfg["ppo"]["iterations"], cfg["memory"]["verify_sync"]) == (1, 2, True)
+    policy = ppo.policy_config()  # configs/ppo/gpu.yaml's policy
+    assert (policy.num_layers, policy.hidden_size, policy.vocab_size, policy.precision) == (24, 1024, 32000, "bf16")
+    monkeypatch.setattr(ppo, "PPO_OVERRIDES", ("ppo.iterations=0",))
+    with pytest.raises(ConfigError, match=r"(?s)--print-config` exited 2: .*ppo\.iterations"):
+        ppo.ppo_config()
 
 
 def test_wheelhouse_problems_are_named(tmp_path):
     wh = _wheelhouse(tmp_path)
-    assert gv.check_wheelhouse(wh) == []
+    assert wheelhouse.check_wheelhouse(wh) == []
     (wh / "ray-2.60.0-cp312-pruned.tar.xz").unlink()
     _wheel(wh / "pydantic-2.13.0-py3-none-any.whl")
     _wheel(wh / "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl")
-    (wh / f"megatron_core-{gv.MEGATRON_VERSION}-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl").rename(
-        wh / "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
-    )
+    (
+        wh / f"megatron_core-{wheelhouse.MEGATRON_VERSION}-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    ).rename(wh / "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl")
     (wh / "REVISION").unlink()
-    problems = "\n".join(gv.check_wheelhouse(wh))
+    problems = "\n".join(wheelhouse.check_wheelhouse(wh))
     assert "no REVISION file (the source revision the wheel was built from)" in problems
     assert "want one ray-<version>-cp312-pruned.tar.xz, found none" in problems
     assert "2 wheels of pydantic" in problems and "pip stops on two" in problems
     assert "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl is not for CPython 3.12" in problems
-    assert f"the GPU run uses megatron-core {gv.MEGATRON_VERSION}" in problems
-    assert "run `bash scripts/gpu_wheelhouse.sh`" in gv.check_wheelhouse(tmp_path / "missing")[0]
-    if gv._checkout_revision():  # a wheel built from another commit than this checkout's
+    assert f"the GPU run uses megatron-core {wheelhouse.MEGATRON_VERSION}" in problems
+    assert "run `bash scripts/gpu_wheelhouse.sh`" in wheelhouse.check_wheelhouse(tmp_path / "missing")[0]
+    if checkout.checkout_revision():  # a wheel built from another commit than this checkout's
         (wh / "REVISION").write_text("0" * 40)
-        assert any(p.startswith(f"built from {'0' * 40}, but this checkout is at ") for p in gv.check_wheelhouse(wh))
+        assert any(
+            p.startswith(f"built from {'0' * 40}, but this checkout is at ") for p in wheelhouse.check_wheelhouse(wh)
+        )
 
 
 def test_dry_run_with_a_broken_wheelhouse_fails_with_exit_2(tmp_path, capsys):
     wh = _wheelhouse(tmp_path)
     next(wh.glob("chatlearn_mem-*.whl")).unlink()
-    assert gv.main(["--dry-run", "--wheelhouse", str(wh), "--steps", "bench"]) == 2
+    assert main(["--dry-run", "--wheelhouse", str(wh), "--steps", "bench"]) == 2
     out = capsys.readouterr().out
     assert "error: wheelhouse" in out and "no wheel of chatlearn_mem" in out
     assert "dry run failed: 1 problem(s)" in out
 
 
 def test_the_real_run_without_cuda_says_to_use_the_dry_run(tmp_path, capsys):
-    assert gv.main(["--out", str(tmp_path), "--steps", "tests"]) == 2
+    assert main(["--out", str(tmp_path), "--steps", "tests"]) == 2
     assert "no CUDA device here" in capsys.readouterr().out and not any(tmp_path.iterdir())
 
 
 def test_unknown_step_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
-        gv.main(["--dry-run", "--steps", "tests,benchmark"])
+        main(["--dry-run", "--steps", "tests,benchmark"])
     assert e.value.code == 2 and "unknown step(s) ['benchmark']" in capsys.readouterr().err
 
 
@@ -245,7 +264,7 @@ def test_summary_files_from_real_results(dist1, tmp_path):
         ["bench", "--config", "tiny", f"output_dir={tmp_path}", "name=b", "-q", "repeats=3", "cycles=2", "plot=false"],
     )
     assert res.exit_code == 0, res.output
-    report = gv.measure_device_report(gpt.GPTTrainerConfig(), batch_size=2)
+    report = device_report.measure_device_report(gpt.GPTTrainerConfig(), batch_size=2)
     assert report["after_offload"]["by_holder"]["manager_residue"] == 0 and report["audit_ok"]
     (tmp_path / "junit.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.gpu.test_gpu_manager" name="test_a" time="1.5"/>'
@@ -256,7 +275,7 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     (tmp_path / "report.json").write_text(json.dumps(report))
     ppo_dir = tmp_path / "p_ppo"
     ppo_dir.mkdir()
-    summary = {
+    colocated = {
         "peak_colocated_bytes": 3 * 2**30,
         "peak_phase": "train_policy",
         "largest_phase_bytes": 3 * 2**30,
@@ -268,8 +287,8 @@ def test_summary_files_from_real_results(dist1, tmp_path):
         json.dumps(
             {
                 "summary": {
-                    "memory_manager_on": summary,
-                    "memory_manager_off": dict(summary, ratio=2.1),
+                    "memory_manager_on": colocated,
+                    "memory_manager_off": dict(colocated, ratio=2.1),
                     "seconds": 90.0,
                 },
                 "iterations": [{}] * 4,
@@ -280,7 +299,7 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     )
     results = {
         "date": "2026-11-23",
-        "command": "scripts/gpu_validate.py",
+        "command": "python -m chatlearn_mem_bench.gpu_validate",
         "environment": {"gpu_name": "Fake GPU"},
         "steps": [],
     }
@@ -291,28 +310,28 @@ def test_summary_files_from_real_results(dist1, tmp_path):
         ("ppo", [str(ppo_dir / "log.json")]),
     ):
         entry = {"step": step, "status": "ok", "seconds": 1.0, "outputs": outputs, "log": str(tmp_path / f"{step}.log")}
-        gv._collect(step, results, tmp_path, entry)
+        steps.collect(step, results, tmp_path, entry)
         results["steps"].append(entry)
     assert (
         results["steps"][0]["status"] == "failed" and results["steps"][0]["detail"] == "1 passed, 1 failed, 1 skipped"
     )
     assert [t["outcome"] for t in results["tests"]] == ["passed", "skipped", "failed"]
     assert results["bench_targets"] and results["ppo"]["sync_ok"] and results["ppo"]["audits_ok"]
-    paths = gv.write_results(results, tmp_path / "out", "2026-11-23_gpu-fake")
+    paths = summary.write_results(results, tmp_path / "out", "2026-11-23_gpu-fake")
     assert [p.name for p in paths] == [f"2026-11-23_gpu-fake_validation.{x}" for x in ("json", "md", "png")]
     md = paths[1].read_text()
     assert "| tests | failed |" in md and "| test_gpu_memory::test_c | failed | 2.0 | boom |" in md
     assert "## What stays on the device after a full offload" in md and "manager_residue" in md
     assert "## Benchmark targets" in md and "memory manager off: peak colocated 3.00 GiB" in md
     assert json.loads(paths[0].read_text())["report"]["audit_ok"] and paths[2].stat().st_size > 10_000
-    assert gv.gpu_slug("NVIDIA H100 80GB HBM3") == "gpu-nvidia-h100-80gb-hbm3"
+    assert steps.gpu_slug("NVIDIA H100 80GB HBM3") == "gpu-nvidia-h100-80gb-hbm3"
 
     # A benchmark that wrote all its results and was stopped while exiting (on an H100 and an H200
     # the step was cut at its limit 30-50 s after the last target was printed) is done, not failed.
     written = (tmp_path / "b.json").stat().st_mtime
     entry = {"step": "bench", "status": "timed out after 279 s", "outputs": [str(tmp_path / "b.json")]}
     done = dict(entry, ended_at=written + 40)
-    gv._collect("bench", {}, tmp_path, done)
+    steps.collect("bench", {}, tmp_path, done)
     assert done["status"] == "ok" and "stopped at its limit 40 s after writing its results" in done["detail"]
 
     # Steps cut off by their budget: a benchmark that finished only its first part gets its
@@ -338,7 +357,7 @@ def test_summary_files_from_real_results(dist1, tmp_path):
     partial = {"date": "2026-11-23", "command": "x", "steps": []}
     for step, outputs in (("tests", []), ("bench", [str(tmp_path / "c.json")])):
         entry = {"step": step, "status": "timed out after 10 s", "outputs": outputs, "log": str(cut / f"{step}.log")}
-        gv._collect(step, partial, cut, entry)
+        steps.collect(step, partial, cut, entry)
         partial["steps"].append(entry)
     assert [(t["test"], t["outcome"]) for t in partial["tests"]] == [
         ("test_gpu_manager::test_a", "passed"),
@@ -357,13 +376,13 @@ def test_the_sleep_target_is_the_context_plus_one_percent_of_the_awake_state():
         "per_process": True,
         "by_holder": {"cuda_context": 500 * MiB, "nccl_communicators": 100 * MiB},
     }
-    t = gv.sleep_target(500 * MiB, 10 * 2**30, asleep)
+    t = device_report.sleep_target(500 * MiB, 10 * 2**30, asleep)
     assert t["passed"] and t["bound_bytes"] == int(500 * MiB + 0.01 * 10 * 2**30)
     assert (
         "600 MiB held by this process (NVML) against 602 MiB" in t["detail"]
         and "nccl_communicators 100 MiB" in t["detail"]
     )
-    t = gv.sleep_target(500 * MiB, 10 * 2**30, {**asleep, "total_bytes": 700 * MiB, "per_process": False})
+    t = device_report.sleep_target(500 * MiB, 10 * 2**30, {**asleep, "total_bytes": 700 * MiB, "per_process": False})
     assert not t["passed"] and "held by the device" in t["detail"]
 
 
@@ -430,7 +449,7 @@ def test_the_issue_52_steps_are_collected_and_summarised(dist1, tmp_path):
         },
         "step_after_offload_kept_s": 0.100,
         "step_after_offload_released_s": 0.101,
-        "target": gv.sleep_target(500 * MiB, 20 * GiB, after),
+        "target": device_report.sleep_target(500 * MiB, 20 * GiB, after),
         "nccl": {
             "nccl_version": "2.28.3",
             "communicator_bytes": 100 * MiB,
@@ -451,7 +470,7 @@ def test_the_issue_52_steps_are_collected_and_summarised(dist1, tmp_path):
         ("large", [str(tmp_path / "s_large.json")]),
     ):
         entry = {"step": step, "status": "ok", "seconds": 1.0, "outputs": outputs, "log": str(work / f"{step}.log")}
-        gv._collect(step, results, work, entry)
+        steps.collect(step, results, work, entry)
         results["steps"].append(entry)
     details = {e["step"]: e["detail"] for e in results["steps"]}
     assert "targets met; methods manager" in details["tms"] and details["handoff"].startswith(
@@ -459,7 +478,7 @@ def test_the_issue_52_steps_are_collected_and_summarised(dist1, tmp_path):
     )
     assert "PASS: 610 MiB held by this process (NVML)" in details["report"]
     assert set(results["benches"]) == {"tms", "large"} and "bench_targets" not in results
-    md = gv.summarise(results)
+    md = summary.summarise(results)
     assert "## The manager against torch_memory_saver (`tms` step, gpu_tms)" in md
     assert re.search(r"\| full \| offload \| [\d.]+ \| [\d.]+ \| \*\*7\.5x\*\* \|", md), md
     assert "torch_memory_saver 0.0.10: parts whose bytes changed after a resume: none" in md
@@ -474,5 +493,5 @@ def test_the_issue_52_steps_are_collected_and_summarised(dist1, tmp_path):
     assert "the other process got 69.00 GiB (46.0x the state)" in md and "left grads, weights" in md
     assert "## The largest trainer on one GPU (`large` step, gpu_large" in md and "| full offload |" in md
     assert "## Targets of the `tms` step (gpu_tms:" in md and "## Targets of the `large` step" in md
-    paths = gv.write_results(results, tmp_path / "out", "2026-11-28_gpu-fake")
+    paths = summary.write_results(results, tmp_path / "out", "2026-11-28_gpu-fake")
     assert paths[2].stat().st_size > 10_000  # the plot, from the tms bench's timings

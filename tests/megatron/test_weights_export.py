@@ -72,9 +72,25 @@ def test_iter_weights_views_the_host_store_while_asleep_without_a_copy_of_the_mo
     views = dict(mm.iter_weights())
     assert views.keys() == copies.keys() == awake.keys()
     assert all(torch.equal(views[k], copies[k]) and torch.equal(views[k], awake[k]) for k in views)
-    host = [b.data_ptr() for b in mm.state.group(Part.WEIGHTS).store.buckets]
-    inside = lambda t: any(0 <= t.data_ptr() - p < 2**40 for p in host)  # noqa: E731
-    assert all(inside(t) for t in views.values())  # the host store's own bytes
+    buckets = mm.state.group(Part.WEIGHTS).store.buckets
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buckets]
+
+    def bucket_of(first: int, nbytes: int):
+        """The host-store bucket whose bytes hold ``[first, first + nbytes)`` (None: no one bucket does)."""
+        return next((i for i, (lo, hi) in enumerate(spans) if lo <= first and first + nbytes <= hi), None)
+
+    outside = [k for k, t in views.items() if bucket_of(t.data_ptr(), t.numel() * t.element_size()) is None]
+    assert not outside, f"views not inside one bucket of the host store: {outside}"
+
+    def new_bytes(tensors) -> int:
+        """Bytes of the storages ``tensors`` hold outside the host store's buckets: memory the reader
+        allocated (a view owns a storage of exactly its bytes, over a bucket's memory)."""
+        own = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(n for ptr, n in own.items() if bucket_of(ptr, n) is None)
+
+    weight_bytes = sum(t.numel() * t.element_size() for t in views.values())
+    assert new_bytes(views.values()) == 0  # no copy of the model: every view's storage is a bucket's memory
+    assert new_bytes(copies.values()) >= weight_bytes > 0  # weights_state_dict copies, for scale
     mm.onload()
     reader = mm.iter_weights()
     mm.offload()

@@ -160,5 +160,5 @@ def test_tensor_parallel_policy_syncs_merged_shards(local_ray, tmp_path):
     )
     log = run_ppo(cfg, progress=lambda line: None)
     assert len(log["iterations"]) == 2
-    assert all(c["equal"] and len(c["rollout"]) == 2 for c in log["sync_checks"])
+    assert all(c["policy"] == c["rollout"] and len(c["rollout"]) == 2 for c in log["sync_checks"])
     assert log["summary"]["memory_manager_on"]["ratio"] <= 1.1

@@ -11,10 +11,10 @@ pytest.importorskip("psutil")
 from chatlearn_mem import Part  # noqa: E402
 from chatlearn_mem.host_memory import HostMemory  # noqa: E402
 from chatlearn_mem_bench import load_config  # noqa: E402
+from chatlearn_mem_bench.estimate import estimate_seconds  # noqa: E402
 from chatlearn_mem_bench.plan import (  # noqa: E402
     HostMemoryPlanError,
     estimate_part_sizes,
-    estimate_seconds,
     part_bytes,
     plan_host_memory,
     refuse_unless_fits,
@@ -132,7 +132,8 @@ def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
     measured ratio alone."""
     import math
 
-    from chatlearn_mem_bench.overlap import copy_bound_ratio, overlap_targets
+    from chatlearn_mem_bench.overlap import copy_bound_ratio
+    from chatlearn_mem_bench.targets import overlap_targets
 
     ratio = copy_bound_ratio(2 * 2**20, 2**20, repeats=3, nbytes=2**20)
     assert ratio > 0 and math.isfinite(ratio)
@@ -160,7 +161,7 @@ def test_the_swap_rows_copy_bound_and_what_the_target_says_of_it():
 def test_the_gpu_onload_then_forward_target_is_judged_against_the_longer_half():
     # On an H200 the 25 ms weights onload outlasted the 15.6 ms forward: "1.1x the forward alone"
     # was out of reach for any schedule. The bound is the longer of the two, both timed in the row.
-    from chatlearn_mem_bench.overlap import overlap_targets
+    from chatlearn_mem_bench.targets import overlap_targets
 
     row = {
         "name": "onload_then_forward",

@@ -20,7 +20,8 @@ def test_take_allocates_writes_and_reports_the_bytes():
     )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["got_bytes"] == got["free_seen_bytes"] == N and got["written"] and got["seconds"] >= 0
+    assert got["got_bytes"] == N and got["written"] and got["seconds"] >= 0
+    assert got["free_seen_bytes"] is None  # the CPU reports no free device memory: none is made up
 
 
 def test_hold_keeps_the_memory_until_released():
@@ -32,7 +33,7 @@ def test_hold_keeps_the_memory_until_released():
     )
     try:
         held = json.loads(proc.stdout.readline())
-        assert held == {"holding_bytes": N, "free_seen_bytes": N, "written": True}
+        assert held == {"holding_bytes": N, "free_seen_bytes": None, "written": True}
         assert proc.poll() is None  # still holding
         proc.stdin.write("release\n")
         proc.stdin.flush()

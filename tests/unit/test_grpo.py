@@ -143,4 +143,12 @@ def test_the_kl_term_is_the_k3_estimator():
     d = math.log(0.25) - math.log(0.5)
     k3 = math.exp(d) - d - 1
     assert m["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
-    assert k3 > 0  # non-negative, zero only when the two agree
+    same, m_same = grpo_loss(_outputs(new, P), {**mb, "ref_logprobs": _full(new.clone(), P)}, **kw)
+    assert m_same["kl"] == 0 and same.item() == 0  # zero when the policy agrees with the reference
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # and never negative, wherever the two stand
+        a, b = torch.rand(2, generator=g) * 0.98 + 0.01
+        _, m_ab = grpo_loss(
+            _outputs(torch.log(a).view(1, 1), P), {**mb, "ref_logprobs": _full(torch.log(b).view(1, 1), P)}, **kw
+        )
+        assert m_ab["kl"] >= 0

@@ -214,7 +214,7 @@ def test_the_vllm_rollout_needs_a_checkpoint_and_plans_a_budget_on_gpus_too():
         load_config(None, ["rollout.engine=vllm"])
     gpu = load_config("gpu_vllm")  # one GPU, a Qwen2-0.5B shape, written at first use
     assert gpu.rollout.engine == "vllm" and gpu.ray.use_gpu is True and gpu.policy.add_qkv_bias
-    # a budget with vLLM on GPUs is planned with the engine's weights and KV cache as it reports them
+    # a budget with vLLM on GPUs is accepted (test_a_vllm_budget_on_gpus_plans_... plans it)
     assert load_config("gpu_vllm", ["memory.device_budget_mb=60000"]).memory.device_budget_mb == 60000
     tp2 = load_config("cpu_vllm", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
     assert tp2.parallel.tensor_model_parallel_size == 2  # the sync merges the ranks' shards (tests/vllm)
@@ -222,3 +222,39 @@ def test_the_vllm_rollout_needs_a_checkpoint_and_plans_a_budget_on_gpus_too():
     assert load_config("cpu_vllm", ["memory.device_budget_mb=100"]).memory.device_budget_mb == 100  # CPU: pinned
     with pytest.raises(ConfigError, match=r"rollout.engine"):
         load_config("cpu_vllm", ["rollout.engine=sglang"])
+
+
+def test_a_vllm_budget_on_gpus_plans_the_engines_weights_and_kv_cache_as_it_reports_them():
+    """On GPUs the engine sleeps, so it is planned like any model: one item, what its ``part_sizes``
+    reports once it runs (weights and the KV cache vLLM sized from ``gpu_memory_utilization``), held
+    in the generate phase only; a budget that holds its weights but not its KV cache is refused."""
+    from types import SimpleNamespace
+
+    from chatlearn_mem import Part
+    from chatlearn_mem.engines.vllm_rollout import EngineMemory
+    from chatlearn_mem_ray.actors.vllm import VLLMRolloutActor
+    from chatlearn_mem_ray.loops.ppo import PPO
+    from chatlearn_mem_ray.service.budget import estimate_sizes, pinned_items
+    from chatlearn_mem_ray.service.declare import phase_demands
+    from chatlearn_mem_ray.service.schedule import ResidencySchedule
+
+    cfg = load_config("gpu_vllm", ["memory.device_budget_mb=60000"])
+    loop = PPO(cfg)
+    models, phases = loop.models(), loop.phases()
+    assert pinned_items(cfg, models, use_gpu=True) == set()  # on CUDA the engine sleeps: not pinned
+    engine = VLLMRolloutActor("rollout", cfg.policy.model_dump(), {}, cfg.rollout.model_dump())
+    weights, kv = 988 * 2**20, 40 * 2**30  # a Qwen2-0.5B in bf16 and the KV cache of a large GPU
+    engine.engine = SimpleNamespace(memory=lambda: EngineMemory(weights, kv, "cuda"))
+    sizes = estimate_sizes(cfg, models)  # the trainers from their configs
+    sizes["rollout"] = {Part(p): b for p, b in engine.part_sizes().items()}  # as the service measures it
+    assert sizes["rollout"] == {Part.WEIGHTS: weights + kv}
+    ws = cfg.parallel.world_size
+    bundles = {a: b for m in models for a, b in zip(m.actor_names(ws), m.bundles(ws))}
+    demands = phase_demands(models, phases, ws)
+    names = [p.name for p in phases]
+    roomy = ResidencySchedule(sizes, int(cfg.memory.device_budget_mb * 2**20), demands, bundles)
+    assert all(("rollout", Part.WEIGHTS) in roomy.target(i) for i in range(len(names)))  # 60000 MiB hold it all
+    tight = ResidencySchedule(sizes, weights + kv, demands, bundles)  # the generate phase's need, no more
+    assert [("rollout", Part.WEIGHTS) in tight.target(i) for i in range(len(names))] == [n == "generate" for n in names]
+    with pytest.raises(ValueError, match="generate needs"):  # its weights fit, its KV cache does not
+        ResidencySchedule(sizes, weights + kv - 1, demands, bundles)

@@ -1,9 +1,11 @@
-"""Tensors across Ray processes as their bytes (:mod:`chatlearn_mem_ray.actors.wire`).
+"""The payload a tensor crosses Ray as (:mod:`chatlearn_mem_ray.actors.wire`), without Ray.
 
 Ray pickles with cloudpickle and pickle protocol 5; the actors and the driver add one reducer for
-``torch.Tensor`` (:func:`~chatlearn_mem_ray.actors.wire.register_tensor_serializer`). Here the same reducer
-goes into a cloudpickle pickler of this process, with the numpy views sent out of band as Ray sends
-them, so the payload and the round trip are checked without starting Ray.
+``torch.Tensor`` (:func:`~chatlearn_mem_ray.actors.wire.register_tensor_serializer`). Here the same
+reducer goes into a cloudpickle pickler of this process, with the numpy views sent out of band as Ray
+sends them, so the payload and the round trip are checked in the unit tier. The registration itself,
+on Ray's own path (``ray.put``, a task's return, no copy in the sender), is tested in the Ray tier
+(``tests/ray/test_wire_ray.py``).
 """
 
 import io
