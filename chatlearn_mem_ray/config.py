@@ -265,6 +265,32 @@ class TrainerModelConfig(GPTTrainerConfig):
     """When ``from_hf`` does not exist yet, write a randomly initialised checkpoint of this
     config's architecture there (with ``transformers``: nothing is downloaded) before the actors
     start; the architecture fields must then be given here. Used by the ``cpu_tiny_llama`` preset."""
+    backend: Literal["megatron", "torch"] = "megatron"
+    """Which framework builds and trains the model. ``megatron``: megatron-core's GPT in its DDP with
+    its optimizer. ``torch``: a Hugging Face Llama or Qwen2 (``transformers``) built from these
+    fields (or loaded from ``from_hf``), trained with torch's AdamW (``lr``, gradients clipped at
+    ``clip_grad``), in torch's ``DistributedDataParallel`` over several data-parallel ranks, under
+    the torch-native memory manager (docs/torch-native.md); its actors never import megatron. It
+    needs the Llama fields (``normalization: RMSNorm``, ``activation: swiglu``,
+    ``position_embedding: rope``, ``add_bias_linear: false``; ``add_qkv_bias: true`` for Qwen2), an
+    LM head, and data parallelism only. A model copied from it (the rollout, the reference) is
+    built the same way."""
+
+    @model_validator(mode="after")
+    def _torch_needs_a_hugging_face_architecture(self):
+        if self.backend != "torch":
+            return self
+        from chatlearn_mem.models import hf
+
+        try:
+            hf.family_of(self)
+        except ValueError as e:
+            raise ValueError(f"backend: torch builds a Hugging Face Llama or Qwen2: {e}") from None
+        if self.num_moe_experts is not None:
+            raise ValueError(
+                f"backend: torch has no MoE layers; num_moe_experts must be unset, got {self.num_moe_experts}"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -387,7 +413,12 @@ class LoopConfig(_Strict):
                     f"{prompt_key} + {s}.response_length ({total}) exceeds {name}.seq_length ({m.seq_length})"
                 )
             tp = self.parallel.tensor_model_parallel_size
-            if m.num_attention_heads % tp or m.vocab_size % tp:
+            if m.backend == "torch" and tp > 1:
+                problems.append(
+                    f"{name}.backend is torch, which trains in data parallel only; "
+                    f"parallel.tensor_model_parallel_size must be 1, got {tp}"
+                )
+            elif m.num_attention_heads % tp or m.vocab_size % tp:
                 problems.append(
                     f"parallel.tensor_model_parallel_size ({tp}) must divide "
                     f"{name}.num_attention_heads ({m.num_attention_heads}) and "
@@ -398,6 +429,11 @@ class LoopConfig(_Strict):
             problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
         problems += self._batch_problems()
         if self.rollout.engine == "vllm":
+            if p.backend == "torch":
+                problems.append(
+                    "rollout.engine: vllm does not take a torch-native policy's weights yet (policy.backend: torch); "
+                    "use rollout.engine: megatron, the policy's own model and sampling loop"
+                )
             if p.from_hf is None:
                 problems.append(
                     "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"

@@ -1,6 +1,7 @@
-"""A GPT with no optimizer as an actor (the megatron rollout, or a frozen reference) under an
-:class:`chatlearn_mem.InferenceMemoryManager`. The vLLM engine's actor is
-:class:`chatlearn_mem_ray.actors.vllm.VLLMRolloutActor`."""
+"""A model with no optimizer as an actor (the policy's own rollout, or a frozen reference) under an
+:class:`chatlearn_mem.InferenceMemoryManager`: megatron-core's GPT (:class:`InferenceActor`) or the
+Hugging Face causal LM of a torch-native policy (:class:`TorchInferenceActor`). The vLLM engine's
+actor is :class:`chatlearn_mem_ray.actors.vllm.VLLMRolloutActor`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from chatlearn_mem_ray.actors import modeling
 from chatlearn_mem_ray.actors.managed import ManagedActor, to_device
 from chatlearn_mem_ray.config import TrainerModelConfig
 
-__all__ = ["InferenceActor"]
+__all__ = ["InferenceActor", "TorchInferenceActor"]
 
 
 class InferenceActor(ManagedActor):
@@ -131,3 +132,18 @@ class InferenceActor(ManagedActor):
             modeling.weights_digest(s)
             for s in modeling.split_tensor_parallel(state, partition_dims or {}, tensor_parallel_size)
         ]
+
+
+class TorchInferenceActor(InferenceActor):
+    """The rollout or reference copy of a torch-native policy (``backend: torch``): the same Hugging
+    Face causal LM, built from the same config and seed; never imports megatron. Arguments as
+    :class:`InferenceActor`'s."""
+
+    def setup(self, init_method: str) -> dict:
+        """Build the model (no process group: one rank)."""
+        from chatlearn_mem_ray.actors.causal_lm import build_causal_lm
+
+        self.model = build_causal_lm(self.config)
+        self.model.eval()
+        self.manager = InferenceMemoryManager(self.model, self.memory)
+        return {"rank": 0}

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from chatlearn_mem import MemoryConfig, Part
-from chatlearn_mem.parts import PartsArg
+from chatlearn_mem.parts import PartsArg, parse_parts
 from chatlearn_mem_ray.actors.wire import register_tensor_serializer
 
 __all__ = ["ManagedActor", "PeakRSS", "process_memory", "to_device"]
@@ -170,6 +170,8 @@ class ManagedActor:
         return self._transition(self.manager.onload, parts, blocking)
 
     def _transition(self, call: Callable, parts: PartsArg, blocking: bool) -> list[dict]:
+        if parts is not None:  # the service's "every part" names parts a torch-native trainer has not
+            parts = [p for p in parse_parts(parts, Part) if p in self.manager.parts]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = call(parts, blocking=blocking)

@@ -1,4 +1,9 @@
-"""What the actors compute with a megatron-core GPT: log-probs (and entropies), values, sampling, weight sync."""
+"""What the actors compute with a model: log-probs (and entropies), values, sampling, weight sync.
+
+A model is megatron-core's GPT (``model(tokens, positions, mask)``, its vocabulary split over the
+tensor-parallel ranks) or a Hugging Face causal LM (``model(input_ids=...).logits``, the whole
+vocabulary), either maybe in its DDP; :func:`logits` tells them apart, so that a torch-native
+policy's actors never import megatron."""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import torch
 
 __all__ = [
     "generate",
+    "is_hugging_face",
+    "logits",
     "generate_rows",
     "merge_tensor_parallel",
     "sequence_logprobs",
@@ -23,6 +30,25 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
+def is_hugging_face(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the module its DDP wraps) is a ``transformers`` model."""
+    inner = getattr(model, "module", model)
+    return type(inner).__module__.startswith("transformers.")
+
+
+def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) next-token logits of ``tokens`` (B, T): the whole vocabulary for a Hugging Face
+    model, this rank's slice of it for megatron's GPT under tensor parallelism."""
+    if is_hugging_face(model):
+        return model(input_ids=tokens, use_cache=False).logits
+    return model(tokens, _positions(tokens), None)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy over the last dimension (the whole vocabulary): (..., V) -> (...)."""
+    return -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+
+
 def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of each next token under the sampling distribution at ``temperature``:
     ``out[b, t] = log softmax(logits / temperature)[tokens[b, t+1]]`` given ``tokens[b, :t+1]``.
@@ -32,7 +58,7 @@ def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, temperature:
     PPO ratio, the KL penalty) must be taken at the same one.
 
     Args:
-        model: A ``GPTModel`` or a DDP wrapping one.
+        model: A ``GPTModel`` or a Hugging Face causal LM, or a DDP wrapping one.
         tokens: (B, T) token ids.
         temperature: > 0; 1 is the model's own distribution.
 
@@ -44,14 +70,17 @@ def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, temperature:
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    if is_hugging_face(model):
+        scaled = logits(model, tokens[:, :-1]).float() / temperature  # (B, T-1, V)
+        return torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None])[..., 0]
     pos = _positions(tokens)
     if temperature == 1.0:
         nll = model(tokens[:, :-1], pos[:, :-1], None, labels=tokens[:, 1:])  # (B, T-1)
         return -nll.float()
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = model(tokens[:, :-1], pos[:, :-1], None)  # (B, T-1, V / tensor-parallel size)
-    return -vocab_parallel_cross_entropy(logits.float() / temperature, tokens[:, 1:])
+    vocab = model(tokens[:, :-1], pos[:, :-1], None)  # (B, T-1, V / tensor-parallel size)
+    return -vocab_parallel_cross_entropy(vocab.float() / temperature, tokens[:, 1:])
 
 
 def sequence_logprobs_entropy(
@@ -68,6 +97,11 @@ def sequence_logprobs_entropy(
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    if is_hugging_face(model):
+        scaled = logits(model, tokens[:, :-1]).float() / temperature  # (B, T-1, V)
+        with torch.no_grad():
+            entropy = _entropy(scaled)
+        return torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None])[..., 0], entropy
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     pos = _positions(tokens)
@@ -122,11 +156,11 @@ def generate(
     """
     tokens = prompts
     for _ in range(response_length):
-        logits = model(tokens, _positions(tokens), None)[:, -1, :].float()  # (B, V)
+        last = logits(model, tokens)[:, -1, :].float()  # (B, V)
         if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
+            nxt = last.argmax(-1, keepdim=True)
         else:
-            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            probs = torch.softmax(last / temperature, dim=-1).cpu()
             nxt = torch.multinomial(probs, 1, generator=generator).to(tokens.device)
         tokens = torch.cat([tokens, nxt], dim=1)
     return tokens
@@ -168,8 +202,8 @@ def generate_rows(
         g = torch.Generator().manual_seed(seed * 1_000_003 + length)
         done = torch.zeros(len(idx), dtype=torch.bool)
         for _ in range(response_length):
-            logits = model(tokens, _positions(tokens), None)[:, -1, :].float()  # (b, V)
-            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            last = logits(model, tokens)[:, -1, :].float()  # (b, V)
+            probs = torch.softmax(last / temperature, dim=-1).cpu()
             nxt = torch.multinomial(probs, 1, generator=g)  # (b, 1)
             nxt[done] = pad_id  # a stopped row pads
             tokens = torch.cat([tokens, nxt.to(tokens.device)], dim=1)

@@ -1,9 +1,12 @@
-"""One rank of a megatron-core trainer as an actor: a policy with an LM head, or a critic with a
-value head, under a :class:`chatlearn_mem.TrainerMemoryManager`. A plain class:
-:mod:`chatlearn_mem_ray.service.colocation` turns it into a Ray actor; tests may use it in-process."""
+"""One rank of a trainer as an actor, under a :class:`chatlearn_mem.TrainerMemoryManager`: a
+megatron-core policy with an LM head or critic with a value head (:class:`TrainerActor`), or a
+torch-native policy, a Hugging Face causal LM in torch's DDP (:class:`TorchTrainerActor`, which
+never imports megatron). Plain classes: :mod:`chatlearn_mem_ray.service.colocation` turns them into
+Ray actors; tests may use them in-process."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Literal, Mapping, Optional
 
@@ -14,7 +17,7 @@ from chatlearn_mem_ray.actors import modeling
 from chatlearn_mem_ray.actors.managed import ManagedActor, PeakRSS, to_device
 from chatlearn_mem_ray.config import TrainerModelConfig
 
-__all__ = ["TrainerActor"]
+__all__ = ["TorchTrainerActor", "TrainerActor"]
 
 
 class TrainerActor(ManagedActor):
@@ -120,7 +123,6 @@ class TrainerActor(ManagedActor):
         Returns:
             Mean of each metric over the steps, plus ``grad_norm`` and ``skipped_steps``.
         """
-        model, optimizer = self.trainer.model, self.trainer.optimizer
         batch = {k: to_device(v) for k, v in batch.items()}
         n = batch["tokens"].shape[0]
         g = torch.Generator().manual_seed(seed)
@@ -131,18 +133,26 @@ class TrainerActor(ManagedActor):
             for start in range(0, n, minibatch_size):
                 idx = order[start : start + minibatch_size].to(batch["tokens"].device)
                 mb = {k: v[idx] for k, v in batch.items()}
-                model.zero_grad_buffer()
-                optimizer.zero_grad()
+                self._zero_grads()
                 loss, metrics = loss_fn(self._outputs(mb["tokens"], temperature, entropy), mb)
                 loss.backward()
-                model.finish_grad_sync()
-                ok, grad_norm, _ = optimizer.step()
+                ok, grad_norm = self._step()
                 skipped += not ok
                 metrics = dict(metrics, loss=loss.item(), grad_norm=float(grad_norm or 0.0))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 steps += 1
         return {**{k: v / steps for k, v in sums.items()}, "skipped_steps": float(skipped)}
+
+    def _zero_grads(self) -> None:
+        self.trainer.model.zero_grad_buffer()
+        self.trainer.optimizer.zero_grad()
+
+    def _step(self) -> tuple[bool, Optional[float]]:
+        """Finish the gradients' reduction and step: ``(stepped, grad norm)``."""
+        self.trainer.model.finish_grad_sync()
+        ok, grad_norm, _ = self.trainer.optimizer.step()
+        return bool(ok), grad_norm
 
     def megatron_weight_buckets(self, tp: int, bucket_bytes: int):
         """This rank's own megatron weights in buckets of at most ``bucket_bytes``, read from the
@@ -200,8 +210,11 @@ class TrainerActor(ManagedActor):
         tensor parallelism split it along (-1: replicated); and, with ``with_digest``, their
         SHA-256 (see :func:`chatlearn_mem_ray.actors.modeling.weights_digest`), computed from the same read."""
         state = self.manager.weights_state_dict()
+        return state, self._partition_dims(state), modeling.weights_digest(state) if with_digest else None
+
+    def _partition_dims(self, state: Mapping[str, torch.Tensor]) -> dict[str, int]:
         params = dict(self.trainer.model.module.named_parameters())
-        dims = {
+        return {
             name: (
                 getattr(params[name], "partition_dim", -1)
                 if getattr(params.get(name), "tensor_model_parallel", False)
@@ -209,7 +222,6 @@ class TrainerActor(ManagedActor):
             )
             for name in state
         }
-        return state, dims, modeling.weights_digest(state) if with_digest else None
 
     def weights_digest(self) -> str:
         """SHA-256 of this rank's weights (see :func:`chatlearn_mem_ray.actors.modeling.weights_digest`)."""
@@ -276,3 +288,76 @@ class TrainerActor(ManagedActor):
             warnings.simplefilter("ignore")
             self.manager.onload()
             return load_checkpoint(self.manager, path, verify=verify)
+
+
+class TorchTrainerActor(TrainerActor):
+    """One data-parallel rank of a torch-native policy (``backend: torch``): a Hugging Face causal LM
+    (:func:`~chatlearn_mem_ray.actors.causal_lm.build_causal_lm`), in torch's
+    ``DistributedDataParallel`` with gradient bucket views on several ranks, stepped by AdamW with
+    its gradients clipped at ``clip_grad``, under the torch-native
+    :class:`~chatlearn_mem.TrainerMemoryManager`. It never imports megatron. Arguments as
+    :class:`TrainerActor`'s; the head is ``lm``.
+    """
+
+    def __init__(self, name: str, head: Literal["lm", "value"], model: Mapping[str, Any], memory: Mapping[str, Any]):
+        if head != "lm":
+            raise ValueError(f"{name}: a torch-native trainer has an LM head only, got head={head!r}")
+        super().__init__(name, head, model, memory)
+
+    def setup(self, rank: int, world_size: int, tensor_model_parallel_size: int, init_method: str) -> dict:
+        """Join the data-parallel group (more than one rank), build the model, optimizer and manager.
+
+        Returns:
+            ``{"rank", "dp_rank", "dp_size", "tp_rank"}`` (``tp_rank`` 0: data parallel only).
+        """
+        import types
+
+        from chatlearn_mem_ray.actors.causal_lm import build_causal_lm, init_torch_distributed
+
+        if tensor_model_parallel_size != 1:
+            raise ValueError(
+                f"{self.name}: a torch-native trainer is data parallel only, got TP={tensor_model_parallel_size}"
+            )
+        store = getattr(self, "_master_store", None) if rank == 0 else None
+        init_torch_distributed(rank, world_size, init_method, store)
+        lm = build_causal_lm(self.config)
+        model = lm
+        if world_size > 1:
+            model = torch.nn.parallel.DistributedDataParallel(lm, gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(lm.parameters(), lr=self.config.lr)
+        self.trainer = types.SimpleNamespace(model=model, optimizer=optimizer, lm=lm)
+        self.manager = TrainerMemoryManager(model, optimizer, self.memory)
+        return {"rank": rank, "dp_rank": rank, "dp_size": world_size, "tp_rank": 0}
+
+    def part_sizes(self) -> dict[str, int]:
+        """As :meth:`TrainerActor.part_sizes`: before the first step, AdamW's ``exp_avg`` and
+        ``exp_avg_sq`` like each parameter (its ``step`` stays on the host)."""
+        sizes = ManagedActor.part_sizes(self)
+        if not sizes.get(Part.OPTIMIZER_STATES.value):
+            params = [p for g in self.trainer.optimizer.param_groups for p in g["params"]]
+            sizes[Part.OPTIMIZER_STATES.value] = sum(2 * p.numel() * p.element_size() for p in params)
+        return sizes
+
+    def _zero_grads(self) -> None:
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+
+    def _step(self) -> tuple[bool, Optional[float]]:
+        params = [p for p in self.trainer.lm.parameters() if p.grad is not None]
+        clip = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        if not math.isfinite(grad_norm):  # as megatron's optimizer: a step on inf or nan is skipped
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+            return False, grad_norm
+        self.trainer.optimizer.step()
+        # consumed: dropped now, as a torch loop does, so that nothing but the parts outlives the step
+        # (with DDP's bucket views the buckets stay: they are the grads part)
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        return True, grad_norm
+
+    def _partition_dims(self, state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        return {name: -1 for name in state}  # data parallel: every rank holds every tensor whole
+
+    def megatron_weight_buckets(self, tp: int, bucket_bytes: int):
+        raise NotImplementedError(
+            f"{self.name}: the vLLM rollout does not take a torch-native policy's weights yet; use rollout.engine: megatron"
+        )

@@ -188,7 +188,7 @@ class Colocation:
         ray = connect.import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from chatlearn_mem_ray.actors import InferenceActor, TrainerActor
+        from chatlearn_mem_ray.actors import InferenceActor, TorchInferenceActor, TorchTrainerActor, TrainerActor
 
         cfg = self.cfg
         tp = cfg.parallel.tensor_model_parallel_size
@@ -210,9 +210,11 @@ class Colocation:
             )
 
         memory = cfg.memory.manager.model_dump()
-        Trainer, Inference = ray.remote(TrainerActor), ray.remote(InferenceActor)
         for m in self.models:
             config = m.config.model_dump()
+            torch_native = getattr(m.config, "backend", "megatron") == "torch"  # never imports megatron
+            Trainer = ray.remote(TorchTrainerActor if torch_native else TrainerActor)
+            Inference = ray.remote(TorchInferenceActor if torch_native else InferenceActor)
             for name, bundle in zip(m.actor_names(cfg.parallel.world_size), m.bundles(cfg.parallel.world_size)):
                 if m.kind == "trainer":
                     handle = Trainer.options(**options(bundle)).remote(name, m.head, config, memory)

@@ -81,8 +81,9 @@ class Model:
         head: A trainer's output: ``lm`` (next-token log-probs) or ``value`` (a scalar per token).
         follows: An engine: the trainer whose weights it serves (``Phase`` code syncs it with
             ``p.sync(follows, name)``; :meth:`Service.stale` says when it needs one).
-        backend: An engine's implementation: ``megatron`` (the policy's own sampling loop) or
-            ``vllm``.
+        backend: A trainer's framework: ``megatron`` or ``torch`` (its config's ``backend``). An
+            engine's implementation: ``megatron`` (the policy's own model and sampling loop, of the
+            policy's framework) or ``vllm``.
         engine_config: The engine's :class:`~chatlearn_mem_ray.config.RolloutConfig` (vLLM).
         saved: Whether run checkpoints save it (default: trainers yes; an inference model is
             rebuilt from its config, an engine takes its weights from the trainer it follows).
@@ -94,15 +95,32 @@ class Model:
     config: Any
     head: Literal["lm", "value"] = "lm"
     follows: Optional[str] = None
-    backend: Literal["megatron", "vllm"] = "megatron"
+    backend: Literal["megatron", "torch", "vllm"] = "megatron"
     engine_config: Any = None
     saved: Optional[bool] = None
     bundle: int = 0
 
     @classmethod
-    def trainer(cls, name: str, config, *, head: Literal["lm", "value"] = "lm", saved: bool = True) -> "Model":
-        """A megatron-core trainer, one actor per rank of the run's ``parallel`` layout."""
-        return cls(name, "trainer", config, head=head, saved=saved)
+    def trainer(
+        cls,
+        name: str,
+        config,
+        *,
+        head: Literal["lm", "value"] = "lm",
+        saved: bool = True,
+        backend: Optional[Literal["megatron", "torch"]] = None,
+    ) -> "Model":
+        """A trainer, one actor per rank of the run's ``parallel`` layout: megatron-core's, or a
+        torch-native one (a Hugging Face causal LM in torch's DDP, never importing megatron).
+
+        Args:
+            backend: ``megatron`` or ``torch``; default: the config's ``backend``. Given, it is
+                written into the config, so that the models copied from it (a rollout, a
+                reference) are built the same way.
+        """
+        if backend is not None and getattr(config, "backend", backend) != backend:
+            config = config.model_copy(update={"backend": backend})
+        return cls(name, "trainer", config, head=head, saved=saved, backend=getattr(config, "backend", "megatron"))
 
     @classmethod
     def inference(cls, name: str, config, *, bundle: int = 0) -> "Model":
@@ -165,11 +183,19 @@ def check_declarations(models: Sequence[Model], phases: Sequence[Phase], world_s
     for a in sorted({a for a in actors if actors.count(a) > 1}):
         problems.append(f"two models have an actor named {a!r}; rename one")
     for m in models:
+        if m.kind == "trainer" and m.backend == "torch" and m.head != "lm":
+            problems.append(f"trainer {m.name!r} is torch-native, which has an lm head only (a critic stays megatron)")
         if m.kind == "engine":
             lead = by_name.get(m.follows or "")
             if lead is None or lead.kind != "trainer" or lead.head != "lm":
                 problems.append(
                     f"engine {m.name!r} follows {m.follows!r}, which is not a declared trainer with an lm head"
+                )
+            elif m.backend != "vllm" and getattr(m.config, "backend", "megatron") != lead.backend:
+                problems.append(
+                    f"engine {m.name!r} copies the model of trainer {lead.name!r}, but its config says backend "
+                    f"{getattr(m.config, 'backend', 'megatron')!r} and the trainer's {lead.backend!r}: build both "
+                    "from one config"
                 )
         if m.kind != "trainer" and not 0 <= m.bundle < world_size:
             problems.append(f"model {m.name!r} is placed on bundle {m.bundle}, but the run has {world_size}")

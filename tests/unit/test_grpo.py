@@ -19,7 +19,14 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "grpo").glob("*.yaml")
 
 
 def test_the_grpo_presets_ship_and_validate(tmp_path):
-    assert {p.stem for p in CONFIGS} == {"cpu_grpo", "cpu_grpo_text", "cpu_grpo_vllm", "gpu_grpo", "gpu_grpo_math"}
+    assert {p.stem for p in CONFIGS} == {
+        "cpu_grpo",
+        "cpu_grpo_text",
+        "cpu_grpo_torch",
+        "cpu_grpo_vllm",
+        "gpu_grpo",
+        "gpu_grpo_math",
+    }
     assert preset_names(GRPO_PRESETS) == [p.stem for p in CONFIGS] and DEFAULT_GRPO_PRESET == "cpu_grpo"
     from chatlearn_mem.models import hf
     from chatlearn_mem.models.gpt import GPTTrainerConfig
