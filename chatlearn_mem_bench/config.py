@@ -126,6 +126,13 @@ class BenchConfig(BaseModel):
     checkpoint_dir: Optional[str] = None
     """Where the ``checkpoint`` report writes (its disk is what is measured); None: a temporary
     directory, removed after."""
+    torch_native: bool = False
+    """The ``torch_native`` report: a Hugging Face Llama of the trainer's shape (fp32, AdamW) put to
+    sleep by the manager against verl's per-tensor ``.to("cpu")``, ``model.cpu()`` and the ceiling,
+    full and weights-only, and what stays on the device after sleep (see
+    ``chatlearn_mem_bench.torch_native``); needs ``transformers``."""
+    torch_native_repeats: int = Field(5, ge=1)
+    """Timed cycles of each way in the ``torch_native`` report (after ``warmup`` untimed ones)."""
     planner: bool = False
     """The ``planner`` report: the residency planner's time on 64-item x 8-phase schedules against
     its 100 ms target (see ``chatlearn_mem_bench.planner_speed``); needs no trainer."""

@@ -16,6 +16,7 @@ from chatlearn_mem_bench.config import PARTS
 from chatlearn_mem_bench.plan import format_bytes
 from chatlearn_mem_bench.planner_speed import planner_lines
 from chatlearn_mem_bench.plot import plot as draw
+from chatlearn_mem_bench.torch_native import torch_native_lines
 
 __all__ = ["SUFFIXES", "free_stem", "markdown", "missing_summary", "print_targets", "rebuild", "write_outputs"]
 
@@ -122,6 +123,7 @@ def markdown(res: dict) -> str:
     lines += _overlap_lines(res.get("overlap"))
     lines += _tail_lines(res.get("onload_tail"))
     lines += checkpoint_lines(res.get("checkpoint"))
+    lines += torch_native_lines(res.get("torch_native"))
     lines += planner_lines(res.get("planner"))
     lines += _soak_lines(res.get("soak"))
     lines += ["", "## Targets", ""]

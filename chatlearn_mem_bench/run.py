@@ -49,6 +49,7 @@ from chatlearn_mem_bench.planner_speed import measure_planner
 from chatlearn_mem_bench.repeated import measure_onload_tail, measure_soak
 from chatlearn_mem_bench.targets import check_targets
 from chatlearn_mem_bench.timing import peak_rss, time_part, tms_results
+from chatlearn_mem_bench.torch_native import measure_torch_native
 from chatlearn_mem_bench.trainer import build_trainer, checksum
 
 __all__ = ["PARTS", "check_writable", "run_and_report", "run_benchmark"]
@@ -200,6 +201,11 @@ def run_benchmark(
         *([f"the checkpoint report ({6 * cfg.checkpoint_repeats} saves)"] if cfg.checkpoint else []),
         *([f"the planner report ({8 * cfg.planner_seeds} plans)"] if cfg.planner else []),
         *(
+            [f"the torch-native report (4 ways x 2 parts x {cfg.warmup + cfg.torch_native_repeats} cycles)"]
+            if cfg.torch_native
+            else []
+        ),
+        *(
             [
                 f"the soak ({cfg.soak_cycles} full cycles with {cfg.soak_cycles // cfg.soak_train_every} train steps, last)"
             ]
@@ -321,6 +327,24 @@ def run_benchmark(
             pl["median_of_medians_ms"],
             pl["slowest_median_ms"],
             pl["target_ms"],
+        )
+        publish(res)
+    if cfg.torch_native:  # the megatron trainer asleep meanwhile: its memory is not the torch trainers'
+        t_tn = time.perf_counter()
+        mm.offload(force=True)
+        try:
+            res["torch_native"] = measure_torch_native(
+                cfg.trainer, device, cfg.torch_native_repeats, cfg.warmup, cfg.batch_size, cfg.bucket_size_mb, pin, echo
+            )
+        finally:
+            mm.onload()
+        tn = res["torch_native"]
+        full = {r["method"]: r for r in tn["rows"] if r["part"] == "full" and r["direction"] == "onload"}
+        log.info(
+            "torch-native: full onload %.2f GB/s (manager) against %.2f (per tensor), %.2f (model.to), "
+            "%.2f (ceiling); done in %.1f s",
+            *(full[m]["gb_per_s"] for m in ("manager", "per_tensor_to_cpu", "model_to", "ceiling")),
+            time.perf_counter() - t_tn,
         )
         publish(res)
     checksum_after = checksum(mm, trainer)

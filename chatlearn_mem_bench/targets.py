@@ -9,6 +9,7 @@ from chatlearn_mem_bench.config import COPY_PARTS, FULL
 from chatlearn_mem_bench.overlap import TARGETS
 from chatlearn_mem_bench.planner_speed import planner_targets
 from chatlearn_mem_bench.repeated import repeated_targets
+from chatlearn_mem_bench.torch_native import torch_native_targets
 
 __all__ = ["TMS_SPEEDUP", "check_targets", "overlap_targets"]
 
@@ -90,6 +91,7 @@ def check_targets(res: dict) -> list[dict]:
         out += overlap_targets(res["overlap"], gpu)
     out += repeated_targets(res, gpu, res["config"]["rss_tolerance_mb"] * 2**20)
     out += checkpoint_targets(res.get("checkpoint"))
+    out += torch_native_targets(res.get("torch_native"))
     out += planner_targets(res.get("planner"))
     tms = res.get(TMS)
     if tms and "bye" in tms:
