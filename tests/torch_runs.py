@@ -112,8 +112,12 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: Any, wrapped: nn.Module, inner: nn.Module, spec: dict):
         self.model, self.optimizer, self.wrapped, self.inner, self.spec = model, optimizer, wrapped, inner, spec
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device if self.spec.get("wrapper") != "fsdp2" else torch.device("cpu")
+
     def step(self, step: int) -> float:
-        loss = loss_of(self.wrapped, batch(step, _rank()))
+        loss = loss_of(self.wrapped, batch(step, _rank()).to(self.device))
         loss.backward()
         if not self.spec.get("overlap"):  # overlapped ZeRO steps inside the backward
             self.optimizer.step()
@@ -122,7 +126,7 @@ class Trainer:
 
     def forward(self, step: int) -> torch.Tensor:
         with torch.no_grad():
-            return logits_of(self.wrapped, batch(step, _rank()))
+            return logits_of(self.wrapped, batch(step, _rank()).to(self.device))
 
     def state(self) -> dict[str, torch.Tensor]:
         """Weights (this rank's memory of each) and this rank's optimizer state, cloned, by name."""
@@ -132,13 +136,13 @@ class Trainer:
         names = {}
         for n, p in self.inner.named_parameters():
             names.setdefault(p, n)
-        out = {f"param {n}": layout.local_tensor(p).detach().clone() for p, n in names.items()}
+        out = {f"param {n}": layout.local_tensor(p).detach().cpu().clone() for p, n in names.items()}
         for n, b in self.inner.named_buffers():
-            out[f"buffer {n}"] = b.clone()
+            out[f"buffer {n}"] = b.cpu().clone()
         opt = layout.state_optimizer(self.optimizer)
         if opt is not None:
             for p, k, v in layout.state_entries(opt):
-                out[f"state {names.get(p, '?')} {k}"] = layout.local_tensor(v).detach().clone()
+                out[f"state {names.get(p, '?')} {k}"] = layout.local_tensor(v).detach().cpu().clone()
         return out
 
 
@@ -154,11 +158,13 @@ def build(spec: dict) -> Trainer:
     Spec keys: ``model`` ("tiny", "llama", "qwen2"), ``tied``, ``wrapper`` ("plain", "ddp",
     "fsdp2"), ``bucket_view`` (DDP's gradient_as_bucket_view), ``zero`` (ZeroRedundancyOptimizer),
     ``zero_bucket_view`` (its parameters_as_bucket_view), ``overlap`` (overlap_with_ddp),
-    ``mixed`` (FSDP2 with bf16 compute over fp32 shards).
+    ``mixed`` (FSDP2 with bf16 compute over fp32 shards), ``device`` (a plain trainer's: "cuda" in
+    the GPU tier).
     """
     torch.manual_seed(spec.get("seed", 0))
     kind = spec.get("model", "tiny")
     model = TinyLM(tied=spec.get("tied", True)) if kind == "tiny" else hf_model(kind, spec.get("tied", False))
+    model.to(spec.get("device", "cpu"))  # the GPU tier's plain trainers: "cuda"
     wrapper = spec.get("wrapper", "plain")
     lr = 1e-2
     if wrapper == "fsdp2":
