@@ -429,11 +429,6 @@ class LoopConfig(_Strict):
             problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
         problems += self._batch_problems()
         if self.rollout.engine == "vllm":
-            if p.backend == "torch":
-                problems.append(
-                    "rollout.engine: vllm does not take a torch-native policy's weights yet (policy.backend: torch); "
-                    "use rollout.engine: megatron, the policy's own model and sampling loop"
-                )
             if p.from_hf is None:
                 problems.append(
                     "rollout.engine: vllm starts the engine from the policy's Hugging Face checkpoint: set policy.from_hf"

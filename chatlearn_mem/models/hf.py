@@ -40,6 +40,7 @@ __all__ = [
     "hf_shapes",
     "family_of",
     "hf_weight_buckets",
+    "hf_named_buckets",
     "megatron_shard_buckets",
     "merge_shard_buckets",
     "hf_digest",
@@ -692,6 +693,42 @@ def hf_weight_buckets(
     """
     _check_bucket_bytes(bucket_bytes)
     return _in_buckets(iter_hf_weights(weights, config), bucket_bytes)  # checks everything now
+
+
+def hf_named_buckets(
+    weights: Mapping[str, torch.Tensor], config: GPTTrainerConfig, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """A model that is already in Hugging Face naming (a ``transformers`` Llama or Qwen2's
+    ``state_dict()``, a torch-native trainer's ``iter_weights()``) as :func:`hf_weight_buckets`
+    streams a megatron one: every tensor of :func:`hf_shapes` once, in the checkpoint's order, in
+    buckets of at most ``bucket_bytes``; a tied output layer's second name (``lm_head.weight``
+    beside the embedding) is left out, as a Hugging Face checkpoint leaves it out. Each tensor is
+    passed as it is (a view of a host store stays a view). Everything is checked before the first
+    bucket is yielded.
+
+    Raises:
+        ValueError: ``bucket_bytes`` is not positive, or ``weights`` lacks a tensor of the model,
+            holds one it does not know, or one of another shape or dtype than the config's.
+    """
+    _check_bucket_bytes(bucket_bytes)
+    shapes = hf_shapes(config)
+    tied = config.share_embeddings_and_output_weights
+    names = {k for k, v in weights.items() if torch.is_tensor(v)} - ({"lm_head.weight"} if tied else set())
+    missing, extra = sorted(shapes.keys() - names), sorted(names - shapes.keys())
+    if missing or extra:
+        problem = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the model does not have"
+        raise ValueError(
+            f"the Hugging Face weights do not match the config's {family_of(config).architecture}: {problem}"
+        )
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[config.precision]
+    wrong = [
+        f"{n}: {tuple(weights[n].shape)} {weights[n].dtype} (want {shape} {dtype})"
+        for n, shape in shapes.items()
+        if tuple(weights[n].shape) != tuple(shape) or weights[n].dtype != dtype
+    ]
+    if wrong:
+        raise ValueError(f"the Hugging Face weights do not match the config: {wrong[0]}")
+    return _in_buckets(((n, weights[n].detach()) for n in shapes), bucket_bytes)
 
 
 def _check_bucket_bytes(bucket_bytes: int) -> None:

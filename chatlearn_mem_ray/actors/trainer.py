@@ -358,6 +358,24 @@ class TorchTrainerActor(TrainerActor):
         return {name: -1 for name in state}  # data parallel: every rank holds every tensor whole
 
     def megatron_weight_buckets(self, tp: int, bucket_bytes: int):
-        raise NotImplementedError(
-            f"{self.name}: the vLLM rollout does not take a torch-native policy's weights yet; use rollout.engine: megatron"
+        raise TypeError(
+            f"{self.name}: a torch-native policy streams its weights in Hugging Face naming already: "
+            "hf_weight_buckets(bucket_bytes), not megatron_weight_buckets"
         )
+
+    def hf_weight_buckets(self, bucket_bytes: int):
+        """This rank's weights (the whole model: data parallel only) in Hugging Face naming, in
+        buckets of at most ``bucket_bytes`` (:func:`chatlearn_mem.models.hf.hf_named_buckets`), read
+        from the host store when asleep: a generator, called with ``num_returns="streaming"`` by the
+        vLLM rollout, which loads the buckets as they come. The peak growth of this process's
+        resident set while it streams is kept for :meth:`stream_peak_rss_bytes`."""
+        from chatlearn_mem.models import hf
+        from chatlearn_mem_ray.actors.wire import to_wire
+
+        with PeakRSS() as peak:
+            try:  # views of the host store, sent as numpy views: the object store holds the only copy
+                for bucket in hf.hf_named_buckets(dict(self.manager.iter_weights()), self.config, int(bucket_bytes)):
+                    yield to_wire(bucket)
+            finally:
+                self._stream_peak = peak
+        self._stream_peak = peak

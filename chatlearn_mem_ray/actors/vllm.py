@@ -89,8 +89,8 @@ class VLLMRolloutActor(ManagedActor):
     def sync_from(self, policies: list, bucket_bytes: int) -> dict:
         """Load the trainer's current weights into the engine, streamed from its actors (one per
         tensor-parallel rank, in rank order, each sending its own shards in buckets of at most
-        ``bucket_bytes``; a bucket of every rank merged into Hugging Face tensors at a time), and
-        verify them.
+        ``bucket_bytes``; a bucket of every rank merged into Hugging Face tensors at a time; a
+        torch-native policy's one rank sends Hugging Face tensors as they are), and verify them.
 
         Returns:
             ``{"tensors", "bytes", "seconds", "gb_per_s", "verified", "digest", "hash_seconds",
@@ -104,21 +104,32 @@ class VLLMRolloutActor(ManagedActor):
         from chatlearn_mem.models import hf
         from chatlearn_mem_ray.actors.wire import from_wire
 
-        streams = [
-            p.megatron_weight_buckets.options(
-                num_returns="streaming", _generator_backpressure_num_objects=_BACKPRESSURE
-            ).remote(len(policies), int(bucket_bytes))
-            for p in policies
-        ]
+        stream = dict(num_returns="streaming", _generator_backpressure_num_objects=_BACKPRESSURE)
+        if self.config.backend == "torch":  # one data-parallel rank's whole model, in Hugging Face naming
+            if len(policies) != 1:
+                raise ValueError(f"a torch-native policy syncs from one rank, got {len(policies)}")
+            buckets = policies[0].hf_weight_buckets.options(**stream).remote(int(bucket_bytes))
 
-        def steps():
-            for refs in zip(*streams):
-                yield [from_wire(b) for b in ray.get(list(refs))]
+            def weights():
+                for ref in buckets:
+                    yield from_wire(ray.get(ref))
+
+        else:  # every tensor-parallel rank's megatron shards, merged into Hugging Face tensors
+            streams = [
+                p.megatron_weight_buckets.options(**stream).remote(len(policies), int(bucket_bytes)) for p in policies
+            ]
+
+            def steps():
+                for refs in zip(*streams):
+                    yield [from_wire(b) for b in ray.get(list(refs))]
+
+            def weights():
+                return hf.merge_shard_buckets(steps(), self.config)
 
         t0 = time.perf_counter()
         with PeakRSS() as peak:
             try:
-                stats = self.engine.sync_weights(hf.merge_shard_buckets(steps(), self.config))
+                stats = self.engine.sync_weights(weights())
             except (SyncVerificationError, EngineError) as e:
                 failed = {"verified": False, "error": str(e), "param": getattr(e, "param", None)}
             else:

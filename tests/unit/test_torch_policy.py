@@ -41,10 +41,10 @@ def test_what_a_torch_policy_cannot_do_is_refused_before_anything_starts(tmp_pat
         load_grpo_config("cpu_grpo", ["policy.backend=torch"])  # a GPT: LayerNorm, gelu, learned positions
     with pytest.raises(ConfigError, match="policy.backend is torch, which trains in data parallel only"):
         load_grpo_config("cpu_grpo_torch", ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="rollout.engine: vllm does not take a torch-native policy's weights yet"):
-        load_grpo_config(
-            "cpu_grpo_torch", ["rollout.engine=vllm", f"policy.from_hf={tmp_path / 'hf'}", "policy.create_hf=true"]
-        )
+    with pytest.raises(ConfigError, match="rollout.engine: vllm starts the engine from the policy's Hugging Face"):
+        load_grpo_config("cpu_grpo_torch", ["rollout.engine=vllm"])  # vLLM, yes, but from a checkpoint
+    vllm = ["rollout.engine=vllm", f"policy.from_hf={tmp_path / 'hf'}", "policy.create_hf=true"]
+    assert load_grpo_config("cpu_grpo_torch", vllm).rollout.engine == "vllm"
 
 
 def test_declarations_keep_a_torch_trainer_and_its_copies_together():
@@ -122,3 +122,48 @@ def test_the_actors_modules_never_import_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_torch_policy_streams_its_host_store_in_hugging_face_naming_as_an_export_would(tied, tmp_path):
+    """What the vLLM rollout takes from a torch-native policy (``hf_weight_buckets``): every tensor of
+    the model once, in Hugging Face naming (a tied head's second name left out, as a checkpoint
+    leaves it), in buckets, as views of the host store while the policy sleeps; the same tensors
+    a Hugging Face export of the same weights holds."""
+    from chatlearn_mem.models import hf
+    from chatlearn_mem_ray.actors import TorchTrainerActor
+    from chatlearn_mem_ray.actors.wire import from_wire
+
+    config = TrainerModelConfig(backend="torch", share_embeddings_and_output_weights=tied, **LLAMA)
+    policy = TorchTrainerActor("policy_0", "lm", config.model_dump(), {})
+    policy.setup(0, 1, 1, "")
+    policy.offload()
+    streamed = [pair for bucket in policy.hf_weight_buckets(4096) for pair in from_wire(bucket)]
+    names = [n for n, _ in streamed]
+    assert names == list(hf.hf_shapes(config)) and len(set(names)) == len(names)
+    assert ("lm_head.weight" in names) is not tied
+    assert max(len(b) for b in policy.hf_weight_buckets(4096)) < len(names)  # in buckets, not one
+    policy.onload()  # the host store stays as it was: the streamed views still hold the weights sent
+    own = dict(policy.trainer.lm.state_dict())
+    assert all(torch.equal(t, own[n]) for n, t in streamed)
+    assert hf.hf_digest(streamed) == hf.hf_digest((n, own[n]) for n in names)
+    private, _ = policy.stream_peak_rss_bytes()
+    assert private >= 0
+    with pytest.raises(TypeError, match="hf_weight_buckets"):
+        next(policy.megatron_weight_buckets(1, 4096))
+
+
+def test_hf_named_buckets_refuses_weights_of_another_model():
+    from chatlearn_mem.models import hf
+
+    config = TrainerModelConfig(backend="torch", **LLAMA)
+    good = {n: torch.zeros(s) for n, s in hf.hf_shapes(config).items()}
+    assert sum(len(b) for b in hf.hf_named_buckets(good, config, 2**20)) == len(good)
+    with pytest.raises(ValueError, match="lacks model.norm.weight"):
+        hf.hf_named_buckets({k: v for k, v in good.items() if k != "model.norm.weight"}, config, 2**20)
+    with pytest.raises(ValueError, match="has model.extra.weight, which the model does not have"):
+        hf.hf_named_buckets({**good, "model.extra.weight": torch.zeros(1)}, config, 2**20)
+    with pytest.raises(ValueError, match="model.norm.weight: .*bfloat16"):
+        hf.hf_named_buckets({**good, "model.norm.weight": good["model.norm.weight"].bfloat16()}, config, 2**20)
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        hf.hf_named_buckets(good, config, 0)
