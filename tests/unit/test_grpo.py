@@ -23,6 +23,7 @@ def test_the_grpo_presets_ship_and_validate(tmp_path):
         "cpu_grpo",
         "cpu_grpo_text",
         "cpu_grpo_torch",
+        "cpu_grpo_torch_vllm",
         "cpu_grpo_vllm",
         "gpu_grpo",
         "gpu_grpo_math",
