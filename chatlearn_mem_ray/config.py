@@ -17,12 +17,12 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import ClassVar, Literal, Optional, Sequence, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from chatlearn_mem import MemoryConfig
-from chatlearn_mem.models.gpt import GPTTrainerConfig
 from chatlearn_mem_config_files import load_config as _load
 from chatlearn_mem_ray.inputs.tasks import TaskConfig
+from chatlearn_mem_ray.model_config import TrainerModelConfig, checkpoint_decides
 
 __all__ = [
     "CheckpointConfig",
@@ -249,52 +249,6 @@ class RolloutConfig(_Strict):
     measured for it (``chatlearn_mem.engines.vllm_rollout.MISMATCH_BOUNDS``: fp32 1e-4, bf16 0.15)."""
 
 
-class TrainerModelConfig(GPTTrainerConfig):
-    """A trainer's :class:`~chatlearn_mem.models.gpt.GPTTrainerConfig`, and the Hugging Face
-    checkpoint its weights start from."""
-
-    from_hf: Optional[Path] = None
-    """A local Hugging Face Llama or Qwen2 checkpoint directory (``config.json`` and
-    ``*.safetensors``) the weights start from instead of a random init; ``{output_dir}`` in it
-    stands for the run's ``output_dir``. Its ``config.json`` fills
-    the architecture fields left unset here (see ``chatlearn_mem.models.hf.CHECKPOINT_FIELDS``; a
-    field set to another value is an error). The rollout and reference models start from the
-    policy's checkpoint; the critic takes its trunk (embedding and layers) and a fresh value head.
-    With several nodes the directory must be readable on every node."""
-    create_hf: bool = False
-    """When ``from_hf`` does not exist yet, write a randomly initialised checkpoint of this
-    config's architecture there (with ``transformers``: nothing is downloaded) before the actors
-    start; the architecture fields must then be given here. Used by the ``cpu_tiny_llama`` preset."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fields_from_checkpoint(cls, data):
-        if not isinstance(data, dict) or not data.get("from_hf"):
-            return data
-        path = Path(data["from_hf"])
-        if not path.exists() and data.get("create_hf"):
-            return data  # written when the run starts, from the fields given here
-        try:
-            from chatlearn_mem.models import hf
-
-            found = hf.config_from_hf(path)
-        except (FileNotFoundError, ImportError) as e:
-            raise ValueError(str(e)) from None
-        data = dict(data)
-        wrong = []
-        for field in (*hf.CHECKPOINT_FIELDS, "precision"):
-            value = getattr(found, field)
-            if field not in data:
-                data[field] = value
-            elif field != "precision" and data[field] != value:
-                wrong.append(f"{field}={data[field]!r} (config.json: {value!r})")
-        if wrong:
-            raise ValueError(
-                f"the checkpoint {path} says otherwise: {', '.join(wrong)}; drop these keys (from_hf fills them in)"
-            )
-        return data
-
-
 def _default_policy() -> TrainerModelConfig:
     return TrainerModelConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=1e-3
@@ -349,9 +303,16 @@ class LoopConfig(_Strict):
             else (Path(self.output_dir) / "checkpoints")
         )
 
+    _architecture_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def architecture_notes(self) -> list[str]:
+        """One line per model whose ``from_hf`` checkpoint decided architecture fields over the preset's."""
+        return list(self._architecture_notes)
+
     @model_validator(mode="before")
     @classmethod
-    def _checkpoint_paths(cls, data):
+    def _checkpoint_paths(cls, data, info: ValidationInfo):
         if not isinstance(data, dict):
             return data
         out_dir = str(data.get("output_dir", cls.model_fields["output_dir"].default))
@@ -359,7 +320,19 @@ class LoopConfig(_Strict):
         for role in cls.model_sections:
             if isinstance(data.get(role), dict) and "{output_dir}" in str(data[role].get("from_hf") or ""):
                 data[role] = {**data[role], "from_hf": str(data[role]["from_hf"]).replace("{output_dir}", out_dir)}
-        return cls._derive(data)
+        data = cls._derive(data)
+        context = info.context if isinstance(info.context, dict) else None
+        user_keys = context.get("user_keys") if context is not None else None
+        data, notes = checkpoint_decides(data, cls.model_sections, user_keys)
+        if context is not None:
+            context["architecture_notes"] = notes
+        return data
+
+    @model_validator(mode="after")
+    def _notes(self, info: ValidationInfo) -> "LoopConfig":
+        if isinstance(info.context, dict):
+            self._architecture_notes = list(info.context.get("architecture_notes", []))
+        return self
 
     @classmethod
     def _derive(cls, data: dict) -> dict:
