@@ -23,15 +23,19 @@ from chatlearn_mem import MemoryConfig
 from chatlearn_mem_config_files import load_config as _load
 from chatlearn_mem_ray.inputs.tasks import TaskConfig
 from chatlearn_mem_ray.model_config import TrainerModelConfig, checkpoint_decides
+from chatlearn_mem_ray.output_config import LOGGERS, ExportConfig, TrackerConfig
 
 __all__ = [
     "CheckpointConfig",
+    "ExportConfig",
+    "LOGGERS",
     "LoopConfig",
     "MemoryPolicy",
     "ParallelConfig",
     "RayConfig",
     "RolloutConfig",
     "TaskConfig",
+    "TrackerConfig",
     "TrainerModelConfig",
     "load_config",
 ]
@@ -281,6 +285,12 @@ class LoopConfig(_Strict):
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
     ray: RayConfig = Field(default_factory=RayConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    logger: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["console"])
+    """Where each iteration's metrics go, any of ``console`` (the line per iteration), ``tensorboard``,
+    ``wandb``, ``mlflow`` (the ``[tensorboard]``, ``[wandb]``, ``[mlflow]`` extras); ``log.json`` is
+    always written."""
+    trackers: TrackerConfig = Field(default_factory=TrackerConfig)
     output_dir: Path = Path("runs/loop")
     """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
     ``log.json`` is rewritten (atomically) after every iteration."""
@@ -370,6 +380,15 @@ class LoopConfig(_Strict):
         if self.task.target_high > p.vocab_size:
             problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
         problems += self._batch_problems()
+        if self.export.hf_every:
+            from chatlearn_mem_ray.model_config import export_problem
+
+            why = export_problem(p)
+            if why:
+                problems.append(
+                    f"export.hf_every={self.export.hf_every}: {why}; set policy.from_hf to a Llama or Qwen2 "
+                    "checkpoint, or export.hf_every=0"
+                )
         if self.rollout.engine == "vllm":
             if p.from_hf is None:
                 problems.append(
