@@ -8,12 +8,14 @@ for every one of its tokens. One iteration runs two or three phases:
 phase            models (parts onloaded)     work
 ===============  ==========================  ==========================================
 generate         rollout (weights)           sync policy -> rollout when stale, sample
+                                             (with dynamic sampling: more rounds, scored)
 reference        reference (weights)         reference log-probs (only when kl_coef > 0)
 train            policy (everything)         clipped policy-loss steps
+validate         rollout (weights)           held-out prompts, scored (only when due)
 ===============  ==========================  ==========================================
 
 With ``grpo.kl_coef`` 0 no reference model is launched at all: it is in no roster, timeline or
-plan, and the device never holds it.
+plan, and the device never holds it; without ``validation`` there is no validate phase.
 
 The math is in :mod:`~chatlearn_mem_ray.loops.grpo.losses`, the config (``grpo``, ``reference``,
 ``data``, ``tokenizer``, ``reward``) in :mod:`~chatlearn_mem_ray.loops.grpo.config`.
