@@ -2,7 +2,8 @@
 validation whose reward rises, the policy exported as Hugging Face directories that ``transformers``
 loads and greedy-decodes as the trainer did and whose tensors are the trainer's bit for bit, the
 same call from a loop's own code, all four loggers read back with their own readers, and a run
-stopped by Ctrl-C and resumed that repeats no validation and continues the same tracker runs."""
+stopped by Ctrl-C and resumed that repeats no validation and continues the same tracker runs; then
+``cpu_grpo`` learning with each loss and sampling option (slow)."""
 
 import json
 
@@ -116,6 +117,7 @@ def test_the_exports_are_the_trainers_weights_and_transformers_decodes_as_the_tr
     assert model.dtype == torch.float32  # the run's precision
     val = log["iterations"][-1]["validations"][-1]  # greedy responses of the trainer's weights after iteration 20
     assert val["iteration"] == 20 and len(val["samples"]) == 16
+    assert sum(bool(s["response"]) for s in val["samples"]) >= 4  # responses, not only EOS: a comparison that can fail
     for s in val["samples"]:
         ids = tok(s["prompt"], add_special_tokens=False, return_tensors="pt").input_ids
         new = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()
@@ -164,3 +166,53 @@ def test_every_metric_validation_and_the_picture_reach_each_tracker(kept):
     for m in its:  # the values, not only the names
         assert dict(mf["metrics"]["reward"])[m["iteration"]] == pytest.approx(m["reward"])
 
+
+@pytest.mark.slow  # a second world of two ranks: about a minute more
+def test_a_tensor_parallel_policy_exports_its_shards_merged_bit_for_bit(local_ray, tmp_path):
+    """TP=2: each rank streams its own shards; the export, cut back into each rank's shards, is
+    what each rank holds (its ``final_weights``)."""
+    from safetensors.torch import load_file
+
+    from chatlearn_mem.models import hf
+
+    tp2 = ["parallel.world_size=2", "parallel.tensor_model_parallel_size=2", "grpo.iterations=2"]
+    cfg = load_grpo_config("cpu_grpo_text", [*tp2, "memory.compare_iterations=0", f"output_dir={tmp_path}"])
+    log = run_grpo(cfg, progress=lambda line: None)
+    tensors = load_file(str(tmp_path / "hf" / "iter_00000002" / "model.safetensors"))
+    for rank in range(2):
+        state = {}
+        for e in hf._entries(cfg.policy, hf.LLAMA):
+            pieces = [hf._read_shard(_Slice(tensors[n]), tuple(tensors[n].shape), e.kind, 2, rank) for n in e.hf]
+            state[e.megatron] = hf._join_megatron(e, pieces, cfg.policy, 2)
+        assert weights_digest(state) == log["final_weights"][f"policy_{rank}"], rank
+
+
+class _Slice:
+    """A tensor as safetensors' ``get_slice`` serves it (indexing only)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __getitem__(self, index):
+        return self.t[index]
+
+
+OPTIONS = {
+    "token_mean": ["grpo.loss_agg=token_mean"],
+    "gspo": ["grpo.policy_loss=gspo"],
+    "rloo": ["grpo.estimator=rloo"],
+    "dynamic_sampling": ["grpo.dynamic_sampling=true"],
+}
+
+
+@pytest.mark.slow  # one cpu_grpo run each, about a minute
+@pytest.mark.parametrize("option", OPTIONS)
+def test_cpu_grpo_learns_with_each_option(local_ray, tmp_path, option):
+    cfg = load_grpo_config("cpu_grpo", [*OPTIONS[option], "memory.compare_iterations=0", f"output_dir={tmp_path}"])
+    log = run_grpo(cfg, progress=lambda line: None)
+    its = log["iterations"]
+    mean = lambda ms: sum(m["reward"] for m in ms) / len(ms)  # noqa: E731
+    assert mean(its[-5:]) > mean(its[:5]) + 0.3, [round(m["reward"], 3) for m in its]  # as the default run learns
+    if option == "dynamic_sampling":
+        assert all(1 <= m["sampling_rounds"] <= 4 for m in its) and any(m["sampling_rounds"] > 1 for m in its)
+        assert all(m["dropped_groups"] >= 0 and m["filled_groups"] >= 0 for m in its)
