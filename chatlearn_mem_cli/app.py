@@ -143,8 +143,11 @@ def grpo(
     """Run GRPO with the policy, its rollout and (with a KL term) a reference colocated through Ray.
 
     group_size responses per prompt, advantages normalised within each group (grpo.variant=dr_grpo:
-    Dr. GRPO), no critic; with grpo.kl_coef=0 no reference model is launched. Output, checkpoints,
-    --resume and restarts as for ppo.
+    Dr. GRPO; grpo.estimator, grpo.loss_agg, grpo.policy_loss, grpo.dynamic_sampling for the
+    others), no critic; with grpo.kl_coef=0 no reference model is launched. data.val_files with
+    validation.every validates on held-out prompts; the policy is exported as a Hugging Face
+    directory at the end (export.hf_every for more); logger=[console,tensorboard,wandb,mlflow].
+    Output, checkpoints, --resume and restarts as for ppo.
     """
     _run_loop("grpo", config, overrides, print_config, resume)
 

@@ -186,14 +186,32 @@ def load_config(
             (``ppo.iterations=5``, ``memory.enabled=false``, ``methods=[fresh_host_alloc]``).
         presets: Directory (a ``Path`` or an ``importlib.resources`` traversable) of the presets.
 
+    The model is validated with ``context={"user_keys": ...}``: the dotted keys the user set
+    (``overrides``, and a YAML file of their own, not a preset), for validators that let a
+    preset's values give way.
+
     Raises:
         ConfigError: The source is missing or not a YAML mapping, an override is malformed, or
             the result is invalid; the message lists every problem with its dotted key, and
             suggests the nearest known key for an unknown one.
     """
     data = _read_source(source, presets) if source is not None else {}
-    data = _merge(data, parse_overrides(overrides))
+    updates = parse_overrides(overrides)
+    # what the user set (their own file, the command line) as against what a preset set: a model's
+    # validators may let a preset's values give way (a checkpoint's architecture over a preset's)
+    user_keys = _dotted(updates) | (_dotted(data) if preset_of(source, presets) is None else set())
+    data = _merge(data, updates)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"user_keys": user_keys})
     except ValidationError as e:
         raise ConfigError(_format(e, model)) from None
+
+
+def _dotted(data: dict, prefix: str = "") -> set[str]:
+    """Every key of a nested mapping, dotted (``{"a": {"b": 1}}`` -> ``{"a", "a.b"}``)."""
+    out = set()
+    for k, v in data.items():
+        out.add(f"{prefix}{k}")
+        if isinstance(v, dict):
+            out |= _dotted(v, f"{prefix}{k}.")
+    return out

@@ -17,21 +17,25 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import ClassVar, Literal, Optional, Sequence, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from chatlearn_mem import MemoryConfig
-from chatlearn_mem.models.gpt import GPTTrainerConfig
 from chatlearn_mem_config_files import load_config as _load
 from chatlearn_mem_ray.inputs.tasks import TaskConfig
+from chatlearn_mem_ray.model_config import TrainerModelConfig, checkpoint_decides
+from chatlearn_mem_ray.output_config import LOGGERS, ExportConfig, TrackerConfig
 
 __all__ = [
     "CheckpointConfig",
+    "ExportConfig",
+    "LOGGERS",
     "LoopConfig",
     "MemoryPolicy",
     "ParallelConfig",
     "RayConfig",
     "RolloutConfig",
     "TaskConfig",
+    "TrackerConfig",
     "TrainerModelConfig",
     "load_config",
 ]
@@ -249,78 +253,6 @@ class RolloutConfig(_Strict):
     measured for it (``chatlearn_mem.engines.vllm_rollout.MISMATCH_BOUNDS``: fp32 1e-4, bf16 0.15)."""
 
 
-class TrainerModelConfig(GPTTrainerConfig):
-    """A trainer's :class:`~chatlearn_mem.models.gpt.GPTTrainerConfig`, and the Hugging Face
-    checkpoint its weights start from."""
-
-    from_hf: Optional[Path] = None
-    """A local Hugging Face Llama or Qwen2 checkpoint directory (``config.json`` and
-    ``*.safetensors``) the weights start from instead of a random init; ``{output_dir}`` in it
-    stands for the run's ``output_dir``. Its ``config.json`` fills
-    the architecture fields left unset here (see ``chatlearn_mem.models.hf.CHECKPOINT_FIELDS``; a
-    field set to another value is an error). The rollout and reference models start from the
-    policy's checkpoint; the critic takes its trunk (embedding and layers) and a fresh value head.
-    With several nodes the directory must be readable on every node."""
-    create_hf: bool = False
-    """When ``from_hf`` does not exist yet, write a randomly initialised checkpoint of this
-    config's architecture there (with ``transformers``: nothing is downloaded) before the actors
-    start; the architecture fields must then be given here. Used by the ``cpu_tiny_llama`` preset."""
-    backend: Literal["megatron", "torch"] = "megatron"
-    """Which framework builds and trains the model. ``megatron``: megatron-core's GPT in its DDP with
-    its optimizer. ``torch``: a Hugging Face Llama or Qwen2 (``transformers``) built from these
-    fields (or loaded from ``from_hf``), trained with torch's AdamW (``lr``, gradients clipped at
-    ``clip_grad``), in torch's ``DistributedDataParallel`` over several data-parallel ranks, under
-    the torch-native memory manager (docs/torch-native.md); its actors never import megatron. It
-    needs the Llama fields (``normalization: RMSNorm``, ``activation: swiglu``,
-    ``position_embedding: rope``, ``add_bias_linear: false``; ``add_qkv_bias: true`` for Qwen2), an
-    LM head, and data parallelism only. A model copied from it (the rollout, the reference) is
-    built the same way."""
-
-    @model_validator(mode="after")
-    def _torch_needs_a_hugging_face_architecture(self):
-        if self.backend != "torch":
-            return self
-        from chatlearn_mem.models import hf
-
-        try:
-            hf.family_of(self)
-        except ValueError as e:
-            raise ValueError(f"backend: torch builds a Hugging Face Llama or Qwen2: {e}") from None
-        if self.num_moe_experts is not None:
-            raise ValueError(
-                f"backend: torch has no MoE layers; num_moe_experts must be unset, got {self.num_moe_experts}"
-            )
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fields_from_checkpoint(cls, data):
-        if not isinstance(data, dict) or not data.get("from_hf"):
-            return data
-        path = Path(data["from_hf"])
-        if not path.exists() and data.get("create_hf"):
-            return data  # written when the run starts, from the fields given here
-        try:
-            from chatlearn_mem.models import hf
-
-            found = hf.config_from_hf(path)
-        except (FileNotFoundError, ImportError) as e:
-            raise ValueError(str(e)) from None
-        data = dict(data)
-        wrong = []
-        for field in (*hf.CHECKPOINT_FIELDS, "precision"):
-            value = getattr(found, field)
-            if field not in data:
-                data[field] = value
-            elif field != "precision" and data[field] != value:
-                wrong.append(f"{field}={data[field]!r} (config.json: {value!r})")
-        if wrong:
-            raise ValueError(
-                f"the checkpoint {path} says otherwise: {', '.join(wrong)}; drop these keys (from_hf fills them in)"
-            )
-        return data
-
-
 def _default_policy() -> TrainerModelConfig:
     return TrainerModelConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=64, seq_length=16, lr=1e-3
@@ -353,6 +285,12 @@ class LoopConfig(_Strict):
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
     ray: RayConfig = Field(default_factory=RayConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    logger: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["console"])
+    """Where each iteration's metrics go, any of ``console`` (the line per iteration), ``tensorboard``,
+    ``wandb``, ``mlflow`` (the ``[tensorboard]``, ``[wandb]``, ``[mlflow]`` extras); ``log.json`` is
+    always written."""
+    trackers: TrackerConfig = Field(default_factory=TrackerConfig)
     output_dir: Path = Path("runs/loop")
     """Where the JSON log and the memory timeline PNG go. Checked writable before Ray starts;
     ``log.json`` is rewritten (atomically) after every iteration."""
@@ -375,9 +313,16 @@ class LoopConfig(_Strict):
             else (Path(self.output_dir) / "checkpoints")
         )
 
+    _architecture_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def architecture_notes(self) -> list[str]:
+        """One line per model whose ``from_hf`` checkpoint decided architecture fields over the preset's."""
+        return list(self._architecture_notes)
+
     @model_validator(mode="before")
     @classmethod
-    def _checkpoint_paths(cls, data):
+    def _checkpoint_paths(cls, data, info: ValidationInfo):
         if not isinstance(data, dict):
             return data
         out_dir = str(data.get("output_dir", cls.model_fields["output_dir"].default))
@@ -385,7 +330,19 @@ class LoopConfig(_Strict):
         for role in cls.model_sections:
             if isinstance(data.get(role), dict) and "{output_dir}" in str(data[role].get("from_hf") or ""):
                 data[role] = {**data[role], "from_hf": str(data[role]["from_hf"]).replace("{output_dir}", out_dir)}
-        return cls._derive(data)
+        data = cls._derive(data)
+        context = info.context if isinstance(info.context, dict) else None
+        user_keys = context.get("user_keys") if context is not None else None
+        data, notes = checkpoint_decides(data, cls.model_sections, user_keys)
+        if context is not None:
+            context["architecture_notes"] = notes
+        return data
+
+    @model_validator(mode="after")
+    def _notes(self, info: ValidationInfo) -> "LoopConfig":
+        if isinstance(info.context, dict):
+            self._architecture_notes = list(info.context.get("architecture_notes", []))
+        return self
 
     @classmethod
     def _derive(cls, data: dict) -> dict:
@@ -428,6 +385,15 @@ class LoopConfig(_Strict):
         if self.task.target_high > p.vocab_size:
             problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
         problems += self._batch_problems()
+        if self.export.hf_every:
+            from chatlearn_mem_ray.model_config import export_problem
+
+            why = export_problem(p)
+            if why:
+                problems.append(
+                    f"export.hf_every={self.export.hf_every}: {why}; set policy.from_hf to a Llama or Qwen2 "
+                    "checkpoint, or export.hf_every=0"
+                )
         if self.rollout.engine == "vllm":
             if p.from_hf is None:
                 problems.append(

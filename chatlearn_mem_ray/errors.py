@@ -28,6 +28,7 @@ __all__ = [
     "RunError",
     "RunInterrupted",
     "RunTerminated",
+    "TrackerError",
     "VersionSkewError",
     "WeightSyncError",
 ]
@@ -74,6 +75,11 @@ class LoopUsageError(RunError):
     """A loop asked the colocation service for something it did not declare: a phase that was not
     declared, a model its phase does not need, phases nested, a phase outside an iteration. The
     message names the phase and the model, and what to declare."""
+
+
+class TrackerError(RunError, ConfigError):
+    """A tracker of ``logger`` is not installed or cannot start (checked before Ray starts): the
+    message names the extra to install or why it did not start (the command line exits 2)."""
 
 
 class EngineMissingError(RunError):

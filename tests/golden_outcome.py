@@ -10,6 +10,7 @@ TIMING = (
     "reward_seconds",  # a run on text: the reward function's seconds, and the driver's wait for it
     "reward_wait_seconds",
     "weight_sync",  # a vLLM rollout: the sync's seconds and host memory (its digests are in sync_checks)
+    "export_seconds",  # a Hugging Face export's seconds (its digest is in the log's exports)
 )
 """Measured, not computed: they differ between two runs of the same training."""
 

@@ -376,7 +376,8 @@ class VLLMRollout:
         pad_id: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample up to ``response_length`` tokens after each prompt of ``rows`` (prompts of any
-        length), a row stopping after its first token of ``stop_token_ids`` (kept).
+        length), a row stopping after its first token of ``stop_token_ids`` (kept); ``temperature``
+        0 decodes greedily.
 
         Returns:
             ``(tokens (B, L), logprobs (B, L - 1), response_lengths (B,))``: prompt then response,
@@ -387,8 +388,8 @@ class VLLMRollout:
             EngineError: As :meth:`generate`.
         """
         self._check_usable("generate")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
         rows = [list(r) for r in rows]
         params = [
             self._sampling(

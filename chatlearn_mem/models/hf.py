@@ -9,7 +9,8 @@ of :mod:`chatlearn_mem.models.gpt` built with megatron-core's local layer spec:
 - :func:`to_hf_state_dict`: megatron weights (a model, or the state dicts of every
   tensor-parallel rank, e.g. from a sleeping trainer's ``weights_state_dict()``) -> full tensors
   with Hugging Face names; :func:`gather_tensor_parallel` collects the ranks' state dicts.
-- :func:`save_hf`: write those tensors as a directory ``transformers`` loads.
+- :func:`save_hf`: write those tensors as a directory ``transformers`` loads; :func:`save_hf_stream`
+  the same from a stream of tensors, a file of at most a given size at a time.
 
 One table of names per family (:data:`FAMILIES`); the tensors only move, so import and export
 are bit-exact. Needs ``safetensors`` (``pip install 'chatlearn-mem[hf]'``), imported when used;
@@ -46,6 +47,7 @@ __all__ = [
     "hf_digest",
     "gather_tensor_parallel",
     "save_hf",
+    "save_hf_stream",
     "hf_config_dict",
     "save_random_hf",
     "CHECKPOINT_FIELDS",
@@ -827,10 +829,18 @@ def hf_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, t in named_tensors:
         if name in per_name:
             raise ValueError(f"hf_digest: {name} occurs twice")
-        t = t.detach().cpu().contiguous()
-        h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
-        per_name[name] = h.hexdigest()
+        per_name[name] = _tensor_digest(name, t)
+    return _combine(per_name)
+
+
+def _tensor_digest(name: str, t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _combine(per_name: Mapping[str, str]) -> str:
     return hashlib.sha256("".join(f"{k}:{v};" for k, v in sorted(per_name.items())).encode()).hexdigest()
 
 
@@ -946,6 +956,87 @@ def save_hf(
             src = os.path.join(os.fspath(source), name)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(path, name))
+
+
+def save_hf_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    config: GPTTrainerConfig,
+    path: Union[str, os.PathLike],
+    source: Optional[Union[str, os.PathLike]] = None,
+    max_shard_bytes: int = 4 * 2**30,
+) -> dict:
+    """Write Hugging Face tensors as they come (from :func:`iter_hf_weights` or
+    :func:`merge_shard_buckets`) as a directory ``transformers`` and vLLM load: ``config.json`` and
+    ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at most
+    ``max_shard_bytes`` each (a larger tensor alone) with ``model.safetensors.index.json``. At most
+    one file's tensors are held at once.
+
+    Args:
+        config: The trainer's config (see :func:`hf_config_dict`).
+        path: The directory (created; existing files of these names are replaced).
+        source: As in :func:`save_hf`: its config.json's other keys, tokenizer and generation files.
+
+    Returns:
+        ``{"files", "tensors", "bytes", "digest"}``; ``digest`` is :func:`hf_digest` of what was written.
+
+    Raises:
+        ValueError: The stream is not exactly the family's tensors for this config (a name unknown,
+            repeated or missing, a shape other than config.json implies, a dtype other than bf16/fp32).
+    """
+    family = family_of(config)
+    expected = hf_shapes(config)
+    _safetensors()
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    per_name: dict[str, str] = {}
+    files: list[tuple[str, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        name = f".part-{len(files):05d}.safetensors"  # renamed once the count is known
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        files.append((name, list(shard)))
+
+    for name, t in named_tensors:
+        if name in per_name:
+            raise ValueError(f"save_hf_stream: {name} came twice")
+        if name not in expected:
+            raise ValueError(f"save_hf_stream: {name} is not a tensor of a {family.architecture} of this config")
+        if tuple(t.shape) != tuple(expected[name]) or t.dtype not in _TORCH_DTYPES:
+            raise ValueError(
+                f"save_hf_stream: {name} is {t.dtype} {list(t.shape)}; expected bf16 or fp32 {list(expected[name])}"
+            )
+        t = t.detach().cpu().contiguous()
+        n = t.numel() * t.element_size()
+        if shard and size + n > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name], size, total = t, size + n, total + n
+        per_name[name] = _tensor_digest(name, t)
+    missing = [n for n in expected if n not in per_name]
+    if missing:
+        raise ValueError(f"save_hf_stream: the stream ended before {missing[0]} ({len(missing)} tensor(s) missing)")
+    flush()
+    count = len(files)
+    weight_map = {}
+    for i, (part, names) in enumerate(files):
+        final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        os.replace(os.path.join(path, part), os.path.join(path, final))
+        weight_map.update({n: final for n in names})
+    if count > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(config, source), f, indent=2, sort_keys=True)
+    if source is not None:
+        for name in _CARRIED_FILES:
+            src = os.path.join(os.fspath(source), name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(path, name))
+    return {"files": count, "tensors": len(per_name), "bytes": total, "digest": _combine(per_name)}
 
 
 def save_random_hf(config: GPTTrainerConfig, path: Union[str, os.PathLike], seed: int = 0) -> None:

@@ -66,20 +66,21 @@ class InferenceActor(ManagedActor):
         seed: int,
         eos_ids: tuple[int, ...] = (),
         pad_id: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """Sample a response after each prompt of ``rows`` (token ids, any lengths), stopping at a
-        token of ``eos_ids`` (see :func:`chatlearn_mem_ray.actors.modeling.generate_rows`).
+        token of ``eos_ids`` (see :func:`chatlearn_mem_ray.actors.modeling.generate_rows`);
+        ``temperature`` 0 decodes greedily.
 
         Returns:
             ``(tokens (B, L), logprobs (B, L-1), response_lengths (B,))``: right-padded sequences,
             the log-probability of each next token at ``temperature`` (meaningful on the response
-            positions), and each response's length (its EOS included).
+            positions; None when greedy), and each response's length (its EOS included).
         """
         device = torch.device("cuda") if torch.cuda.is_available() else None
         tokens, lengths = modeling.generate_rows(
             self.model, rows, response_length, temperature, seed, eos_ids, pad_id, device
         )
-        return tokens, self.logprobs(tokens, temperature), lengths
+        return tokens, self.logprobs(tokens, temperature) if temperature > 0 else None, lengths
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

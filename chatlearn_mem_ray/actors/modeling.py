@@ -183,7 +183,7 @@ def generate_rows(
     attention mask is needed), groups in order of length, each from its own generator
     (``seed`` + the length), so a row's sample does not depend on which other lengths the batch
     holds. A row stops after its first token in ``eos_ids`` (the EOS is kept); a group stops when
-    every row of it has.
+    every row of it has. ``temperature`` 0 decodes greedily.
 
     Returns:
         ``(tokens (B, L), response_lengths (B,))``: each row's prompt then its response, right-padded
@@ -203,8 +203,11 @@ def generate_rows(
         done = torch.zeros(len(idx), dtype=torch.bool)
         for _ in range(response_length):
             last = logits(model, tokens)[:, -1, :].float()  # (b, V)
-            probs = torch.softmax(last / temperature, dim=-1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=g)  # (b, 1)
+            if temperature == 0:  # greedy (validation)
+                nxt = last.argmax(dim=-1, keepdim=True).cpu()  # (b, 1)
+            else:
+                probs = torch.softmax(last / temperature, dim=-1).cpu()
+                nxt = torch.multinomial(probs, 1, generator=g)  # (b, 1)
             nxt[done] = pad_id  # a stopped row pads
             tokens = torch.cat([tokens, nxt.to(tokens.device)], dim=1)
             if len(stop):

@@ -101,35 +101,12 @@ class VLLMRolloutActor(ManagedActor):
         import ray
 
         from chatlearn_mem.engines.vllm_rollout import EngineError, SyncVerificationError
-        from chatlearn_mem.models import hf
-        from chatlearn_mem_ray.actors.wire import from_wire
-
-        stream = dict(num_returns="streaming", _generator_backpressure_num_objects=_BACKPRESSURE)
-        if self.config.backend == "torch":  # one data-parallel rank's whole model, in Hugging Face naming
-            if len(policies) != 1:
-                raise ValueError(f"a torch-native policy syncs from one rank, got {len(policies)}")
-            buckets = policies[0].hf_weight_buckets.options(**stream).remote(int(bucket_bytes))
-
-            def weights():
-                for ref in buckets:
-                    yield from_wire(ray.get(ref))
-
-        else:  # every tensor-parallel rank's megatron shards, merged into Hugging Face tensors
-            streams = [
-                p.megatron_weight_buckets.options(**stream).remote(len(policies), int(bucket_bytes)) for p in policies
-            ]
-
-            def steps():
-                for refs in zip(*streams):
-                    yield [from_wire(b) for b in ray.get(list(refs))]
-
-            def weights():
-                return hf.merge_shard_buckets(steps(), self.config)
+        from chatlearn_mem_ray.actors.weight_stream import hf_weight_stream
 
         t0 = time.perf_counter()
         with PeakRSS() as peak:
             try:
-                stats = self.engine.sync_weights(weights())
+                stats = self.engine.sync_weights(hf_weight_stream(policies, self.config, bucket_bytes, _BACKPRESSURE))
             except (SyncVerificationError, EngineError) as e:
                 failed = {"verified": False, "error": str(e), "param": getattr(e, "param", None)}
             else:

@@ -59,6 +59,9 @@ class DataConfig(BaseModel):
 
     train_files: list[Path] = Field(min_length=1)
     """One or more ``.jsonl`` (one JSON object per line) or ``.parquet`` files of prompts."""
+    val_files: list[Path] = Field(default_factory=list)
+    """Held-out prompts for validation (the ``validation`` section), in the same formats, read and
+    checked as ``train_files`` are (every row, in file order, never shuffled); empty: none."""
     prompt_key: str = "prompt"
     """The field holding each prompt: text, or a list of chat messages ``{"role", "content"}``."""
     max_prompt_tokens: int = Field(64, ge=1)
@@ -76,7 +79,7 @@ class DataConfig(BaseModel):
     :mod:`chatlearn_mem_ray.inputs.text_task`; the ``cpu_grpo_text`` preset); ``copy`` the same strings,
     answered as they are."""
 
-    @field_validator("train_files", mode="before")
+    @field_validator("train_files", "val_files", mode="before")
     @classmethod
     def _one_or_more(cls, v):
         return [v] if isinstance(v, (str, Path)) else v
@@ -114,8 +117,9 @@ def load_tokenizer(path: Union[str, Path], vocab_size: Optional[int] = None):
     return tokenizer
 
 
-def read_rows(path: Union[str, Path]) -> list[dict]:
-    """The rows of one ``.jsonl``/``.json`` (one object per line) or ``.parquet`` file.
+def read_rows(path: Union[str, Path], what: str = "data.train_files") -> list[dict]:
+    """The rows of one ``.jsonl``/``.json`` (one object per line) or ``.parquet`` file; ``what``
+    names the key it came from in the messages.
 
     Raises:
         DataError: The file is missing, of another format, a line is not a JSON object, or Parquet
@@ -123,7 +127,7 @@ def read_rows(path: Union[str, Path]) -> list[dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data.train_files: {path} does not exist")
+        raise DataError(f"{what}: {path} does not exist")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         rows = []
@@ -145,7 +149,7 @@ def read_rows(path: Union[str, Path]) -> list[dict]:
         except ImportError:
             raise DataError(f"{path}: reading Parquet needs pyarrow: {INSTALL_PARQUET}") from None
         return pq.read_table(path).to_pylist()
-    raise DataError(f"data.train_files: {path} is neither .jsonl nor .parquet")
+    raise DataError(f"{what}: {path} is neither .jsonl nor .parquet")
 
 
 def _is_messages(value: Any) -> bool:
@@ -170,11 +174,13 @@ class Prompt:
 
 
 class PromptData:
-    """Every usable prompt of ``cfg.train_files``, tokenized, and the order they are served in.
+    """Every usable prompt of ``cfg.train_files`` (or ``cfg.val_files``), tokenized, and the order
+    they are served in.
 
     Args:
         cfg: The ``data`` section.
         tokenizer: A Hugging Face tokenizer (``encode``; ``apply_chat_template`` for messages).
+        held_out: Read ``cfg.val_files`` instead (the validation's prompts).
 
     Attributes:
         prompts: The usable rows, in file order.
@@ -185,15 +191,16 @@ class PromptData:
         DataError: See the module's docstring.
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer):
+    def __init__(self, cfg: DataConfig, tokenizer, held_out: bool = False):
         self.cfg = cfg
         self.prompts: list[Prompt] = []
         self.dropped = 0
         key = cfg.prompt_key
-        for path in cfg.train_files:
-            rows = read_rows(path)
+        what, files = ("data.val_files", cfg.val_files) if held_out else ("data.train_files", cfg.train_files)
+        for path in files:
+            rows = read_rows(path, what)
             if not rows:
-                raise DataError(f"data.train_files: {path} has no rows")
+                raise DataError(f"{what}: {path} has no rows")
             for number, row in enumerate(rows, 1):
                 where = f"{path}, row {number}"
                 if key not in row:
@@ -225,7 +232,7 @@ class PromptData:
                 self.prompts.append(Prompt(text, tokens, fields, where))
         if not self.prompts:
             raise DataError(
-                f"no prompt is left: all {self.dropped} row(s) of {', '.join(map(str, cfg.train_files))} are longer "
+                f"no prompt is left: all {self.dropped} row(s) of {what} {', '.join(map(str, files))} are longer "
                 f"than data.max_prompt_tokens={cfg.max_prompt_tokens}; raise it"
             )
         common = set(self.prompts[0].fields)

@@ -1,7 +1,8 @@
 """Text tasks a tiny model learns from scratch by RL on a CPU: copy a short string, or reverse it.
 
 ``cpu_grpo_text`` writes, under its output directory and only when they are missing, a prompt file
-(``data.create: copy`` or ``reverse``) and a character-level tokenizer (a real ``tokenizer.json``
+(``data.create: copy`` or ``reverse``) and a held-out one for validation (:data:`HELD_OUT` strings
+never trained on) and a character-level tokenizer (a real ``tokenizer.json``
 made with the ``tokenizers`` library: a few dozen symbols, an EOS and a padding token) into the
 policy's Hugging Face directory, beside the random checkpoint ``policy.create_hf`` writes. Each
 prompt is a string of ``LETTERS`` ended by ``.``, then ``=`` (``"abd.="``); the answer is the
@@ -19,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LETTERS", "SYMBOLS", "TASKS", "position_reward", "write_task", "write_tokenizer"]
+__all__ = ["HELD_OUT", "LETTERS", "SYMBOLS", "TASKS", "position_reward", "write_task", "write_tokenizer"]
 
 LETTERS = "abcd"
 """The alphabet of the prompts."""
@@ -52,18 +53,36 @@ TASKS = {"copy": lambda s: s, "reverse": lambda s: s[::-1]}
 """The built-in tasks: the answer to a string."""
 
 
-def write_task(task: str, path: Union[str, Path], rows: int = 256, length: int = 3, seed: int = 0) -> None:
-    """``rows`` prompts ``<string>.=`` of 1 to ``length`` letters of :data:`LETTERS` with their answers
-    (:data:`TASKS`), as JSONL at ``path`` (every string appears, in a shuffled cycle). Strings of
-    several lengths put the ``.`` where a letter stands in longer ones: copying it (and so stopping)
-    is then part of copying."""
+HELD_OUT = 16
+"""Strings the built-in tasks keep out of their training prompts, for validation (of the 84 strings of
+1 to 3 letters)."""
+
+
+def write_task(
+    task: str,
+    path: Union[str, Path],
+    rows: int = 256,
+    length: int = 3,
+    seed: int = 0,
+    held_out: int = HELD_OUT,
+    split: str = "train",
+) -> None:
+    """Prompts ``<string>.=`` of 1 to ``length`` letters of :data:`LETTERS` with their answers
+    (:data:`TASKS`), as JSONL at ``path``. The strings are shuffled by ``seed``; the first
+    ``held_out`` of them are the validation's (``split="val"``: each once), the others the training
+    prompts' (``split="train"``: ``rows`` rows, every string in a shuffled cycle). Strings of several
+    lengths put the ``.`` where a letter stands in longer ones: copying it (and so stopping) is then
+    part of copying."""
     strings = ["".join(s) for n in range(1, length + 1) for s in itertools.product(LETTERS, repeat=n)]
     random.Random(seed).shuffle(strings)
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    chosen = strings[:held_out] if split == "val" else strings[held_out:]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for i in range(rows):
-            s = strings[i % len(strings)]
+        for i in range(len(chosen) if split == "val" else rows):
+            s = chosen[i % len(chosen)]
             f.write(json.dumps({"prompt": f"{s}{END}=", "answer": TASKS[task](s)}) + "\n")
 
 

@@ -41,6 +41,7 @@ def run_log(
         "sync_checks": run.sync_checks if run is not None else [],
         "audits": run.audits if run is not None else {"runs": 0, "checks_clean": 0},
         "over_budget": run.over_budget if run is not None else [],
+        **({"validations": vals} if (vals := _validations(run)) else {}),
         "summary": {
             "memory_manager_on": timeline.summary(True),
             "memory_manager_off": timeline.summary(False),
@@ -49,6 +50,12 @@ def run_log(
         },
         **(extra or {}),
     }
+
+
+def _validations(run: Optional[Service]) -> list[dict]:
+    """Every validation the iterations ran (a loop's ``validations``), in order, without their samples."""
+    its = run.iterations if run is not None else []
+    return [{k: v for k, v in val.items() if k != "samples"} for m in its for val in m.get("validations", ())]
 
 
 def write_quietly(write: Callable, progress: Callable[[str], None], status: str, error: str) -> bool:

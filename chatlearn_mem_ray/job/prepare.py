@@ -24,6 +24,7 @@ from chatlearn_mem_ray.job.checkpoints import (
     remove_temporaries,
     write_json_atomic,
 )
+from chatlearn_mem_ray.model_config import architecture_line
 
 __all__ = [
     "check_engine_installed",
@@ -172,14 +173,19 @@ def check_engine_installed(cfg: LoopConfig) -> None:
 
 def prepare_hf_checkpoint(cfg: LoopConfig, progress: Callable[[str], None]) -> None:
     """Before Ray starts: write the policy's Hugging Face checkpoint when it asks for one
-    (``policy.create_hf``) and none is there yet."""
+    (``policy.create_hf``) and none is there yet; then say, for each model that starts from a
+    checkpoint, which architecture it took from where (and which of the preset's fields gave way)."""
     policy = cfg.policy
-    if policy.from_hf is None or not policy.create_hf or Path(policy.from_hf).exists():
-        return
-    from chatlearn_mem.models import hf
+    if policy.from_hf is not None and policy.create_hf and not Path(policy.from_hf).exists():
+        from chatlearn_mem.models import hf
 
-    hf.save_random_hf(policy, policy.from_hf, seed=policy.seed)
-    progress(f"wrote a randomly initialised {hf.hf_config_dict(policy)['architectures'][0]} to {policy.from_hf}")
+        hf.save_random_hf(policy, policy.from_hf, seed=policy.seed)
+        progress(f"wrote a randomly initialised {hf.hf_config_dict(policy)['architectures'][0]} to {policy.from_hf}")
+    for role in cfg.model_sections:
+        if getattr(cfg, role).from_hf is not None:
+            progress(architecture_line(role, getattr(cfg, role)))
+    for line in cfg.architecture_notes:
+        progress(line)
 
 
 def prepare_checkpoints(cfg: LoopConfig, resume: Optional[tuple[Path, dict]], progress: Callable[[str], None]) -> None:

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Union
 from chatlearn_mem_ray.config import LoopConfig
 from chatlearn_mem_ray.errors import ResourceError, RunInterrupted, RunTerminated
 from chatlearn_mem_ray.job.checkpoints import RunCheckpointer, check_room, latest_run_checkpoint, write_json_atomic
+from chatlearn_mem_ray.job.export import RunExports
 from chatlearn_mem_ray.job.output import progress_line, run_log, versions, write_quietly
 from chatlearn_mem_ray.job.prepare import (
     check_engine_installed,
@@ -43,6 +44,7 @@ from chatlearn_mem_ray.job.stops import (
     restartable,
     sigterm_checkpoint,
 )
+from chatlearn_mem_ray.job.trackers import Trackers, check_trackers
 from chatlearn_mem_ray.service import weight_sync
 from chatlearn_mem_ray.service.budget import check_budget
 from chatlearn_mem_ray.service.colocation import engine_log
@@ -108,6 +110,7 @@ def run_loop(
     models, phases = recipe.models(), recipe.phases()
     check_declarations(models, phases, cfg.parallel.world_size)
     check_engine_installed(cfg)
+    check_trackers(cfg)
     resume = find_resume_point(cfg, progress, [m.name for m in models if m.is_saved])
     check_budget(cfg, models, phases)
     log_path = prepare_output_dir(cfg, resuming=resume is not None)
@@ -121,11 +124,24 @@ def run_loop(
     ck = cfg.checkpoint
     total = recipe.iterations
     extra_its = cfg.memory.compare_iterations if cfg.memory.enabled else 0
-    record: dict = {"resumed_from": None, "restarts": [], "checkpoints": [], "final_weights": {}, "nodes": {}}
+    record: dict = {
+        "resumed_from": None,
+        "restarts": [],
+        "checkpoints": [],
+        "exports": [],
+        "final_weights": {},
+        "nodes": {},
+    }
     if resume is not None:
         record["resumed_from"] = {"checkpoint": str(resume[0]), "iterations_done": resume[1]["iterations_done"]}
         record["restarts"] = list(resume[1].get("restarts", []))  # those of the run it continues
         record["checkpoints"] = list(resume[1].get("checkpoints", []))
+        record["exports"] = list(resume[1].get("exports", []))
+    exports = RunExports(cfg, progress, record["exports"])
+    resumed = (resume[1].get("trackers", {}), resume[1]["iterations_done"]) if resume is not None else None
+    trackers = Trackers(cfg, resumed, progress)  # before Ray starts: a tracker that cannot start stops the run here
+    record["trackers"] = trackers.run_ids
+    console = "console" in cfg.logger
 
     def write(status: str, error: Optional[str] = None) -> dict:
         log = run_log(cfg, svc, run_versions, status, time.perf_counter() - t0, error, record)
@@ -142,6 +158,7 @@ def run_loop(
         if restarts_here:  # the loop's state as the checkpoint (or the start) has it
             recipe = loop(cfg)
             recipe.prepare(lambda line: None)
+            record["exports"][:] = list(resume[1].get("exports", [])) if resume is not None else []
         wait_s = cfg.ray.node_wait_s if restarts_here else 0.0
         with Service(cfg, recipe.models(), recipe.phases(), progress, on_phase, wait_s) as svc_:
             svc = svc_
@@ -185,7 +202,9 @@ def run_loop(
                         f"the plan copies {sum(moved.values()) / 2**20:.2f} MiB per iteration "
                         f"(all or nothing: {sum(aon.values()) / 2**20:.2f} MiB)"
                     )
-            if start < total + extra_its and not legend_said and recipe.legend:
+            if resume is not None and start >= total and cfg.export.on_resume and exports.why_not is None:
+                exports.export(svc, total)  # a finished run resumed to export it (export.on_resume)
+            if start < total + extra_its and not legend_said and recipe.legend and console:
                 progress(recipe.legend)
                 legend_said = True
             for it in range(start, total + extra_its):
@@ -201,15 +220,29 @@ def run_loop(
                 except Exception as e:
                     keep_the_open_save(svc, e, progress)
                     raise
+                if it < total and exports.due(it + 1, total):
+                    svc.where = (it, "export")
+                    m["export_seconds"] = exports.export(svc, it + 1)["seconds"]
+                    m["seconds"] += m["export_seconds"]
                 if svc.checkpointer is not None and ((it + 1) % ck.every == 0 or it + 1 == total):
                     svc.where = (it, "checkpoint")
-                    saved_so_far = {"restarts": list(record["restarts"]), "checkpoints": list(record["checkpoints"])}
+                    saved_so_far = {
+                        "restarts": list(record["restarts"]),
+                        "checkpoints": list(record["checkpoints"]),
+                        "exports": list(record["exports"]),
+                        "trackers": dict(record["trackers"]),
+                    }
                     state = dict(svc.state(), loop=recipe.state_dict(), **saved_so_far)
                     waited = svc.checkpointer.save(it + 1, state, before_calls=on_checkpoint)
                     m["checkpoint_seconds"] += waited
                     m["seconds"] += waited
                 write("running")
-                progress(progress_line(recipe, m, extra_its if it >= total else total, comparison=it >= total))
+                if console:
+                    progress(progress_line(recipe, m, extra_its if it >= total else total, comparison=it >= total))
+                number = m["iteration"]
+                trackers.log_iteration(
+                    m, number if it < total else total + number, "manager_off/" if it >= total else ""
+                )
                 if on_iteration is not None:
                     on_iteration(svc, it)
                 if term.at is not None and it + 1 < total + extra_its:  # the safe point after SIGTERM
@@ -242,6 +275,7 @@ def run_loop(
     except Terminate:
         done = len(svc.iterations) if svc is not None else 0
         write_quietly(write, progress, "terminated", "stopped by SIGTERM")
+        trackers.close("KILLED")
         newest = latest_run_checkpoint(cfg.checkpoint_dir) if ck.every else None
         raise RunTerminated(
             done,
@@ -252,11 +286,13 @@ def run_loop(
     except KeyboardInterrupt:
         done = len(svc.iterations) if svc is not None else 0
         write_quietly(write, progress, "interrupted", "stopped by Ctrl-C")
+        trackers.close("KILLED")
         raise RunInterrupted(done, log_path) from None
     except BaseException as e:
         done = len(svc.iterations) if svc is not None else 0
         if write_quietly(write, progress, "failed", f"{type(e).__name__}: {e}") and done:
             progress(f"the run stopped; log of its {done} completed iteration(s): {log_path}")
+        trackers.close("FAILED")
         raise
     finally:
         term.restore()
@@ -284,5 +320,7 @@ def run_loop(
             )
     if log["summary"].get("weight_sync"):
         progress(weight_sync.sync_summary_line(log["summary"]["weight_sync"]))
+    trackers.log_image("memory_timeline", out_dir / "memory_timeline.png", total + len(svc.iterations) - main)
+    trackers.close("FINISHED")
     progress(f"wrote {log_path} and {out_dir / 'memory_timeline.png'}")
     return log

@@ -88,7 +88,12 @@ def sigterm_checkpoint(cfg: LoopConfig, run: Service, loop: Loop, record: dict, 
         )
     run.where = (done - 1, "checkpoint")
     state = dict(
-        run.state(), loop=loop.state_dict(), restarts=list(record["restarts"]), checkpoints=list(record["checkpoints"])
+        run.state(),
+        loop=loop.state_dict(),
+        restarts=list(record["restarts"]),
+        checkpoints=list(record["checkpoints"]),
+        exports=list(record.get("exports", [])),
+        trackers=dict(record.get("trackers", {})),
     )
     run.checkpointer.save(done, state)
     run.checkpointer.complete()

@@ -205,6 +205,11 @@ class Service:
             raise LoopUsageError(f"phase {phase!r} was not declared (declared: {', '.join(self.phase_order)})")
         return self.phases[phase]
 
+    @property
+    def open_phase(self) -> Optional[str]:
+        """The name of the phase running now, or None between phases."""
+        return self._open
+
     # -- iterations -----------------------------------------------------------------------
     @property
     def next_iteration(self) -> int:
@@ -366,6 +371,14 @@ class Service:
         self.sync_checks = list(state["sync_checks"])
         self.runner.audits = dict(state["audits"])
         self._synced = {m: None for m in self._synced}
+
+    def export_hf(self, model: str, path, tokenizer=None, max_shard_bytes: int = 4 * 2**30) -> dict:
+        """Write trainer ``model`` to ``path`` as a Hugging Face directory (a Llama or Qwen2; a
+        tensor-parallel model's shards merged), from its host store while it sleeps, atomically;
+        returns what was written. See :func:`chatlearn_mem_ray.service.export.export_hf`."""
+        from chatlearn_mem_ray.service.export import export_hf
+
+        return export_hf(self, model, path, tokenizer, max_shard_bytes)
 
     def final_weights(self) -> dict[str, str]:
         """SHA-256 of every trainer rank's weights (read from the host store when asleep)."""

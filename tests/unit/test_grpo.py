@@ -55,6 +55,15 @@ def test_the_grpo_presets_ship_and_validate(tmp_path):
         (["grpo.minibatch_size=5"], "grpo.minibatch_size (5) must divide the responses per data-parallel rank (32"),
         (["grpo.variant=ppo"], "grpo.variant"),
         (["memory.device_budget_mb=1"], "train needs 1.88 MiB but the budget is 1.00 MiB"),
+        (["grpo.loss_agg=sum"], "grpo.loss_agg: Input should be 'token_mean', 'seq_mean_token_mean' or 'seq_mean"),
+        (["grpo.policy_loss=ppo"], "grpo.policy_loss: Input should be 'ppo_clip' or 'gspo' (got 'ppo')"),
+        (["grpo.estimator=gae"], "grpo.estimator: Input should be 'grpo', 'dr_grpo', 'rloo' or 'reinforce_pp'"),
+        (["grpo.clip_ratio_c=0.5"], "grpo.clip_ratio_c: Input should be greater than 1"),
+        (["grpo.dynamic_sampling=true", "grpo.group_size=1"], "nor can grpo.dynamic_sampling find one whose rewards"),
+        (["export.hf_every=5"], "export to Hugging Face are LlamaForCausalLM and Qwen2ForCausalLM; set policy.from_hf"),
+        (["logger=[console,neptune]"], "logger.1: Input should be 'console', 'tensorboard', 'wandb' or 'mlflow'"),
+        (["validation.every=5"], "score the policy on held-out prompts: set data.val_files"),
+        (["validation.samples_per_prompt=4"], "with validation.temperature=0 (greedy) samples the same response"),
     ],
 )
 def test_bad_grpo_input_is_one_error_line_and_exit_code_2_before_anything_starts(tmp_path, overrides, said):
@@ -71,13 +80,24 @@ def test_bad_grpo_input_is_one_error_line_and_exit_code_2_before_anything_starts
         (["data.train_files=[{out}/copy.jsonl,{missing}]"], "missing.jsonl does not exist"),  # the 2nd of 2
         (["reward.function=no_such_module:score"], "cannot be imported: ModuleNotFoundError"),
         (["data.prompt_key=question"], "row 1 has no field 'question'"),
+        (["data.val_files=[{out}/copy/val.jsonl,{missing}]"], "data.val_files: {missing} does not exist"),  # 2nd of 2
+        (["data.val_files=[{bad}]"], "bad.jsonl, line 2: not JSON"),
+        (["data.val_files=[{bad_row}]"], "bad_row.jsonl, row 1 has no field 'prompt'"),
     ],
 )
 def test_bad_data_or_reward_is_one_error_line_and_exit_code_2_before_ray(tmp_path, overrides, said):
     """What a run on text reads is checked before Ray starts (the preset writes its own data,
     tokenizer and checkpoint first); a problem is one error line naming the file, row or function."""
     out = tmp_path / "run"
-    args = [o.replace("{missing}", str(tmp_path / "missing.jsonl")).replace("{out}", str(out)) for o in overrides]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a.=", "answer": "a"}\n{"prompt": "b.=", "answer"\n')
+    (tmp_path / "bad_row.jsonl").write_text('{"question": "a.=", "answer": "a"}\n')
+    missing = str(tmp_path / "missing.jsonl")
+    said = said.replace("{missing}", missing)
+    args = [
+        o.replace("{missing}", missing).replace("{out}", str(out)).replace("{bad}", str(tmp_path / "bad.jsonl"))
+        for o in overrides
+    ]
+    args = [a.replace("{bad_row}", str(tmp_path / "bad_row.jsonl")) for a in args]
     result = CliRunner().invoke(app, ["grpo", "--config", "cpu_grpo_text", f"output_dir={out}", *args])
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]  # after the lines saying what the preset wrote
@@ -160,3 +180,27 @@ def test_the_kl_term_is_the_k3_estimator():
             _outputs(torch.log(a).view(1, 1), P), {**mb, "ref_logprobs": _full(torch.log(b).view(1, 1), P)}, **kw
         )
         assert m_ab["kl"] >= 0
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
+def test_a_tracker_that_is_not_installed_is_one_error_line_naming_its_extra(tmp_path, monkeypatch, tracker):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else find_spec(name, *a))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["grpo", f"output_dir={out}", f"logger=[console,{tracker}]"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: logger: {tracker} needs the {tracker} package, which is not installed")
+    assert f"pip install 'chatlearn-mem[{tracker}]'" in result.output and not out.exists()  # nothing started
+
+
+def test_a_tracker_that_cannot_start_is_one_error_line_before_ray(tmp_path):
+    pytest.importorskip("mlflow")
+    out = tmp_path / "run"
+    bad = ["logger=[console,mlflow]", "trackers.mlflow_tracking_uri=nosuchscheme://x"]
+    result = CliRunner().invoke(app, ["grpo", f"output_dir={out}", *bad])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: logger: mlflow could not start (") and "leave mlflow out of logger" in last
+    assert "starting a local Ray cluster" not in result.output

@@ -222,3 +222,38 @@ def test_shard_streams_that_disagree_or_end_early_are_refused():
         hf.megatron_shard_buckets(_megatron_state_dict(cfg), cfg, 2, 2**20)  # a whole model is no shard
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         hf.megatron_shard_buckets(shards[0], cfg, 2, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_streamed_export_in_several_files_loads_in_transformers_as_the_tensors_it_was_given(tmp_path, family):
+    """:func:`save_hf_stream` (what a run's export writes): files of at most ``max_shard_bytes`` with
+    their index, every tensor bit for bit what the stream held, the digest that of the stream."""
+    transformers = pytest.importorskip("transformers")
+    cfg = GPTTrainerConfig(**{**LLAMA, "add_qkv_bias": family == "qwen2"})
+    shards = [_megatron_state_dict(cfg, 2, r) for r in range(2)]  # two tensor-parallel ranks, merged
+    stream = list(hf.iter_hf_weights(shards, cfg))
+    out = hf.save_hf_stream(iter(stream), cfg, tmp_path / "out", max_shard_bytes=64 * 1024)
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert out["files"] == len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {n for n, _ in stream} and out["bytes"] == index["metadata"]["total_size"]
+    assert out["digest"] == hf.hf_digest(stream) and out["tensors"] == len(stream)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    loaded = model.state_dict()
+    assert type(model).__name__ == ("Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM")
+    for name, t in stream:
+        assert torch.equal(loaded[name], t), name
+    one = hf.save_hf_stream(iter(stream), cfg, tmp_path / "one")  # a small model: one file, no index
+    assert one["files"] == 1 and (tmp_path / "one" / "model.safetensors").is_file() and one["digest"] == out["digest"]
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+
+
+def test_a_streamed_export_refuses_a_stream_that_is_not_the_model(tmp_path):
+    cfg = GPTTrainerConfig(**LLAMA)
+    stream = list(hf.iter_hf_weights(_megatron_state_dict(cfg), cfg))
+    with pytest.raises(ValueError, match=r"the stream ended before model.norm.weight \(1 tensor\(s\) missing\)"):
+        hf.save_hf_stream(iter([t for t in stream if t[0] != "model.norm.weight"]), cfg, tmp_path / "a")
+    with pytest.raises(ValueError, match="model.norm.weight came twice"):
+        hf.save_hf_stream(iter(stream + stream[1:2]), cfg, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"lm_head.weight is torch.float16 \[128, 64\]; expected bf16 or fp32"):
+        hf.save_hf_stream(iter([(n, t.half() if n == "lm_head.weight" else t) for n, t in stream]), cfg, tmp_path / "c")

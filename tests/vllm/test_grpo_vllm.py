@@ -185,3 +185,39 @@ def test_both_rollouts_give_the_same_tokens_stops_and_text_for_the_same_prompts(
     assert got["megatron"]["samples"] == got["vllm"]["samples"]
     assert got["megatron"]["response_tokens"] == got["vllm"]["response_tokens"]
     assert got["megatron"]["reward"] == got["vllm"]["reward"]
+
+
+SERVE = """
+import json, os, sys
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=16, seed=0)  # the directory alone says the rest
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=5, stop=["."]), use_tqdm=False)
+print("RESULT " + json.dumps([o.outputs[0].text for o in outs]))
+"""
+
+
+def test_the_exported_policy_serves_in_vllm_as_it_stands(local_ray, tmp_path):
+    """cpu_grpo_text's Hugging Face export (issue 58) loaded by vLLM from the directory alone, in a
+    process of its own as a user serving it would: its config.json, tokenizer and generation config
+    (EOS) suffice, and its greedy responses to the held-out prompts are the trainer's (the run's
+    greedy validation after its last iteration)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    args = ["grpo.iterations=20", "memory.compare_iterations=0", "tokenizer.log_samples=16", f"output_dir={tmp_path}"]
+    log = run_grpo(load_grpo_config("cpu_grpo_text", args), progress=lambda line: None)
+    export = Path(log["exports"][-1]["path"])
+    assert export.name == "iter_00000020"
+    samples = log["iterations"][-1]["validations"][-1]["samples"]
+    print("greedy responses after 20 iterations:", [(s["prompt"], s["response"]) for s in samples])
+    assert sum(bool(s["response"]) for s in samples) >= 4  # responses, not only EOS: a comparison that can fail
+    prompts = [s["prompt"] for s in samples]
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE, str(export), json.dumps(prompts)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    served = json.loads(line[len("RESULT ") :])
+    assert served == [s["response"] for s in samples], list(zip(prompts, served))

@@ -8,13 +8,21 @@ from importlib import resources
 from pathlib import Path
 from typing import ClassVar, Literal, Optional, Sequence
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from chatlearn_mem_ray.config import LoopConfig, _Strict, load_config
 from chatlearn_mem_ray.inputs.data import DataConfig, TokenizerConfig
 from chatlearn_mem_ray.inputs.rewards import RewardConfig
 
-__all__ = ["DEFAULT_GRPO_PRESET", "GRPOConfig", "GRPORunConfig", "GRPO_PRESETS", "ReferenceConfig", "load_grpo_config"]
+__all__ = [
+    "DEFAULT_GRPO_PRESET",
+    "GRPOConfig",
+    "GRPORunConfig",
+    "GRPO_PRESETS",
+    "ReferenceConfig",
+    "ValidationConfig",
+    "load_grpo_config",
+]
 
 GRPO_PRESETS = resources.files("chatlearn_mem_ray.grpo_presets")
 """The shipped GRPO presets (``configs/grpo/*.yaml``)."""
@@ -53,11 +61,39 @@ class GRPOConfig(_Strict):
     """Weight of the KL-to-reference loss term (the k3 estimator ``exp(ref - new) - (ref - new) - 1``,
     per token). 0: no reference model is launched at all."""
     variant: Literal["grpo", "dr_grpo"] = "grpo"
-    """``grpo``: advantages ``(r - mean) / (std + 1e-6)`` within a group, each response's token
-    losses averaged, then the responses averaged. ``dr_grpo`` (Dr. GRPO): advantages ``r - mean``
-    (no division by the std), token losses summed and divided by a constant (the minibatch's
-    responses x ``response_length``), so neither a group's spread nor a response's length
-    rescales its gradient."""
+    """Sets the defaults of :attr:`estimator` and :attr:`loss_agg`: ``grpo`` (GRPO's paper:
+    advantages ``(r - mean) / (std + 1e-6)``, each response's token losses averaged, then the
+    responses) or ``dr_grpo`` (Dr. GRPO: ``r - mean``, each response's token losses summed over the
+    constant ``response_length``), so neither a group's spread nor a response's length rescales
+    its gradient."""
+    estimator: Optional[Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]] = None
+    """The advantage estimator (:mod:`~chatlearn_mem_ray.loops.grpo.losses`): ``grpo``, ``dr_grpo``,
+    ``rloo`` (the other responses' mean reward as the baseline) or ``reinforce_pp`` (REINFORCE++:
+    the group's mean subtracted, then whitened over the batch). None: :attr:`variant`'s."""
+    loss_agg: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = None
+    """How token losses make the loss: ``token_mean`` (DAPO, verl's default: every token counts
+    once, so long responses weigh more), ``seq_mean_token_mean`` (GRPO's paper: every response
+    counts once) or ``seq_mean_token_sum_norm`` (Dr. GRPO). None: :attr:`variant`'s
+    (``seq_mean_token_mean`` for ``grpo``, what every GRPO run did before this key existed)."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """``ppo_clip``: each token's ratio clipped to ``[1 - clip_low, 1 + clip_high]``; ``gspo`` (GSPO,
+    as Qwen3 was trained): one ratio per response, the geometric mean of its token ratios, clipped
+    per response to ``[1 - gspo_clip_low, 1 + gspo_clip_high]``."""
+    gspo_clip_low: float = Field(3e-4, gt=0, lt=1)
+    """GSPO's lower clip of the sequence ratio (the paper's 3e-4: a sequence ratio strays far less
+    from 1 than a token's)."""
+    gspo_clip_high: float = Field(4e-4, gt=0)
+    """GSPO's upper clip of the sequence ratio (the paper's 4e-4)."""
+    clip_ratio_c: Optional[float] = Field(None, gt=1)
+    """The dual clip (verl's ``clip_ratio_c``, 3.0 there): for a negative advantage the loss is
+    capped at ``clip_ratio_c x |A|``, however far the ratio goes. None: off."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal (no signal), sample more
+    prompts until ``prompts_per_iteration`` groups with a spread are in hand, at most
+    :attr:`dynamic_sampling_extra_rounds` more rounds (then the batch is filled up with dropped
+    groups, and the log counts them)."""
+    dynamic_sampling_extra_rounds: int = Field(3, ge=0)
+    """With dynamic sampling: the most generation rounds after the first in one iteration."""
     seed: int = 0
     """Seed of prompts and sampling."""
 
@@ -67,9 +103,54 @@ class GRPOConfig(_Strict):
         if v < 2:
             raise ValueError(
                 f"must be >= 2, got {v}: a response's advantage is its reward against the "
-                "other responses to the same prompt, and a group of one has none to compare with"
+                "other responses to the same prompt, and a group of one has none to compare with "
+                "(nor can grpo.dynamic_sampling find one whose rewards differ)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _variant_defaults(self) -> "GRPOConfig":
+        if self.estimator is None:
+            self.estimator = self.variant
+        if self.loss_agg is None:
+            self.loss_agg = "seq_mean_token_sum_norm" if self.variant == "dr_grpo" else "seq_mean_token_mean"
+        return self
+
+    @property
+    def ratio_clip(self) -> tuple[float, float]:
+        """``(low, high)`` of the ratio's clip for :attr:`policy_loss`."""
+        if self.policy_loss == "gspo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return self.clip_low, self.clip_high
+
+
+class ValidationConfig(_Strict):
+    """Scoring the policy on held-out prompts (``data.val_files``) during the run: the rollout
+    generates for every held-out prompt in the ``validate`` phase (only the rollout awake) and
+    ``reward.function`` scores the responses; ``val/reward`` (and every named score, ``val/pass@1``
+    and with several samples ``val/pass@k``) goes into the log, the console and the trackers."""
+
+    every: int = Field(0, ge=0)
+    """Validate after every this many iterations, and after the last; 0: not during the run."""
+    before_training: bool = False
+    """Validate once before the first iteration (logged as iteration 0)."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Responses per held-out prompt, ``k`` of ``val/pass@k`` (more than 1 needs a temperature > 0)."""
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy decoding (the default); above 0: sampled at this temperature."""
+    max_prompts: Optional[int] = Field(None, ge=1)
+    """Validate on the first this many held-out prompts (file order); None: all of them."""
+    pass_threshold: float = 1.0
+    """A response whose reward reaches this counts as solved (``val/pass@k``)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the run validates at all."""
+        return self.every > 0 or self.before_training
+
+    def due(self, iteration: int, iterations: int) -> bool:
+        """Whether to validate after ``iteration`` (from 1) of ``iterations``."""
+        return self.every > 0 and (iteration % self.every == 0 or iteration == iterations)
 
 
 class ReferenceConfig(_Strict):
@@ -95,6 +176,7 @@ class GRPORunConfig(LoopConfig):
     """Your prompts (:mod:`chatlearn_mem_ray.inputs.data`); None: random token ids scored by ``task``."""
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     output_dir: Path = Path("runs/grpo")
     """Where the JSON log and the memory timeline PNG go (as PPO's ``output_dir``)."""
 
@@ -115,7 +197,12 @@ class GRPORunConfig(LoopConfig):
         def fill(v):
             return str(v).replace("{output_dir}", out_dir) if isinstance(v, (str, Path)) else v
 
-        for section, key in (("data", "train_files"), ("tokenizer", "path"), ("reference", "from_hf")):
+        for section, key in (
+            ("data", "train_files"),
+            ("data", "val_files"),
+            ("tokenizer", "path"),
+            ("reference", "from_hf"),
+        ):
             if isinstance(data.get(section), dict) and key in data[section]:
                 v = data[section][key]
                 data = {
@@ -136,6 +223,21 @@ class GRPORunConfig(LoopConfig):
                 f"grpo.kl_coef={self.grpo.kl_coef:g} needs a reference model, and reference is null: set "
                 "reference: {} (the policy's initial weights) or reference.from_hf, or grpo.kl_coef=0"
             )
+        ref = self.reference.from_hf if self.reference is not None else None
+        if self.launches_reference and ref is not None and Path(ref).exists():
+            from chatlearn_mem.models import hf
+
+            found = hf.config_from_hf(ref)
+            differ = [
+                f"{f}={getattr(found, f)!r} (policy: {getattr(self.policy, f)!r})"
+                for f in hf.CHECKPOINT_FIELDS
+                if getattr(found, f) != getattr(self.policy, f)
+            ]
+            if differ:
+                problems.append(
+                    f"reference.from_hf {ref} is not of the policy's architecture: {', '.join(differ)}; the "
+                    "reference must share it (or set reference.from_hf=null: the policy's initial weights)"
+                )
         text = self.reward.function != "token_range"
         if self.data is not None and not text:
             problems.append(
@@ -145,6 +247,18 @@ class GRPORunConfig(LoopConfig):
         if self.data is None and text:
             problems.append(
                 f"reward.function={self.reward.function} scores text: set data.train_files (your prompts) too"
+            )
+        v = self.validation
+        if v.active and (self.data is None or not self.data.val_files):
+            problems.append(
+                f"validation.every={v.every} / validation.before_training={v.before_training} score the policy on "
+                "held-out prompts: set data.val_files (JSONL or Parquet, as data.train_files), or validation.every=0 "
+                "and validation.before_training=false"
+            )
+        if v.samples_per_prompt > 1 and v.temperature == 0:
+            problems.append(
+                f"validation.samples_per_prompt={v.samples_per_prompt} with validation.temperature=0 (greedy) samples "
+                "the same response each time: set validation.temperature above 0, or samples_per_prompt=1"
             )
         if self.data is not None and self.tokenizer_dir is None:
             problems.append(
