@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 import torch
 
 from chatlearn_mem_ray.actors.wire import from_wire
-from chatlearn_mem_ray.model_config import TrainerModelConfig
+from chatlearn_mem_ray.config.model import TrainerModelConfig
 
 __all__ = ["hf_weight_stream"]
 

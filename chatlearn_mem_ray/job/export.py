@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from chatlearn_mem_ray.config import LoopConfig
-from chatlearn_mem_ray.model_config import export_problem
+from chatlearn_mem_ray.config.model import export_problem
 from chatlearn_mem_ray.service.service import Service
 
 __all__ = ["RunExports", "export_dir"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from chatlearn_mem_ray.config import LoopConfig
+from chatlearn_mem_ray.config.model import architecture_line
 from chatlearn_mem_ray.errors import CheckpointDirError, EngineMissingError, OutputDirError, ResumeError
 from chatlearn_mem_ray.job.checkpoints import (
     check_checkpoint_dir,
@@ -24,7 +25,6 @@ from chatlearn_mem_ray.job.checkpoints import (
     remove_temporaries,
     write_json_atomic,
 )
-from chatlearn_mem_ray.model_config import architecture_line
 
 __all__ = [
     "check_engine_installed",

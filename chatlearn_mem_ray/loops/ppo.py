@@ -39,7 +39,7 @@ from typing import Callable, ClassVar
 import torch
 from pydantic import Field, model_validator
 
-from chatlearn_mem_ray.config import LoopConfig, TrainerModelConfig, _Strict
+from chatlearn_mem_ray.config import LoopConfig, Section, TrainerModelConfig
 from chatlearn_mem_ray.errors import check_finite
 from chatlearn_mem_ray.inputs.tasks import TASKS
 from chatlearn_mem_ray.job import run_loop
@@ -57,7 +57,7 @@ DEFAULT_PRESET = "cpu_tiny"
 
 
 # -- the config ----------------------------------------------------------------------------
-class PPOConfig(_Strict):
+class PPOConfig(Section):
     """PPO hyper-parameters and batch shape."""
 
     iterations: int = Field(20, ge=1)

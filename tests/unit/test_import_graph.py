@@ -7,7 +7,7 @@ by role, each layer importing only the layers below it: loops -> job -> service 
 config -> inputs -> errors; its top-level ``__init__`` (the public surface) and ``_moved`` (old
 paths) sit above all of them and nothing inside imports them. Read from the source with ``ast``, so
 imports under ``if TYPE_CHECKING:`` and inside functions count too; nothing is imported. The one
-exception: a module-level ``__getattr__`` (and its ``_deprecated`` helper) that hands out a name
+exception: a module-level ``__getattr__`` (and the config's ``moved``) that hands out a name
 which moved elsewhere is a redirect for old callers, not a dependency.
 """
 
@@ -27,7 +27,7 @@ PACKAGES = (
 benchmark and the app are side by side: neither imports the other)."""
 APP_LAYERS = ("errors", "inputs", "config", "actors", "service", "job", "loops")
 """The app's layers from the bottom: ``chatlearn_mem_ray.<layer>`` (a module or a folder)."""
-REDIRECTS = ("__getattr__", "_deprecated")
+REDIRECTS = ("__getattr__", "moved")
 
 
 def _module_name(path: Path) -> str:

@@ -10,7 +10,7 @@ from typing import ClassVar, Literal, Optional, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
-from chatlearn_mem_ray.config import LoopConfig, _Strict, load_config
+from chatlearn_mem_ray.config import LoopConfig, Section, load_config
 from chatlearn_mem_ray.inputs.data import DataConfig, TokenizerConfig
 from chatlearn_mem_ray.inputs.rewards import RewardConfig
 
@@ -30,7 +30,7 @@ DEFAULT_GRPO_PRESET = "cpu_grpo"
 """What ``chatlearn-mem grpo`` runs without ``--config``."""
 
 
-class GRPOConfig(_Strict):
+class GRPOConfig(Section):
     """GRPO hyper-parameters and batch shape: ``group_size`` responses per prompt, advantages
     normalised within each prompt's group, no critic (see :mod:`chatlearn_mem_ray.loops.grpo.loop`)."""
 
@@ -124,7 +124,7 @@ class GRPOConfig(_Strict):
         return self.clip_low, self.clip_high
 
 
-class ValidationConfig(_Strict):
+class ValidationConfig(Section):
     """Scoring the policy on held-out prompts (``data.val_files``) during the run: the rollout
     generates for every held-out prompt in the ``validate`` phase (only the rollout awake) and
     ``reward.function`` scores the responses; ``val/reward`` (and every named score, ``val/pass@1``
@@ -153,7 +153,7 @@ class ValidationConfig(_Strict):
         return self.every > 0 and (iteration % self.every == 0 or iteration == iterations)
 
 
-class ReferenceConfig(_Strict):
+class ReferenceConfig(Section):
     """The frozen reference model of the KL term."""
 
     from_hf: Optional[Path] = None

@@ -1,14 +1,5 @@
-"""What every loop on the colocation service configures: one pydantic model per component.
-
-:class:`LoopConfig` holds what every loop shares (the policy, its layout, the rollout engine, the
-task, memory, Ray, checkpoints, output); a loop's own config subclasses it next to its recipe (PPO's
-:class:`~chatlearn_mem_ray.loops.ppo.RunConfig`, GRPO's
-:class:`~chatlearn_mem_ray.loops.grpo.config.GRPORunConfig`, yours). :func:`load_config` reads a
-preset or a YAML file, applies ``key=value`` overrides (dotted keys, YAML-typed values:
-``ppo.iterations=5``, ``memory.enabled=false``) and validates everything at once with the project's
-one loader (:func:`chatlearn_mem_config_files.load_config`); its ``ConfigError`` lists every
-problem, so a bad run fails before Ray or any model starts.
-"""
+"""What every loop shares: :class:`LoopConfig` (the policy, its layout, the rollout engine, the task,
+memory, Ray, checkpoints, output, trackers) and its sections, and :func:`load_config`."""
 
 from __future__ import annotations
 
@@ -17,35 +8,28 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import ClassVar, Literal, Optional, Sequence, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from chatlearn_mem import MemoryConfig
 from chatlearn_mem_config_files import load_config as _load
+from chatlearn_mem_ray.config.model import TrainerModelConfig, checkpoint_decides
+from chatlearn_mem_ray.config.output import ExportConfig, TrackerConfig
+from chatlearn_mem_ray.config.section import Section
 from chatlearn_mem_ray.inputs.tasks import TaskConfig
-from chatlearn_mem_ray.model_config import TrainerModelConfig, checkpoint_decides
-from chatlearn_mem_ray.output_config import LOGGERS, ExportConfig, TrackerConfig
 
 __all__ = [
     "CheckpointConfig",
-    "ExportConfig",
-    "LOGGERS",
     "LoopConfig",
     "MemoryPolicy",
     "ParallelConfig",
     "RayConfig",
     "RolloutConfig",
-    "TaskConfig",
-    "TrackerConfig",
-    "TrainerModelConfig",
     "load_config",
+    "moved",
 ]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RayConfig(_Strict):
+class RayConfig(Section):
     """Where the actors run."""
 
     address: Optional[str] = None
@@ -86,7 +70,7 @@ class RayConfig(_Strict):
     node's resources still count when the wait ends."""
 
 
-class ParallelConfig(_Strict):
+class ParallelConfig(Section):
     """Ranks of each trainer (policy and critic use the same layout)."""
 
     world_size: int = Field(1, ge=1)
@@ -108,7 +92,7 @@ class ParallelConfig(_Strict):
         return self.world_size // self.tensor_model_parallel_size
 
 
-class MemoryPolicy(_Strict):
+class MemoryPolicy(Section):
     """What the memory manager does between phases."""
 
     enabled: bool = True
@@ -166,7 +150,7 @@ class MemoryPolicy(_Strict):
         return self
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Section):
     """Checkpoints of the run, resuming it, and restarting dead actors.
 
     A run checkpoint is a directory ``iter_<N>`` (N: iterations completed) under
@@ -220,7 +204,7 @@ class CheckpointConfig(_Strict):
     longer than what is left of it."""
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(Section):
     """Which engine generates the rollouts."""
 
     engine: Literal["megatron", "vllm"] = "megatron"
@@ -262,7 +246,7 @@ def _default_policy() -> TrainerModelConfig:
 C = TypeVar("C", bound="LoopConfig")
 
 
-class LoopConfig(_Strict):
+class LoopConfig(Section):
     """What every loop on the colocation service shares: the policy, its parallel layout, the
     rollout engine, the task, the memory policy, Ray, checkpoints and the output directory.
 
@@ -386,7 +370,7 @@ class LoopConfig(_Strict):
             problems.append(f"task.target_high ({self.task.target_high}) exceeds policy.vocab_size ({p.vocab_size})")
         problems += self._batch_problems()
         if self.export.hf_every:
-            from chatlearn_mem_ray.model_config import export_problem
+            from chatlearn_mem_ray.config.model import export_problem
 
             why = export_problem(p)
             if why:
@@ -441,7 +425,7 @@ def load_config(
         TypeError: ``schema`` is not a :class:`LoopConfig` subclass.
     """
     if schema is None:
-        schema = _deprecated("RunConfig", "load_config without a schema: pass chatlearn_mem_ray.RunConfig")
+        schema = moved("RunConfig", "load_config without a schema: pass chatlearn_mem_ray.RunConfig")
     if not (isinstance(schema, type) and issubclass(schema, LoopConfig)):
         raise TypeError(
             f"schema must be the loop's LoopConfig subclass (chatlearn_mem_ray.RunConfig for PPO, "
@@ -466,17 +450,16 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    """A loop's own sections moved next to their recipes: the old names still import, with a
-    ``DeprecationWarning`` that says where each lives now."""
+def moved(name: str, what: str = ""):
+    """A loop's own config name that moved next to its recipe, from where it lives now, with a
+    ``DeprecationWarning`` saying ``what`` moved (a redirect, not a dependency: the layering test
+    lets this function and a module's ``__getattr__`` import from above).
+
+    Raises:
+        AttributeError: ``name`` never lived in ``chatlearn_mem_ray.config``."""
     if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return _deprecated(name, f"chatlearn_mem_ray.config.{name} moved to {_MOVED[name]}.{name}")
-
-
-def _deprecated(name: str, what: str):
-    """``name`` from where it lives now, saying ``what`` moved (a redirect, not a dependency: the
-    layering test lets these two functions import from above)."""
+        raise AttributeError(f"module 'chatlearn_mem_ray.config' has no attribute {name!r}")
+    what = what or f"chatlearn_mem_ray.config.{name} moved to {_MOVED[name]}.{name}"
     import importlib
     import warnings
 

@@ -8,16 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from chatlearn_mem_ray.config.section import Section
 
 __all__ = ["ExportConfig", "LOGGERS", "TrackerConfig"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ExportConfig(_Strict):
+class ExportConfig(Section):
     """The trained policy out as a Hugging Face directory (``config.json``, the weights in the run's
     precision, the tokenizer's files, ``generation_config.json``) under ``<output_dir>/hf/iter_<K>/``,
     written from the policy's host store while it sleeps (no device memory), atomically, and listed in
@@ -40,7 +38,7 @@ LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 """Where a run's metrics go (``logger``)."""
 
 
-class TrackerConfig(_Strict):
+class TrackerConfig(Section):
     """The experiment trackers of ``logger`` (each installed apart: the extra of its name)."""
 
     project: str = "chatlearn-mem"
