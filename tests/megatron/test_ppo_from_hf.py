@@ -16,7 +16,11 @@ def test_the_tiny_llama_preset_starts_every_model_from_its_checkpoint(dist1, tmp
     cfg = load_config("cpu_tiny_llama", [f"output_dir={tmp_path}"])
     lines = []
     prepare_hf_checkpoint(cfg, lines.append)  # what the run does first
-    assert lines == [f"wrote a randomly initialised LlamaForCausalLM to {tmp_path / 'hf_tiny_llama'}"]
+    ckpt = tmp_path / "hf_tiny_llama"
+    assert lines[0] == f"wrote a randomly initialised LlamaForCausalLM to {ckpt}"
+    # then which architecture each trainer took from where (the checkpoint decides, issue 58)
+    assert [line.split(":")[0] for line in lines[1:]] == ["policy", "critic"]
+    assert all(f"LlamaForCausalLM from {ckpt / 'config.json'}: 2 layers, hidden 64" in line for line in lines[1:])
     files = files_state_dict(cfg.policy.from_hf)
     memory = cfg.memory.manager.model_dump()
     policy = TrainerActor("policy_0", "lm", cfg.policy.model_dump(), memory)
