@@ -308,12 +308,13 @@ def run_benchmark(
         t_ck = time.perf_counter()
         res["checkpoint"] = measure_checkpoint(mm, cfg.checkpoint_repeats, cfg.checkpoint_dir)
         ck = res["checkpoint"]
+        dp = ck["gb_per_s"].get("save_asleep_dp")
         log.info(
-            "checkpoint: %.2f GB saved asleep at %.2f GB/s (resharding=False %.2f GB/s) against a plain write at "
+            "checkpoint: %.2f GB saved asleep at %.2f GB/s (resharding=False %s) against a plain write at "
             "%.2f GB/s; done in %.1f s",
             ck["tensor_bytes"] / 1e9,
             ck["gb_per_s"]["save_asleep"],
-            ck["gb_per_s"]["save_asleep_dp"],
+            f"{dp:.2f} GB/s" if dp is not None else "not measured: " + ck["not_measured"]["resharding=False"],
             ck["gb_per_s"]["plain_write"],
             time.perf_counter() - t_ck,
         )

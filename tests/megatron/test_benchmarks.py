@@ -213,6 +213,7 @@ def test_the_checkpoint_and_planner_reports_run_when_asked_for(dist1, tmp_path):
     checkpoint's buffers in the host memory plan; the saves' sleeps and wakes leave the trainer exact.
     Figures are not asserted (wall clock on a shared machine)."""
     from chatlearn_mem.checkpoint import list_checkpoints
+    from chatlearn_mem.mcore.layout import megatron_core_version
     from chatlearn_mem_bench.checkpoint_saves import KINDS
     from chatlearn_mem_bench.planner_speed import FACTORS
 
@@ -229,14 +230,19 @@ def test_the_checkpoint_and_planner_reports_run_when_asked_for(dist1, tmp_path):
     )
     res = json.loads((tmp_path / "r.json").read_text())
     ck = res["checkpoint"]
-    assert sorted(ck["seconds"]) == sorted(KINDS) and all(len(v) == 1 for v in ck["samples_s"].values())
+    # megatron-core 0.13 has no dp_reshardable format: those saves are said not measured, not failed
+    dp = tuple(int(x) for x in megatron_core_version().split(".")[:2]) >= (0, 14)
+    assert sorted(ck["seconds"]) == sorted(k for k in KINDS if dp or not k.endswith("_dp"))
+    assert all(len(v) == 1 for v in ck["samples_s"].values())
+    assert bool(ck["not_measured"]) is not dp and ck["saves_asleep"] == (4 if dp else 2)
     # the checkpoint holds the copied parts' bytes (the weights, main weights and optimizer states;
     # the parts' buffers have some padding besides)
     full = res["model"]["bytes_per_part"]["full"]
     assert 0.99 * full <= ck["tensor_bytes"] <= full
     assert ck["asleep_device_bytes_max"] == 0 and ck["dir"] == str(ckpt)
     assert all(0 <= share < 1 for share in ck["manifest_share_of_save"].values())
-    assert list_checkpoints(str(ckpt)) == [str(ckpt / "step_00000006")]  # keep_last=1: the last save stays
+    last = 6 if dp else 3
+    assert list_checkpoints(str(ckpt)) == [str(ckpt / f"step_{last:08d}")]  # keep_last=1: the last save stays
     plan = {i["what"]: i for i in res["host_memory_plan"]["items"]}
     assert plan["checkpoint report: plain-write buffer"]["held_by"] == "checkpoint"
     pl = res["planner"]
