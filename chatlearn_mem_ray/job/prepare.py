@@ -27,6 +27,7 @@ from chatlearn_mem_ray.job.checkpoints import (
 )
 
 __all__ = [
+    "check_builders_installed",
     "check_engine_installed",
     "find_resume_point",
     "prepare_checkpoints",
@@ -168,6 +169,23 @@ def check_engine_installed(cfg: LoopConfig) -> None:
         f"rollout.engine=vllm needs vLLM, which is not installed for {sys.executable}. On a CPU-only "
         f"machine (Python 3.11): {INSTALL_CPU}; with CUDA: {INSTALL_CUDA} (docs/vllm.md). Or generate "
         "with the policy's own loop: rollout.engine=megatron"
+    )
+
+
+def check_builders_installed(models: Sequence) -> None:
+    """Before Ray starts: a torch-native model (``backend: torch``: a Hugging Face Llama or Qwen2) can
+    be built here, ``transformers`` importable (its actors run in this Python's environment).
+    Without it the run failed only once the actors had started.
+
+    Raises:
+        EngineMissingError: Naming the first such model and the extra to install.
+    """
+    torch_native = [m.name for m in models if getattr(m.config, "backend", "megatron") == "torch"]
+    if not torch_native or importlib.util.find_spec("transformers") is not None:
+        return
+    raise EngineMissingError(
+        f"{torch_native[0]} is a torch-native model (backend: torch), built with transformers, which is not "
+        f"installed for {sys.executable}: pip install 'chatlearn-mem[hf]' (or use backend: megatron)"
     )
 
 

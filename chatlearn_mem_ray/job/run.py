@@ -29,6 +29,7 @@ from chatlearn_mem_ray.job.checkpoints import RunCheckpointer, check_room, lates
 from chatlearn_mem_ray.job.export import RunExports
 from chatlearn_mem_ray.job.output import progress_line, run_log, versions, write_quietly
 from chatlearn_mem_ray.job.prepare import (
+    check_builders_installed,
     check_engine_installed,
     find_resume_point,
     prepare_checkpoints,
@@ -110,6 +111,7 @@ def run_loop(
     models, phases = recipe.models(), recipe.phases()
     check_declarations(models, phases, cfg.parallel.world_size)
     check_engine_installed(cfg)
+    check_builders_installed(models)
     check_trackers(cfg)
     resume = find_resume_point(cfg, progress, [m.name for m in models if m.is_saved])
     check_budget(cfg, models, phases)

@@ -167,3 +167,23 @@ def test_hf_named_buckets_refuses_weights_of_another_model():
         hf.hf_named_buckets({**good, "model.norm.weight": good["model.norm.weight"].bfloat16()}, config, 2**20)
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         hf.hf_named_buckets(good, config, 0)
+
+
+def test_a_torch_policy_without_transformers_is_one_error_line_before_ray(tmp_path, monkeypatch):
+    """backend: torch builds a Hugging Face model: without transformers the run stops before Ray,
+    naming the model and the extra (it failed in the actors' setup, Ray started, before)."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from chatlearn_mem_cli.app import app
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a)
+    )
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["grpo", "--config", "cpu_grpo_torch", f"output_dir={out}"])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: policy is a torch-native model (backend: torch), built with transformers")
+    assert "pip install 'chatlearn-mem[hf]'" in result.output and "actors" not in result.output
