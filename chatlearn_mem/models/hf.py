@@ -51,6 +51,7 @@ __all__ = [
     "hf_config_dict",
     "save_random_hf",
     "CHECKPOINT_FIELDS",
+    "TOKENIZER_FILES",
 ]
 
 INSTALL_HINT = "pip install 'chatlearn-mem[hf]'"
@@ -867,15 +868,18 @@ def gather_tensor_parallel(weights: Mapping[str, torch.Tensor]) -> Optional[list
 
 # -- writing a checkpoint directory ---------------------------------------------------------------
 
-_CARRIED_FILES = (
-    "generation_config.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
 )
+"""A Hugging Face tokenizer directory's files (those it has), carried beside exported weights."""
+_CARRIED_FILES = ("generation_config.json", *TOKENIZER_FILES)
 """Files :func:`save_hf` copies from ``source`` beside the weights, so that an engine can serve them."""
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

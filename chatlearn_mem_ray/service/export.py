@@ -34,21 +34,10 @@ class ExportSource(Protocol):
     def by_dp_rank(self, model: str) -> list[list[Any]]: ...
 
 
-__all__ = ["MARKER", "TOKENIZER_FILES", "export_hf"]
+__all__ = ["MARKER", "export_hf"]
 
 MARKER = "chatlearn_export.json"
 """Written last into a complete export: the model, the digest of its tensors, the seconds it took."""
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
-"""A tokenizer directory's files an export carries."""
 _BACKPRESSURE = 2  # buckets in flight per rank
 
 
@@ -122,6 +111,8 @@ def export_hf(
 def _carry_tokenizer(directory: Path, to: Path) -> dict:
     """Copy ``directory``'s tokenizer files to ``to``; its special token ids (``eos_token_id``,
     ``pad_token_id``, ``bos_token_id``, those it has)."""
+    from chatlearn_mem.models.hf import TOKENIZER_FILES
+
     for name in TOKENIZER_FILES:
         if (directory / name).is_file():
             shutil.copyfile(directory / name, to / name)
