@@ -234,14 +234,14 @@ def init_distributed(
         RuntimeError: CUDA is not available, the CPU backend is not installed and ``cpu_backend``
             is False.
     """
+    if cpu_backend and not torch.cuda.is_available():
+        _cpu_backend.install()  # before megatron's first import: the backend imports it the faster way
     _megatron()
     if not torch.cuda.is_available() and not _cpu_backend.is_installed():
-        if not cpu_backend:
-            raise RuntimeError(
-                "CUDA is not available, and megatron-core needs CUDA or the CPU backend: call "
-                "chatlearn_mem.cpu_backend.install() first, or pass init_distributed(cpu_backend=True)"
-            )
-        _cpu_backend.install()
+        raise RuntimeError(
+            "CUDA is not available, and megatron-core needs CUDA or the CPU backend: call "
+            "chatlearn_mem.cpu_backend.install() first, or pass init_distributed(cpu_backend=True)"
+        )
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -46,11 +46,12 @@ class TrainerActor(ManagedActor):
         Returns:
             ``{"rank", "dp_rank", "dp_size", "tp_rank"}``.
         """
-        from megatron.core import parallel_state
-
         from chatlearn_mem.models import gpt
 
+        # first: on a CPU host the backend imports megatron-core the faster way (mcore.cpu.patch_for_cpu)
         self._init_distributed(rank, world_size, tensor_model_parallel_size, init_method, self.config.seed)
+        from megatron.core import parallel_state
+
         self.trainer = gpt.build_gpt_trainer(self.config, value_head=self.head == "value")
         if self.config.from_hf is not None:  # before the manager: the optimizer restarts from these weights
             from chatlearn_mem.models import hf

@@ -419,3 +419,31 @@ def test_the_shared_gloo_device_switch_reads_the_environment_as_the_other_switch
     else:
         monkeypatch.setenv(cpu_backend.SHARED_GLOO_DEVICE_ENV, value)
     assert cpu_backend._sharing_gloo_device_by_env() is on
+
+
+IMPORT_CHILD = """
+import sys, tempfile, torch
+compile_ = torch.compile
+from chatlearn_mem import cpu_backend
+from chatlearn_mem.models import gpt
+assert "megatron.core" not in sys.modules
+if sys.argv[1] == "install":
+    cpu_backend.install(quiet=True)
+else:  # the backend installed by init_distributed, as the actors and the benchmark do
+    gpt.init_distributed(init_method=f"file://{tempfile.mkdtemp()}/init", cpu_backend=True)
+from megatron.core import jit
+print("megatron.core" in sys.modules, "torch._dynamo" in sys.modules, torch.compile is compile_,
+      jit.jit_fuser(len) is len)
+"""
+
+
+@pytest.mark.parametrize("how", ["install", "init_distributed"])
+def test_megatron_imported_by_the_backend_decorates_nothing_with_torch_compile(how):
+    """The backend on before megatron's first import: megatron's fused kernels are not
+    torch.compile'd (none runs on the CPU backend; the decorations alone cost ~2 s of every
+    process's start) and torch.compile is torch's own again afterwards."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", IMPORT_CHILD, how], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False", "True", "True"], out.stderr[-2000:]
