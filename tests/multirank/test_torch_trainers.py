@@ -14,7 +14,8 @@ group (``torch_runs.spawn``): the process start and torch's import are paid once
 import pytest
 from torch_runs import check, spawn, spec
 
-pytestmark = pytest.mark.multirank
+# torch alone, no megatron-core: the newest leg runs them (scripts/test.sh)
+pytestmark = [pytest.mark.multirank, pytest.mark.newest_leg]
 
 WRAPPERS = {
     "ddp": dict(wrapper="ddp"),
