@@ -90,10 +90,12 @@ def test_host_memory_during_a_sync_stays_within_a_few_buckets(local_ray, tmp_pat
     """46 buckets of weights; after the first sync (the engine's and the object store's first
     allocations) the policy's process grows by less than one bucket of private memory (its weights
     leave as views of its host store, straight into Ray's object store) and the engine's by at most
-    one layer's weights and four buckets (the bucket it merges and the allocator's slack; vLLM's CPU
+    two layers' weights and four buckets (the bucket it merges and the allocator's slack; vLLM's CPU
     build repacks a layer's linear weights once they are loaded, the old and the new packing side by
-    side): neither holds a second copy of the model (46 MiB). Measured on syncs 2-6 of one run: the
-    engine 0.02-9.6 MB; 14.25 MB seen once, 0.09 MB above one layer and two buckets."""
+    side, and the old packing of one layer is sometimes still held while the next repacks): neither
+    holds a second copy of the model (46 MiB, four layers). Measured on syncs 2-4 of 3 + 3 runs:
+    the engine 0.03-6.1 MiB and 0.03-15.1 MiB; one CI run saw 24.2 MiB, two layers (11.5 MiB
+    each) and 1.2 MiB, which one layer's bound failed."""
     import math
 
     from chatlearn_mem.models import hf
@@ -106,9 +108,10 @@ def test_host_memory_during_a_sync_stays_within_a_few_buckets(local_ray, tmp_pat
     bucket = syncs[0]["bucket_bytes"]
     layer = 4 * sum(math.prod(s) for n, s in hf.hf_shapes(cfg.policy).items() if ".layers.0." in n)  # fp32
     assert syncs[0]["bytes"] > 40 * bucket and syncs[0]["bytes"] > 3 * layer
+    assert 2 * layer + 4 * bucket < 0.6 * syncs[0]["bytes"]  # the bound: well under a second copy of the model
     for s in syncs[1:]:
         assert s["policy_peak_rss_bytes"] < bucket, s
-        assert s["engine_peak_rss_bytes"] <= layer + 4 * bucket, (s["engine_peak_rss_bytes"], layer, bucket, syncs)
+        assert s["engine_peak_rss_bytes"] <= 2 * layer + 4 * bucket, (s["engine_peak_rss_bytes"], layer, bucket, syncs)
     summary = log["summary"]["weight_sync"]
     assert summary["policy_peak_rss_bytes"] < bucket and summary["bucket_bytes"] == bucket
 
