@@ -68,6 +68,7 @@ __all__ = [
     "derived_grads",
     "clear_derived_grads",
     "megatron_core_version",
+    "megatron_core_release",
     "DDP_METHOD_PARTS",
     "OPTIMIZER_METHOD_PARTS",
     "main_grad",
@@ -91,11 +92,21 @@ def megatron_core_version() -> str:
     return __version__.split("+")[0]
 
 
+def megatron_core_release(version: Optional[str] = None) -> tuple[int, int]:
+    """``(major, minor)`` of ``version`` (default: the installed megatron-core's), e.g. ``(0, 16)``.
+
+    Raises:
+        ValueError: ``version`` does not start with two numbers.
+    """
+    major, minor = (version or megatron_core_version()).split(".")[:2]
+    return int(major), int(minor)
+
+
 def check_supported_version(version: Optional[str] = None) -> str:
     """Raise :class:`UnsupportedLayoutError` unless megatron-core is in the supported range."""
     version = version or megatron_core_version()
     try:
-        major_minor = tuple(int(x) for x in version.split(".")[:2])
+        major_minor = megatron_core_release(version)
     except ValueError:
         major_minor = None
     lo, hi = SUPPORTED_VERSIONS

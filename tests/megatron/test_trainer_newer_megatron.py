@@ -10,14 +10,11 @@ from chatlearn_mem import ChatlearnMemError, Part
 from chatlearn_mem.mcore import layout
 from chatlearn_mem.models import gpt
 
-
-def _release() -> tuple[int, int]:
-    return tuple(int(x) for x in layout.megatron_core_version().split(".")[:2])
-
-
-needs_018 = pytest.mark.skipif(_release() < (0, 18), reason="HybridModel is in megatron-core 0.18 and newer")
+needs_018 = pytest.mark.skipif(
+    layout.megatron_core_release() < (0, 18), reason="HybridModel is in megatron-core 0.18 and newer"
+)
 needs_017 = pytest.mark.skipif(
-    _release() < (0, 17),
+    layout.megatron_core_release() < (0, 17),
     reason="fp32 local accumulation (param_name_patterns_for_fp32_local_accumulation) "
     "is in megatron-core 0.17 and newer",
 )

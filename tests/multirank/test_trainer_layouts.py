@@ -15,6 +15,8 @@ start and megatron's import dominate on CPU.
 import pytest
 from trainer_runs import layout_spec, spawn
 
+from chatlearn_mem.mcore.layout import megatron_core_release
+
 pytestmark = pytest.mark.multirank
 
 WORLD2 = [
@@ -72,12 +74,6 @@ def _results(request, name):
     return results
 
 
-def _mcore_version():
-    from megatron.core.package_info import __version__
-
-    return tuple(int(x) for x in __version__.split(".")[:2])
-
-
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_cycles_are_bit_exact_audit_clean_and_free_the_device(request, name):
     results = _results(request, name)
@@ -131,7 +127,7 @@ def test_layout_is_what_it_claims(request, name):
         if cfg.get("overlap_grad_reduce") and (spec["pp"] == 1 or r["rank"] < spec["world"] // 2):
             # several buckets (megatron buckets only the first pipeline stage)
             assert r["n_bucket_groups"] > 1, r["rank"]
-        if cfg.get("use_distributed_optimizer", True) and _mcore_version() >= (0, 16):
+        if cfg.get("use_distributed_optimizer", True) and megatron_core_release() >= (0, 16):
             assert r["n_cached_shards"] > 0
     if spec["world"] // (spec["tp"] * spec["pp"]) > 1 and spec["ep"] == 1:  # data parallel ranks see different data
         results = _results(request, name)
@@ -152,7 +148,7 @@ EXPECTED = {
 def test_audit_names_each_classic_bug(request, name, bug):
     for r in _results(request, name):
         bugs = r["bugs"]
-        if bug == "stale_cached_shard" and _mcore_version() < (0, 14):
+        if bug == "stale_cached_shard" and megatron_core_release() < (0, 14):
             assert bug not in bugs
             pytest.skip(
                 "megatron-core < 0.14 keeps no shard caches in bucket groups (it slices "
