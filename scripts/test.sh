@@ -11,10 +11,11 @@
 # RAY_LEG is not among them), runs every tier. The other legs run what depends on the megatron-core version:
 # tests/megatron, tests/multirank and tests/gpu (the unit tier imports no megatron and the Ray tier runs the same
 # code on every version), but for the tests marked newest_leg (torch-native trainers, which import no megatron; the
-# GPU validation, about the GPU machine's newest megatron-core), which only RAY_LEG runs. With every leg and PARALLEL=1 (the default), two streams share the machine: legs 0.16,
-# 0.13, then the 0.19 leg's other tiers and the wheel check in one; the Python 3.12 install then the Ray tier (on
-# 0.19) in the other (a Ray run keeps about one core busy: its phases run one after the other). Each stream writes
-# its own log, printed when it ends. PARALLEL=0 runs everything one step after the other.
+# GPU validation, about the GPU machine's newest megatron-core), which only RAY_LEG runs. With every leg and
+# PARALLEL=1 (the default), two streams share the machine: legs 0.16, 0.13, then the 0.19 leg's other tiers and the
+# wheel check in one; the Python 3.12 install then the Ray tier (on 0.19) in the other (a Ray run keeps about one
+# core busy: its phases run one after the other). Each stream writes its own log, printed when it ends. PARALLEL=0
+# runs everything one step after the other.
 #
 # The vLLM tier (tests/vllm) runs in a venv of its own, `.venvllm` (Python 3.11 and vLLM's CPU build,
 # installed as docs/vllm.md says; about 2.5 GB), in the Ray stream after the Ray tier; VLLM=0 skips it.
